@@ -1,0 +1,57 @@
+"""Errors pathcond raises, each with the process exit code the CLI maps it to."""
+
+from __future__ import annotations
+
+
+class PathcondError(Exception):
+    """Base class: a clear, one-paragraph message for the user and a distinct exit code."""
+
+    exit_code = 1
+
+
+class InputError(PathcondError):
+    """The model file, spec or checkpoint cannot be read or does not match its description."""
+
+    exit_code = 3
+
+
+class UnsupportedModelError(PathcondError):
+    """The network is readable but is not a ReLU DAG that pathcond can rescale exactly."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = list(problems or [])
+        if self.problems:
+            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
+
+
+class VerificationError(PathcondError):
+    """The rescaled model does not compute the original function within tolerance."""
+
+    exit_code = 5
+
+
+class OutputError(PathcondError):
+    """The output cannot be written (missing directory, permissions, disk full, input clash)."""
+
+    exit_code = 6
+
+
+class InvalidWeightsError(PathcondError):
+    """A parameter tensor holds NaN or Inf."""
+
+    exit_code = 7
+
+
+EXIT_CODES = {
+    "success": 0,
+    "usage": 2,
+    "unreadable_input": InputError.exit_code,
+    "unsupported_model": UnsupportedModelError.exit_code,
+    "verification_failed": VerificationError.exit_code,
+    "output_not_written": OutputError.exit_code,
+    "invalid_weights": InvalidWeightsError.exit_code,
+    "interrupted": 130,
+}

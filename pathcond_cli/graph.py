@@ -1,0 +1,353 @@
+"""The network as a typed DAG of tensor operations (SPEC §1).
+
+Every loader (ONNX, safetensors + spec, torch.fx) produces a :class:`Graph` that names the
+checkpoint's tensors by key; the engine never looks at the file format again. Tensors keep
+their batch-free shapes: ``(C, H, W)`` for images, ``(C, L)`` for 1-d signals, ``(F,)`` for
+feature vectors. Axis 0 of every shape is the channel axis that rescaling groups live on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import ClassVar
+
+import torch
+
+from .errors import InputError, UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class Node:
+    """One tensor-valued operation. ``inputs`` name the nodes whose outputs it consumes."""
+
+    name: str
+    inputs: tuple[str, ...]
+
+    op: ClassVar[str] = "node"
+
+    def parameter_keys(self) -> dict[str, str]:
+        """Checkpoint tensor keys this node reads, by role (``weight``, ``bias``, ...)."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Input(Node):
+    """A network input; ``shape`` excludes the batch dimension."""
+
+    shape: tuple[int, ...] = ()
+    inputs: tuple[str, ...] = ()
+    op: ClassVar[str] = "input"
+
+
+@dataclass(frozen=True)
+class Linear(Node):
+    """``y = W x + b`` on a feature vector. ``weight_transposed``: stored as ``[in, out]``."""
+
+    weight: str = ""
+    bias: str | None = None
+    weight_transposed: bool = False
+    op: ClassVar[str] = "linear"
+
+    def parameter_keys(self) -> dict[str, str]:
+        keys = {"weight": self.weight}
+        if self.bias is not None:
+            keys["bias"] = self.bias
+        return keys
+
+
+@dataclass(frozen=True)
+class Conv(Node):
+    """1-d or 2-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
+
+    weight: str = ""
+    bias: str | None = None
+    stride: tuple[int, ...] = (1,)
+    padding: tuple[int, ...] = (0,)
+    dilation: tuple[int, ...] = (1,)
+    groups: int = 1
+    op: ClassVar[str] = "conv"
+
+    def parameter_keys(self) -> dict[str, str]:
+        keys = {"weight": self.weight}
+        if self.bias is not None:
+            keys["bias"] = self.bias
+        return keys
+
+
+@dataclass(frozen=True)
+class BatchNorm(Node):
+    """Per-channel ``γ (x − μ) / √(σ² + eps) + β``; must directly follow a Linear or Conv."""
+
+    weight: str = ""
+    bias: str = ""
+    running_mean: str = ""
+    running_var: str = ""
+    eps: float = 1e-5
+    momentum: float = 0.1
+    op: ClassVar[str] = "batchnorm"
+
+    def parameter_keys(self) -> dict[str, str]:
+        return {
+            "weight": self.weight,
+            "bias": self.bias,
+            "running_mean": self.running_mean,
+            "running_var": self.running_var,
+        }
+
+
+@dataclass(frozen=True)
+class ReLU(Node):
+    op: ClassVar[str] = "relu"
+
+
+@dataclass(frozen=True)
+class LeakyReLU(Node):
+    negative_slope: float = 0.01
+    op: ClassVar[str] = "leaky_relu"
+
+
+@dataclass(frozen=True)
+class Identity(Node):
+    """Pass-through (Identity, Dropout in inference)."""
+
+    op: ClassVar[str] = "identity"
+
+
+@dataclass(frozen=True)
+class MaxPool(Node):
+    kernel: tuple[int, ...] = (2, 2)
+    stride: tuple[int, ...] = (2, 2)
+    padding: tuple[int, ...] = (0, 0)
+    dilation: tuple[int, ...] = (1, 1)
+    ceil_mode: bool = False
+    op: ClassVar[str] = "maxpool"
+
+
+@dataclass(frozen=True)
+class AvgPool(Node):
+    kernel: tuple[int, ...] = (2, 2)
+    stride: tuple[int, ...] = (2, 2)
+    padding: tuple[int, ...] = (0, 0)
+    ceil_mode: bool = False
+    count_include_pad: bool = True
+    op: ClassVar[str] = "avgpool"
+
+
+@dataclass(frozen=True)
+class AdaptiveAvgPool(Node):
+    """Adaptive average pooling to a fixed output size (global pooling: all ones)."""
+
+    output_size: tuple[int, ...] = (1, 1)
+    op: ClassVar[str] = "adaptive_avgpool"
+
+
+@dataclass(frozen=True)
+class Flatten(Node):
+    """Flatten ``(C, *spatial)`` into ``(C·prod(spatial),)``, channel-major as torch does."""
+
+    op: ClassVar[str] = "flatten"
+
+
+@dataclass(frozen=True)
+class Add(Node):
+    """Element-wise sum of two or more tensors of one shape (residual connections)."""
+
+    op: ClassVar[str] = "add"
+
+
+@dataclass(frozen=True)
+class Concat(Node):
+    """Concatenation along the channel axis."""
+
+    op: ClassVar[str] = "concat"
+
+
+NODE_TYPES: dict[str, type[Node]] = {
+    cls.op: cls
+    for cls in (
+        Input, Linear, Conv, BatchNorm, ReLU, LeakyReLU, Identity, MaxPool, AvgPool,
+        AdaptiveAvgPool, Flatten, Add, Concat,
+    )
+}
+
+HOMOGENEOUS_ACTIVATIONS = (ReLU, LeakyReLU, Identity)
+
+
+def node_attributes(node: Node) -> dict[str, object]:
+    """The node's fields other than name and inputs, for reports and serialisation."""
+    return {f.name: getattr(node, f.name) for f in fields(node) if f.name not in ("name", "inputs")}
+
+
+@dataclass
+class Graph:
+    """A validated ReLU DAG: nodes in topological order, named outputs, checkpoint keys.
+
+    Construction validates the structure (unknown inputs, cycles, duplicate names, a tensor
+    read by two nodes, BatchNorm that does not follow a Linear/Conv) and reports every
+    problem at once.
+    """
+
+    nodes: list[Node]
+    outputs: tuple[str, ...]
+    source: str = "<graph>"
+    _by_name: dict[str, Node] = field(init=False, repr=False)
+    _consumers: dict[str, list[str]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.outputs = tuple(self.outputs)
+        self.nodes = _topological_order(self.nodes, self.outputs, self.source)
+        self._by_name = {n.name: n for n in self.nodes}
+        self._consumers = {n.name: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs:
+                self._consumers[i].append(n.name)
+        _check_structure(self)
+
+    def __getitem__(self, name: str) -> Node:
+        return self._by_name[name]
+
+    def consumers(self, name: str) -> list[str]:
+        return self._consumers[name]
+
+    @property
+    def inputs(self) -> list[Input]:
+        return [n for n in self.nodes if isinstance(n, Input)]
+
+    def parameter_keys(self) -> list[str]:
+        return [key for n in self.nodes for key in n.parameter_keys().values()]
+
+    def batchnorm_after(self, name: str) -> BatchNorm | None:
+        """The BatchNorm folded into Linear/Conv ``name``, if its only consumer is one."""
+        consumers = self._consumers[name]
+        if len(consumers) == 1 and name not in self.outputs:
+            follower = self._by_name[consumers[0]]
+            if isinstance(follower, BatchNorm):
+                return follower
+        return None
+
+    def check_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Check that every tensor the graph reads exists with a plausible shape and finite values.
+
+        All problems are collected before raising, so a spec with three typos shows three lines.
+        """
+        from .errors import InvalidWeightsError
+
+        problems: list[str] = []
+        not_finite: list[str] = []
+        for node in self.nodes:
+            for role, key in node.parameter_keys().items():
+                if key not in params:
+                    problems.append(f"node '{node.name}' ({node.op}) needs tensor '{key}' ({role}), which the checkpoint lacks")
+                    continue
+                tensor = params[key]
+                expected_rank = _expected_rank(node, role)
+                if expected_rank is not None and tensor.dim() not in expected_rank:
+                    problems.append(
+                        f"node '{node.name}' ({node.op}): tensor '{key}' ({role}) has shape {tuple(tensor.shape)}, "
+                        f"expected rank {' or '.join(map(str, expected_rank))}"
+                    )
+                elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    not_finite.append(key)
+                elif not tensor.is_floating_point():
+                    problems.append(f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, expected floating point")
+        if problems:
+            raise InputError(
+                f"{self.source}: the checkpoint does not match the architecture:\n"
+                + "\n".join(f"  - {p}" for p in problems)
+            )
+        if not_finite:
+            raise InvalidWeightsError(
+                f"{self.source}: tensor(s) {', '.join(repr(k) for k in not_finite)} contain NaN or Inf; "
+                "pathcond refuses to rescale a network whose function is not finite."
+            )
+
+
+def _expected_rank(node: Node, role: str) -> tuple[int, ...] | None:
+    if isinstance(node, Linear):
+        return (2,) if role == "weight" else (1,)
+    if isinstance(node, Conv):
+        return (3, 4) if role == "weight" else (1,)
+    if isinstance(node, BatchNorm):
+        return (1,)
+    return None
+
+
+def _topological_order(nodes: list[Node], outputs: tuple[str, ...], source: str) -> list[Node]:
+    problems: list[str] = []
+    by_name: dict[str, Node] = {}
+    for n in nodes:
+        if n.name in by_name:
+            problems.append(f"two nodes are named '{n.name}'")
+        by_name[n.name] = n
+    for n in nodes:
+        for i in n.inputs:
+            if i not in by_name:
+                problems.append(f"node '{n.name}' ({n.op}) reads '{i}', which no node produces")
+    for o in outputs:
+        if o not in by_name:
+            problems.append(f"output '{o}' names no node")
+    if not outputs:
+        problems.append("the graph declares no output")
+    if problems:
+        raise InputError(f"{source}: the network description is inconsistent:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    order: list[Node] = []
+    state: dict[str, int] = {}
+    for start in by_name:
+        if state.get(start):
+            continue
+        stack: list[tuple[str, int]] = [(start, 0)]
+        state[start] = 1
+        while stack:
+            name, next_input = stack.pop()
+            node = by_name[name]
+            if next_input < len(node.inputs):
+                stack.append((name, next_input + 1))
+                child = node.inputs[next_input]
+                if state.get(child) == 1:
+                    raise InputError(f"{source}: the network has a cycle through node '{child}' and node '{name}'")
+                if not state.get(child):
+                    state[child] = 1
+                    stack.append((child, 0))
+            else:
+                state[name] = 2
+                order.append(node)
+    return order
+
+
+_ARITY = {"input": (0, 0), "add": (2, None), "concat": (1, None)}
+
+
+def _check_structure(graph: Graph) -> None:
+    problems: list[str] = []
+    readers: dict[str, str] = {}
+    for node in graph.nodes:
+        low, high = _ARITY.get(node.op, (1, 1))
+        if len(node.inputs) < low or (high is not None and len(node.inputs) > high):
+            problems.append(f"node '{node.name}' ({node.op}) has {len(node.inputs)} inputs")
+        for key in node.parameter_keys().values():
+            if key in readers:
+                problems.append(
+                    f"tensor '{key}' is used by node '{readers[key]}' and node '{node.name}': a parameter "
+                    "shared by two layers is not a ReLU DAG pathcond can rescale"
+                )
+            readers[key] = node.name
+        if isinstance(node, BatchNorm):
+            producer = graph[node.inputs[0]]
+            if not isinstance(producer, (Linear, Conv)) or graph.batchnorm_after(producer.name) is not node:
+                problems.append(
+                    f"BatchNorm '{node.name}' must directly follow a Linear or Conv whose only consumer it is "
+                    f"(it follows '{producer.name}' ({producer.op}))"
+                )
+    if not graph.inputs:
+        problems.append("the graph has no input")
+    reachable = set(graph.outputs)
+    for node in reversed(graph.nodes):
+        if node.name in reachable:
+            reachable.update(node.inputs)
+    for node in graph.nodes:
+        if node.name not in reachable and not isinstance(node, Input):
+            problems.append(f"node '{node.name}' ({node.op}) does not reach any output")
+    if problems:
+        raise UnsupportedModelError(f"{graph.source}: the network is not a supported ReLU DAG:", problems)

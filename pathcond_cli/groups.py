@@ -1,0 +1,338 @@
+"""Rescaling groups (SPEC §2): which neurons must share one scale, and what that does to θ.
+
+Neurons are tracked per channel: all spatial positions of a conv channel share one scale
+(weight sharing), and fixed edges (pooling, identity skips, flatten, concat) tie a channel
+to the channels it reads. A union-find over these ties gives the groups. Groups touching an
+input or an output are fixed; the rest are the unknowns ``u`` (``u_h = ln λ_h``).
+
+B is never materialised: each DAG parameter tensor carries ``dst``/``src`` group maps laid out
+so that ``(Bu)`` for the tensor is ``u[dst] − u[src]`` by broadcasting. Index ``H`` (one past
+the free groups) stands for "fixed" and always holds 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+
+from .evaluate import infer_shapes, linear_weight
+from .graph import (
+    Add, BatchNorm, Concat, Conv, Flatten, Graph, Input, Linear,
+)
+
+
+@dataclass
+class DagParam:
+    """One DAG parameter tensor (BatchNorm folded), in float64 and torch's canonical layout.
+
+    ``value`` is ``[O, I/groups, *kernel]`` for weights and ``[O]`` for biases. ``view`` is
+    the shape ``(G, O/G, I/G, K)`` every reduction uses; ``dst`` is ``[G, O/G]`` and ``src``
+    ``[G, I/G]`` group indices (``src`` of a bias is a single fixed entry).
+    """
+
+    name: str
+    layer: str
+    value: torch.Tensor
+    dst: torch.Tensor
+    src: torch.Tensor
+    view: tuple[int, int, int, int]
+    self_loops: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.value.numel()
+
+    def exponent(self, u_ext: torch.Tensor) -> torch.Tensor:
+        """``(Bu)`` for this tensor, shaped like :attr:`view`."""
+        return (u_ext[self.dst][:, :, None, None] - u_ext[self.src][:, None, :, None])
+
+
+@dataclass
+class WriteBack:
+    """How one checkpoint tensor changes under ``u``: ``t · exp(u[dst] − u[src])``.
+
+    ``layout`` says how the stored tensor's axes relate to the maps: ``weight`` (``[O, I/G,
+    *kernel]``, grouped convs reading input channels of their own group), ``weight_t`` (a
+    Linear stored ``[in, out]``) or ``vector`` (per output channel: biases, BatchNorm γ, β).
+    A missing map means that side is not rescaled here (a conv before BatchNorm has no
+    output-side factor: BatchNorm's γ and β carry it).
+    """
+
+    key: str
+    layout: str
+    dst: torch.Tensor | None
+    src: torch.Tensor | None
+    out_channels: int
+    groups: int = 1
+
+    def factor(self, u_ext: torch.Tensor, ndim: int) -> torch.Tensor:
+        """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of rank ``ndim``."""
+        if self.layout == "vector":
+            return torch.exp(u_ext[self.dst])
+        in_per_group = 1 if self.src is None else len(self.src) // self.groups
+        log = torch.zeros(self.out_channels, in_per_group, dtype=u_ext.dtype)
+        if self.dst is not None:
+            log += u_ext[self.dst][:, None]
+        if self.src is not None:
+            per_group = u_ext[self.src].reshape(self.groups, 1, in_per_group)
+            log -= per_group.expand(self.groups, self.out_channels // self.groups, in_per_group).reshape(log.shape)
+        if self.layout == "weight_t":
+            log = log.t()
+        return torch.exp(log).reshape(*log.shape, *([1] * (ndim - 2)))
+
+
+@dataclass
+class RescalingGroups:
+    """The group structure of a network and everything the solvers and writers need."""
+
+    graph: Graph
+    num_free: int
+    num_fixed: int
+    dag_params: list[DagParam]
+    writebacks: list[WriteBack]
+    labels: list[str]
+    colours: torch.Tensor
+    n_in: torch.Tensor
+    n_out: torch.Tensor
+    node_groups: dict[str, torch.Tensor] = field(repr=False)
+    shapes: dict[str, tuple[int, ...]] = field(repr=False)
+
+    @property
+    def p(self) -> int:
+        """Number of DAG parameters, the ``p`` of the objective."""
+        return sum(dp.numel for dp in self.dag_params)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.n_in - self.n_out
+
+    @property
+    def num_colours(self) -> int:
+        return int(self.colours.max()) + 1 if self.num_free else 0
+
+    def extend(self, u: torch.Tensor) -> torch.Tensor:
+        """``u`` with the fixed slot (index H, value 0) appended."""
+        return torch.cat([u, u.new_zeros(1)])
+
+    def incidence_sums(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per free group: sum of ``weights`` over parameters entering it (A) and leaving it (C).
+
+        ``weights`` has one tensor per DAG parameter, shaped like its value. Parameters whose
+        two ends lie in the same group have a zero row of B and count in neither sum.
+        """
+        dtype = weights[0].dtype if weights else torch.float64
+        device = weights[0].device if weights else "cpu"
+        incoming = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
+        outgoing = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
+        for dp, w in zip(self.dag_params, weights):
+            w4 = w.reshape(dp.view)
+            if dp.self_loops is not None:
+                w4 = w4 * ~dp.self_loops
+            incoming.index_add_(0, dp.dst.reshape(-1), w4.sum((2, 3)).reshape(-1))
+            outgoing.index_add_(0, dp.src.reshape(-1), w4.sum((1, 3)).reshape(-1))
+        return incoming[:-1], outgoing[:-1]
+
+    def to(self, device: torch.device | str) -> RescalingGroups:
+        """A copy whose maps live on ``device`` (values stay where they are)."""
+        moved = [
+            DagParam(dp.name, dp.layer, dp.value, dp.dst.to(device), dp.src.to(device), dp.view,
+                     None if dp.self_loops is None else dp.self_loops.to(device))
+            for dp in self.dag_params
+        ]
+        return RescalingGroups(
+            self.graph, self.num_free, self.num_fixed, moved, self.writebacks, self.labels,
+            self.colours.to(device), self.n_in.to(device), self.n_out.to(device),
+            self.node_groups, self.shapes,
+        )
+
+    def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors rescaled by ``λ = exp(u)``, in their original dtypes.
+
+        Only tensors the rescaling actually changes are returned; every other tensor of the
+        checkpoint is to be kept bit-identical.
+        """
+        u_ext = self.extend(u.detach().to("cpu", torch.float64))
+        changed: dict[str, torch.Tensor] = {}
+        for wb in self.writebacks:
+            original = params[wb.key]
+            factor = wb.factor(u_ext, original.dim())
+            if bool((factor == 1.0).all()):
+                continue
+            changed[wb.key] = (original.to(torch.float64) * factor).to(original.dtype)
+        return changed
+
+
+def folded_affine(
+    graph: Graph, node: Linear | Conv, params: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None, BatchNorm | None]:
+    """The layer's weight and bias in float64 with a following BatchNorm folded in (SPEC §1)."""
+    weight = params[node.weight].to(torch.float64)
+    if isinstance(node, Linear):
+        weight = linear_weight(node, weight)
+    bias = params[node.bias].to(torch.float64) if node.bias is not None else None
+    bn = graph.batchnorm_after(node.name)
+    if bn is None:
+        return weight, bias, None
+    gamma = params[bn.weight].to(torch.float64)
+    beta = params[bn.bias].to(torch.float64)
+    mean = params[bn.running_mean].to(torch.float64)
+    var = params[bn.running_var].to(torch.float64)
+    scale = gamma / torch.sqrt(var + bn.eps)
+    weight = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    bias = scale * ((bias if bias is not None else 0.0) - mean) + beta
+    return weight, bias, bn
+
+
+class _UnionFind:
+    def __init__(self) -> None:
+        self.parent: list[int] = []
+
+    def make(self, count: int) -> torch.Tensor:
+        start = len(self.parent)
+        self.parent.extend(range(start, start + count))
+        return torch.arange(start, start + count)
+
+    def find(self, x: int) -> int:
+        root = x
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[x] != root:
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.parent[max(ra, rb)] = min(ra, rb)
+
+
+def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:
+    """Analyse ``graph`` with checkpoint ``params``: groups, DAG parameters, write-back maps."""
+    graph.check_parameters(params)
+    shapes = infer_shapes(graph, params)
+    uf = _UnionFind()
+    channel_ids: dict[str, torch.Tensor] = {}
+    element_labels: dict[int, str] = {}
+    fixed_elements: list[int] = []
+
+    for node in graph.nodes:
+        if isinstance(node, Input):
+            ids = uf.make(shapes[node.name][0])
+            fixed_elements.extend(ids.tolist())
+        elif isinstance(node, (Linear, Conv)):
+            ids = uf.make(shapes[node.name][0])
+            for c, element in enumerate(ids.tolist()):
+                element_labels[element] = f"{node.name}:{c}"
+        elif isinstance(node, Flatten):
+            source = channel_ids[node.inputs[0]]
+            ids = source.repeat_interleave(prod(shapes[node.inputs[0]][1:]))
+        elif isinstance(node, Add):
+            ids = channel_ids[node.inputs[0]]
+            for other in node.inputs[1:]:
+                for a, b in zip(ids.tolist(), channel_ids[other].tolist()):
+                    uf.union(a, b)
+        elif isinstance(node, Concat):
+            ids = torch.cat([channel_ids[i] for i in node.inputs])
+        else:
+            ids = channel_ids[node.inputs[0]]
+        channel_ids[node.name] = ids
+    for name in graph.outputs:
+        fixed_elements.extend(channel_ids[name].tolist())
+
+    roots = [uf.find(e) for e in range(len(uf.parent))]
+    fixed_roots = {roots[e] for e in fixed_elements}
+    free_roots = sorted({r for r in roots if r not in fixed_roots})
+    group_of_root = {r: h for h, r in enumerate(free_roots)}
+    num_free = len(free_roots)
+    group_of_element = torch.tensor([group_of_root.get(r, num_free) for r in roots], dtype=torch.long)
+    num_fixed = len(fixed_roots)
+    labels = [""] * num_free
+    for element in sorted(element_labels, reverse=True):
+        h = int(group_of_element[element])
+        if h < num_free:
+            labels[h] = element_labels[element]
+
+    node_groups = {name: group_of_element[ids] for name, ids in channel_ids.items()}
+    dag_params: list[DagParam] = []
+    writebacks: list[WriteBack] = []
+    fixed_slot = torch.tensor([[num_free]])
+    for node in graph.nodes:
+        if not isinstance(node, (Linear, Conv)):
+            continue
+        weight, bias, bn = folded_affine(graph, node, params)
+        out_node = bn.name if bn is not None else node.name
+        dst = node_groups[out_node]
+        src = node_groups[node.inputs[0]]
+        conv_groups = node.groups if isinstance(node, Conv) else 1
+        out_ch, in_per_group = weight.shape[0], weight.shape[1]
+        view = (conv_groups, out_ch // conv_groups, in_per_group, prod(weight.shape[2:]))
+        dst2, src2 = dst.reshape(conv_groups, -1), src.reshape(conv_groups, -1)
+        suffix = f" (BatchNorm '{bn.name}' folded)" if bn is not None else ""
+        dag_params.append(DagParam(f"{node.weight}{suffix}", node.name, weight, dst2, src2, view,
+                                   _self_loops(dst2, src2, num_free)))
+        if bias is not None:
+            label = node.bias if node.bias is not None and bn is None else f"{bn.bias}{suffix}"
+            dag_params.append(DagParam(label, node.name, bias, dst.reshape(1, -1), fixed_slot, (1, out_ch, 1, 1)))
+
+        weight_layout = "weight_t" if isinstance(node, Linear) and node.weight_transposed else "weight"
+        if bn is None:
+            writebacks.append(WriteBack(node.weight, weight_layout, dst, src, out_ch, conv_groups))
+            if node.bias is not None:
+                writebacks.append(WriteBack(node.bias, "vector", dst, None, out_ch))
+        else:
+            writebacks.append(WriteBack(node.weight, weight_layout, None, src, out_ch, conv_groups))
+            writebacks.append(WriteBack(bn.weight, "vector", dst, None, out_ch))
+            writebacks.append(WriteBack(bn.bias, "vector", dst, None, out_ch))
+
+    partial = RescalingGroups(graph, num_free, num_fixed, dag_params, writebacks, labels,
+                              torch.zeros(num_free, dtype=torch.long), torch.zeros(0), torch.zeros(0),
+                              node_groups, shapes)
+    n_in, n_out = partial.incidence_sums([torch.ones_like(dp.value) for dp in dag_params])
+    partial.n_in, partial.n_out = n_in, n_out
+    partial.colours = _colour(dag_params, num_free)
+    return partial
+
+
+def _self_loops(dst: torch.Tensor, src: torch.Tensor, num_free: int) -> torch.Tensor | None:
+    """Mask of weights whose two ends share a free group (their row of B is zero), if any."""
+    shared = set(dst[dst < num_free].unique().tolist()) & set(src[src < num_free].unique().tolist())
+    if not shared:
+        return None
+    return (dst[:, :, None] == src[:, None, :])[..., None] & (dst < num_free)[:, :, None, None]
+
+
+def _colour(dag_params: list[DagParam], num_free: int) -> torch.Tensor:
+    """Greedy colouring: no two groups of one colour share a parameter (SPEC §5).
+
+    Groups conflict when one is a destination and the other a source of the same weight
+    tensor, so colours used per tensor side are tracked instead of the (dense) conflict graph.
+    """
+    weights = [dp for dp in dag_params if bool((dp.src < num_free).any())]
+    as_dst: list[list[int]] = [[] for _ in range(num_free)]
+    as_src: list[list[int]] = [[] for _ in range(num_free)]
+    for t, dp in enumerate(weights):
+        for h in dp.dst[dp.dst < num_free].unique().tolist():
+            as_dst[h].append(t)
+        for h in dp.src[dp.src < num_free].unique().tolist():
+            as_src[h].append(t)
+    dst_colours: list[set[int]] = [set() for _ in weights]
+    src_colours: list[set[int]] = [set() for _ in weights]
+    colours = torch.zeros(num_free, dtype=torch.long)
+    for h in range(num_free):
+        forbidden: set[int] = set()
+        for t in as_dst[h]:
+            forbidden |= src_colours[t]
+        for t in as_src[h]:
+            forbidden |= dst_colours[t]
+        c = 0
+        while c in forbidden:
+            c += 1
+        colours[h] = c
+        for t in as_dst[h]:
+            dst_colours[t].add(c)
+        for t in as_src[h]:
+            src_colours[t].add(c)
+    return colours

@@ -1,0 +1,66 @@
+"""A loaded checkpoint: the ReLU DAG, its tensors, and what its format needs to write it back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .graph import BatchNorm, Conv, Graph, Linear
+
+NON_LEARNABLE_ROLES = ("running_mean", "running_var")
+
+
+@dataclass
+class LoadedModel:
+    """What every loader returns and every writer takes.
+
+    ``params`` holds every tensor of the checkpoint by key (those the graph does not read are
+    carried through unchanged). ``format`` is ``onnx``, ``safetensors`` or ``module``;
+    ``payload`` is the format's own state needed to write the result back (the ONNX
+    ``ModelProto``, safetensors metadata and shard layout, ...). ``warnings`` are shown to
+    the user but do not stop the run.
+    """
+
+    graph: Graph
+    params: dict[str, torch.Tensor]
+    format: str
+    source: str
+    payload: Any = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def parameter_count(self) -> int:
+        """Learnable elements as torch counts them (BatchNorm γ, β included, statistics not)."""
+        return sum(
+            self.params[key].numel()
+            for node in self.graph.nodes
+            for role, key in node.parameter_keys().items()
+            if role not in NON_LEARNABLE_ROLES
+        )
+
+    @property
+    def hidden_units(self) -> int:
+        """Output channels/features of every Linear and Conv except those producing an output."""
+        final = set()
+        for name in self.graph.outputs:
+            final |= _producing_layers(self.graph, name)
+        return sum(
+            self.params[node.weight].shape[1 if isinstance(node, Linear) and node.weight_transposed else 0]
+            for node in self.graph.nodes
+            if isinstance(node, (Linear, Conv)) and node.name not in final
+        )
+
+
+def _producing_layers(graph: Graph, name: str) -> set[str]:
+    """The Linear/Conv layers whose channels reach output ``name`` without another layer between."""
+    found: set[str] = set()
+    stack = [name]
+    while stack:
+        node = graph[stack.pop()]
+        if isinstance(node, (Linear, Conv)):
+            found.add(node.name)
+        elif isinstance(node, BatchNorm) or node.inputs:
+            stack.extend(node.inputs)
+    return found
