@@ -46,8 +46,18 @@ class DagParam:
         return self.value.numel()
 
     def exponent(self, u_ext: torch.Tensor) -> torch.Tensor:
-        """``(Bu)`` for this tensor, shaped like :attr:`view`."""
+        """``(Bu)`` for this tensor, broadcastable to :attr:`view`."""
         return (u_ext[self.dst][:, :, None, None] - u_ext[self.src][:, None, :, None])
+
+    def accumulate(self, w4: torch.Tensor, incoming: torch.Tensor, outgoing: torch.Tensor) -> None:
+        """Add this tensor's per-parameter ``w4`` (shaped :attr:`view`) to the groups it enters and leaves.
+
+        Parameters whose two ends lie in one group have a zero row of B and count in neither.
+        """
+        if self.self_loops is not None:
+            w4 = w4 * ~self.self_loops
+        incoming.index_add_(0, self.dst.reshape(-1), w4.sum((2, 3)).reshape(-1))
+        outgoing.index_add_(0, self.src.reshape(-1), w4.sum((1, 3)).reshape(-1))
 
 
 @dataclass
@@ -128,11 +138,7 @@ class RescalingGroups:
         incoming = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
         outgoing = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
         for dp, w in zip(self.dag_params, weights):
-            w4 = w.reshape(dp.view)
-            if dp.self_loops is not None:
-                w4 = w4 * ~dp.self_loops
-            incoming.index_add_(0, dp.dst.reshape(-1), w4.sum((2, 3)).reshape(-1))
-            outgoing.index_add_(0, dp.src.reshape(-1), w4.sum((1, 3)).reshape(-1))
+            dp.accumulate(w.reshape(dp.view), incoming, outgoing)
         return incoming[:-1], outgoing[:-1]
 
     def to(self, device: torch.device | str) -> RescalingGroups:
