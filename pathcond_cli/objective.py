@@ -82,6 +82,16 @@ class Objective:
         return Evaluation(value, a, c, gradient, residual)
 
 
+def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:
+    """Free groups with A_h = 0 or C_h = 0 (no path weight in or out): F is not coercive in them.
+
+    Depends only on which g_i are zero, so it holds for every u.
+    """
+    present = [torch.isfinite(lg).to(torch.float64) for lg in diag.log_g]
+    incoming, outgoing = groups.incidence_sums(present)
+    return (incoming == 0) | (outgoing == 0)
+
+
 def block_step(a: torch.Tensor, c: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """δ_h minimising F over u_h at fixed λ = p/S (SPEC §5), in cancellation-free form.
 

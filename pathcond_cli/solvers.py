@@ -22,7 +22,7 @@ import torch
 
 from .diag import DiagG
 from .groups import RescalingGroups
-from .objective import Evaluation, Objective, block_step, paper_step
+from .objective import Evaluation, Objective, block_step, degenerate_mask, paper_step
 
 SOLVERS = ("block", "lbfgs", "sequential")
 DEFAULT_SOLVER = "block"
@@ -72,8 +72,7 @@ def solve(
     start = time.perf_counter()
     objective = Objective(groups, diag, device=device)
     u = torch.zeros(groups.num_free, dtype=torch.float64, device=objective.device)
-    first = objective.evaluate(u)
-    frozen = (first.a == 0) | (first.c == 0)
+    frozen = degenerate_mask(groups, diag).to(objective.device)
     first = objective.evaluate(u, frozen)
     run = {"block": _block, "lbfgs": _lbfgs, "sequential": _sequential}[method]
     u, history, final, iterations = run(objective, u, frozen, first, tol, max_iter, progress)

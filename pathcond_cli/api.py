@@ -1,0 +1,189 @@
+"""The Python API: analyse and rescale a network given as a checkpoint or an ``nn.Module``.
+
+    import pathcond_cli as pathcond
+
+    result = pathcond.rescale_module(model, input_shape=(3, 32, 32))   # in place, verified
+    analysis = pathcond.analyse(pathcond.load("model.onnx"))           # diag(G), paths, groups
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .diag import DiagG, PathCount, diag_g, path_count
+from .errors import VerificationError
+from .groups import RescalingGroups, build_groups
+from .model import LoadedModel
+from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
+from .verify import Verification, compare
+
+LOG10_E = 1 / math.log(10)
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else the CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from .errors import PathcondError
+
+        raise PathcondError("--device cuda was requested but torch sees no CUDA device on this machine.")
+    return device
+
+
+@dataclass
+class LayerSpread:
+    """diag(G) summary for one Linear/Conv layer (BatchNorm folded)."""
+
+    layer: str
+    parameters: int
+    zeros: int
+    log10_min: float | None
+    log10_max: float | None
+
+
+@dataclass
+class Analysis:
+    """Everything ``inspect`` reports: counts, groups, path count and the diag(G) spread."""
+
+    model: LoadedModel
+    groups: RescalingGroups
+    diag: DiagG
+    paths: PathCount
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def log10_min(self) -> float | None:
+        values = [s.log10_min for s in self.per_layer() if s.log10_min is not None]
+        return min(values) if values else None
+
+    @property
+    def log10_max(self) -> float | None:
+        values = [s.log10_max for s in self.per_layer() if s.log10_max is not None]
+        return max(values) if values else None
+
+    def per_layer(self) -> list[LayerSpread]:
+        spreads: dict[str, LayerSpread] = {}
+        for dp, lg in zip(self.groups.dag_params, self.diag.log_g):
+            finite = lg[torch.isfinite(lg)]
+            entry = spreads.setdefault(dp.layer, LayerSpread(dp.layer, 0, 0, None, None))
+            entry.parameters += lg.numel()
+            entry.zeros += lg.numel() - finite.numel()
+            if finite.numel():
+                low, high = float(finite.min()) * LOG10_E, float(finite.max()) * LOG10_E
+                entry.log10_min = low if entry.log10_min is None else min(entry.log10_min, low)
+                entry.log10_max = high if entry.log10_max is None else max(entry.log10_max, high)
+        return list(spreads.values())
+
+    def histogram(self, bins: int = 12) -> list[tuple[float, float, int]]:
+        """Counts of log10 g over equal-width bins (g = 0 excluded)."""
+        low, high = self.log10_min, self.log10_max
+        if low is None or high is None:
+            return []
+        high = high if high > low else low + 1.0
+        counts = torch.zeros(bins, dtype=torch.long)
+        for lg in self.diag.log_g:
+            finite = lg[torch.isfinite(lg)].to("cpu") * LOG10_E
+            counts += torch.histc(finite, bins=bins, min=low, max=high).to(torch.long)
+        width = (high - low) / bins
+        return [(low + i * width, low + (i + 1) * width, int(counts[i])) for i in range(bins)]
+
+
+@dataclass
+class RescaleResult:
+    """A finished rescaling: the solve, the changed tensors and the measured preservation."""
+
+    analysis: Analysis
+    solve: SolveResult
+    changed: dict[str, torch.Tensor]
+    verification: Verification | None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rescaled_params(self) -> dict[str, torch.Tensor]:
+        """All checkpoint tensors after rescaling (unchanged ones are the original objects)."""
+        return {**self.analysis.model.params, **self.changed}
+
+
+class _Stopwatch:
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    def __call__(self, stage: str, work: Callable):
+        start = time.perf_counter()
+        value = work()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+        return value
+
+
+def analyse(model: LoadedModel, *, device: str | torch.device = "auto") -> Analysis:
+    """Groups, diag(G) and path count of a loaded model."""
+    device = resolve_device(device)
+    seconds: dict[str, float] = {}
+    timed = _Stopwatch(seconds)
+    groups = timed("groups", lambda: build_groups(model.graph, model.params))
+    diag = timed("diag_g", lambda: diag_g(groups, device=device))
+    paths = timed("path_count", lambda: path_count(groups, device=device))
+    return Analysis(model, groups, diag, paths, seconds)
+
+
+def rescale(
+    model: LoadedModel,
+    *,
+    solver: str = DEFAULT_SOLVER,
+    tol: float = DEFAULT_TOL,
+    max_iter: int = DEFAULT_MAX_ITER,
+    device: str | torch.device = "auto",
+    progress: ProgressCallback | None = None,
+    analysis: Analysis | None = None,
+    verify: bool = True,
+) -> RescaleResult:
+    """Find the PathCond rescaling of ``model`` and apply it to its tensors (in memory).
+
+    With ``verify`` (the default) the rescaled tensors are run against the original ones and
+    :class:`VerificationError` is raised when they differ beyond the dtype's tolerance; the
+    CLI instead verifies the file it wrote. ``result.verification`` is None when skipped.
+    """
+    device = resolve_device(device)
+    analysis = analysis or analyse(model, device=device)
+    seconds = dict(analysis.seconds)
+    timed = _Stopwatch(seconds)
+    result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
+                                          max_iter=max_iter, device=device, progress=progress))
+    changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
+    verification = timed("verify", lambda: compare(model.graph, model.params, {**model.params, **changed})) if verify else None
+    if verification is not None and not verification.passed:
+        raise VerificationError(
+            f"{model.source}: the rescaled network differs from the original by a relative "
+            f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
+        )
+    return RescaleResult(analysis, result, changed, verification, seconds)
+
+
+def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
+    """Wrap an ``nn.Module`` (traced with torch.fx) as a :class:`LoadedModel`."""
+    from .formats.fx_import import graph_from_module
+
+    source = name or type(module).__name__
+    graph, params = graph_from_module(module, tuple(input_shape), source=source)
+    return LoadedModel(graph, params, "module", source, payload=module)
+
+
+def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:
+    """Rescale ``module``'s parameters in place (function preserved, verified) and return the result.
+
+    ``options`` are those of :func:`rescale` (``solver``, ``tol``, ``max_iter``, ``device``).
+    """
+    model = module_model(module, input_shape)
+    result = rescale(model, **options)
+    state = module.state_dict()
+    with torch.no_grad():
+        for key, tensor in result.changed.items():
+            state[key].copy_(tensor)
+    return result

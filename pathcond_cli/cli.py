@@ -1,0 +1,325 @@
+"""The ``pathcond`` command: parse, call the library, render the report. Nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from . import __version__
+from .api import analyse, rescale as rescale_model
+from .errors import EXIT_CODES, PathcondError, VerificationError
+from .fileio import atomic_write, check_destination
+from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model, write_model
+from .report import analysis_report, render, rescale_report
+from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
+from .verify import Verification, compare
+
+EXIT_HELP = (
+    "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
+    "4 unsupported architecture · 5 verification failed (output removed) · "
+    "6 output not writable · 7 NaN/Inf weights · 130 interrupted."
+)
+
+app = typer.Typer(
+    name="pathcond",
+    help=(
+        "Rescale ReLU networks with PathCond: same function, better-conditioned path kernel.\n\n"
+        "pathcond reads an ONNX model or a safetensors checkpoint (with its architecture spec), "
+        "finds the neuron rescaling that best conditions the path kernel, writes the rescaled "
+        "checkpoint and verifies that it computes the same function.\n\n" + EXIT_HELP
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+stderr = Console(stderr=True)
+
+ModelArg = Annotated[str, typer.Argument(
+    metavar="MODEL",
+    help="Checkpoint: .onnx, .safetensors, .safetensors.index.json (sharded), or - to read from stdin.",
+)]
+ArchOpt = Annotated[Optional[str], typer.Option(
+    "--arch",
+    help="Architecture of a safetensors checkpoint: a spec file (.yaml/.json) or a Python factory "
+    "'module.path:callable' returning an nn.Module. Default: the spec embedded by pathcond, then a "
+    "sidecar <stem>.pathcond.yaml/.json next to the checkpoint.",
+)]
+ShapeOpt = Annotated[Optional[str], typer.Option(
+    "--input-shape", help="Input shape without the batch dimension, e.g. 3,32,32 (for symbolic ONNX dims or to override).",
+)]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables and no progress on stderr.")]
+
+
+def _parse_shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    except ValueError:
+        raise typer.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--input-shape") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise typer.BadParameter(f"'{text}' must list positive sizes, e.g. 3,32,32", param_hint="--input-shape")
+    return shape
+
+
+@contextlib.contextmanager
+def _errors_to_exit_codes() -> Iterator[None]:
+    """One paragraph on stderr and a distinct exit code; never a traceback."""
+    try:
+        yield
+    except PathcondError as exc:
+        stderr.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        stderr.print("[bold red]interrupted:[/] nothing was written.")
+        raise typer.Exit(EXIT_CODES["interrupted"]) from None
+    except MemoryError:
+        stderr.print("[bold red]error:[/] out of memory; try --device cuda or a machine with more memory.")
+        raise typer.Exit(1) from None
+
+
+class _Stages:
+    """A spinner per stage on stderr, only for people at a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.progress = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+            console=stderr, transient=True, disable=not enabled,
+        )
+        self.task = None
+
+    def __enter__(self) -> _Stages:
+        self.progress.__enter__()
+        self.task = self.progress.add_task("starting")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def stage(self, description: str) -> None:
+        self.progress.update(self.task, description=description)
+
+    def solver(self, iteration: int, objective: float, residual: float) -> None:
+        self.stage(f"solving: iteration {iteration}, F {objective:.10g}, KKT {residual:.2e}")
+
+
+def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
+    if model == "-":
+        return sys.stdin.buffer.read(), None, "<stdin>"
+    path = Path(model)
+    check_readable(path)
+    return path, path, str(path)
+
+
+def _default_output(path: Path) -> Path:
+    if path.name.endswith(SHARD_INDEX_SUFFIX):
+        return path.with_name(path.name[: -len(SHARD_INDEX_SUFFIX)] + ".pathcond" + SHARD_INDEX_SUFFIX)
+    return path.with_name(f"{path.stem}.pathcond{path.suffix}")
+
+
+def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, quiet: bool) -> None:
+    text = json.dumps(report, indent=2, allow_nan=False)
+    if report_file is not None:
+        atomic_write(report_file, lambda tmp: tmp.write_text(text + "\n"))
+    if as_json:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    elif not quiet:
+        render(report, stderr)
+
+
+@app.command()
+def rescale(
+    model: ModelArg,
+    output: Annotated[Optional[str], typer.Option(
+        "-o", "--output", help="Where to write the rescaled checkpoint (same format), or - for stdout. "
+        "Default: <stem>.pathcond<suffix> beside the input.",
+    )] = None,
+    arch: ArchOpt = None,
+    input_shape: ShapeOpt = None,
+    device: DeviceOpt = "auto",
+    solver: Annotated[str, typer.Option("--solver", help=f"One of: {', '.join(SOLVERS)}.")] = DEFAULT_SOLVER,
+    max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Most solver iterations.")] = DEFAULT_MAX_ITER,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
+    as_json: JsonOpt = False,
+    report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Rescale MODEL, write the result, verify it computes the same function, and report.
+
+    Example: pathcond rescale model.safetensors --arch model.yaml -o model.pc.safetensors
+    """
+    if solver not in SOLVERS:
+        raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
+    if output == "-" and as_json:
+        raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
+    shape = _parse_shape(input_shape)
+    with _errors_to_exit_codes():
+        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
+        _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
+
+
+def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet) -> dict[str, Any]:
+    started = time.perf_counter()
+    with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
+        source, source_path, name = _read_source(model)
+        if output == "-":
+            destination = None
+        elif output is not None:
+            destination = Path(output)
+        elif in_place and source_path is not None:
+            destination = source_path
+        elif source_path is None:
+            raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
+        else:
+            destination = _default_output(source_path)
+        if destination is not None:
+            check_destination(destination, inputs=[source_path] if source_path else [], in_place=in_place)
+        if report_file is not None:
+            check_destination(report_file, inputs=[p for p in (source_path, destination) if p is not None])
+
+        stages.stage("loading")
+        load_start = time.perf_counter()
+        loaded = load_model(source, arch=arch, input_shape=shape, name=name)
+        load_seconds = time.perf_counter() - load_start
+        stages.stage("analysing: groups, diag(G), path count")
+        result = rescale_model(loaded, solver=solver, tol=tol, max_iter=max_iter, device=device,
+                               progress=stages.solver, verify=False)
+        seconds = {"load": load_seconds, **result.seconds}
+
+        stages.stage("writing")
+        metadata = _run_metadata(result)
+        with tempfile.TemporaryDirectory(prefix="pathcond-") as scratch:
+            target = destination if destination is not None else Path(scratch) / f"out.{loaded.format}"
+            write_start = time.perf_counter()
+            write_model(loaded, result.changed, target, metadata)
+            seconds["write"] = time.perf_counter() - write_start
+            stages.stage("verifying the written file")
+            verify_start = time.perf_counter()
+            result.verification = _verify_written(loaded, target, shape)
+            seconds["verify_written"] = time.perf_counter() - verify_start
+            seconds["total"] = time.perf_counter() - started
+            report = rescale_report(result, str(destination) if destination is not None else "-", seconds)
+            if destination is None:
+                with open(target, "rb") as handle:
+                    shutil.copyfileobj(handle, sys.stdout.buffer)
+                sys.stdout.buffer.flush()
+    return report
+
+
+def _run_metadata(result) -> dict[str, str]:
+    solve = result.solve
+    return {
+        "pathcond.version": __version__,
+        "pathcond.solver": solve.method,
+        "pathcond.iterations": str(solve.iterations),
+        "pathcond.converged": str(solve.converged).lower(),
+        "pathcond.kkt_residual": f"{solve.kkt_residual:.6g}",
+        "pathcond.objective_initial": repr(solve.objective[0]),
+        "pathcond.objective_final": repr(solve.objective[-1]),
+        "pathcond.u_inf": f"{solve.u_inf:.6g}",
+        "pathcond.log10_paths": f"{result.analysis.paths.log10:.6f}",
+    }
+
+
+def _verify_written(loaded, target: Path, shape) -> Verification:
+    """Reload what was written (its architecture is embedded) and compare it with the original;
+    remove it if it differs."""
+    try:
+        written = load_model(target, input_shape=shape, name=str(target))
+        verification = compare(loaded.graph, loaded.params, written.params)
+        if verification.passed and loaded.format == "onnx":
+            verification = _check_onnx_reference(loaded, target, verification)
+        if not verification.passed:
+            raise VerificationError(
+                f"'{target}': the written model differs from the original by a relative "
+                f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the file was removed."
+            )
+        return verification
+    except BaseException:
+        _remove_written(target)
+        raise
+
+
+def _remove_written(target: Path) -> None:
+    if target.name.endswith(SHARD_INDEX_SUFFIX) and target.exists():
+        for shard in set(json.loads(target.read_text()).get("weight_map", {}).values()):
+            (target.parent / shard).unlink(missing_ok=True)
+    target.unlink(missing_ok=True)
+
+
+def _check_onnx_reference(loaded, target: Path, verification: Verification) -> Verification:
+    """Cross-check the written ONNX file with onnx's own ReferenceEvaluator."""
+    import numpy as np
+    import torch
+
+    from .evaluate import forward
+    from .formats.onnx_format import reference_outputs
+
+    node = loaded.graph.inputs[0]
+    x = torch.randn((2, *node.shape), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected = forward(loaded.graph, loaded.params, x)[loaded.graph.outputs[0]].numpy()
+    got = reference_outputs(target, x.numpy().astype(np.float32))[0].astype(np.float64)
+    diff = float(np.abs(got - expected).max())
+    rel = diff / max(float(np.abs(expected).max()), 1e-300)
+    tolerance = max(verification.tolerance, 1e-4)
+    if rel > tolerance:
+        raise VerificationError(
+            f"'{target}': onnx.reference.ReferenceEvaluator disagrees with the original network by a relative "
+            f"{rel:.3g} (tolerance {tolerance:g}); the file was removed."
+        )
+    return verification
+
+
+@app.command()
+def inspect(
+    model: ModelArg,
+    arch: ArchOpt = None,
+    input_shape: ShapeOpt = None,
+    device: DeviceOpt = "auto",
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Summarise MODEL: parameters, hidden units, rescaling groups, path count, diag(G) spread.
+
+    Writes nothing. Example: pathcond inspect model.onnx --json
+    """
+    shape = _parse_shape(input_shape)
+    with _errors_to_exit_codes():
+        with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
+            source, _, name = _read_source(model)
+            stages.stage("loading")
+            loaded = load_model(source, arch=arch, input_shape=shape, name=name)
+            stages.stage("analysing: groups, diag(G), path count")
+            report = analysis_report(analyse(loaded, device=device))
+        _emit(report, as_json=as_json, report_file=None, quiet=quiet)
+
+
+@app.command()
+def version() -> None:
+    """Print pathcond's version."""
+    typer.echo(__version__)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
