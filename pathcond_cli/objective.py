@@ -17,9 +17,6 @@ import torch
 from .diag import DiagG
 from .groups import RescalingGroups
 
-SAFE_EXP_RANGE = 600.0
-
-
 @dataclass
 class Evaluation:
     """F(u) and, per free group, a_h = p·A_h/S and c_h = p·C_h/S (incoming/outgoing shares)."""
@@ -32,54 +29,86 @@ class Evaluation:
 
 
 class Objective:
-    """F for one network, on one device. Counts its passes over the parameters."""
+    """F for one network, on one device. Counts its passes over the parameters.
+
+    Because w_i = g_i · e^{−2u_dst} · e^{2u_src} factorises, g is summed over kernel positions
+    once (ḡ, shape ``[G, O/G, I/G]``) and every pass is two batched matrix–vector products per
+    tensor: row sums give A, column sums give C, and their total gives S. Each tensor keeps
+    its own log-scale so nothing overflows.
+    """
 
     def __init__(self, groups: RescalingGroups, diag: DiagG, *, device: torch.device | str = "cpu"):
         self.groups = groups.to(device)
         self.device = torch.device(device)
-        self.log_g = [lg.to(self.device).reshape(dp.view) for lg, dp in zip(diag.log_g, self.groups.dag_params)]
         self.p = groups.p
         self.k = groups.k.to(self.device, torch.float64)
         self.degree = (groups.n_in + groups.n_out).to(self.device, torch.float64).clamp_min(1)
-        finite_peaks = [float(lg[torch.isfinite(lg)].max()) for lg in self.log_g if bool(torch.isfinite(lg).any())]
-        if not finite_peaks:
+        self.log_gbar: list[torch.Tensor] = []
+        self.gbar: list[torch.Tensor] = []
+        self.gbar_shift: list[float] = []
+        self_loop_log = torch.full((groups.num_free + 1,), -torch.inf, dtype=torch.float64, device=self.device)
+        for lg, dp in zip(diag.log_g, self.groups.dag_params):
+            log_g4 = lg.to(self.device).reshape(dp.view)
+            log_gbar = torch.logsumexp(log_g4, dim=3)
+            finite = log_gbar[torch.isfinite(log_gbar)]
+            shift = float(finite.max()) if finite.numel() else 0.0
+            self.log_gbar.append(log_gbar[..., None])
+            self.gbar.append(torch.exp(log_gbar - shift))
+            self.gbar_shift.append(shift)
+            if dp.self_loops is not None:
+                masked = torch.where(dp.self_loops[..., 0], log_gbar, torch.full_like(log_gbar, -torch.inf))
+                self_loop_log = torch.logaddexp(self_loop_log, _group_logsumexp(dp.dst, torch.logsumexp(masked, dim=2), self_loop_log))
+        self.self_loop_log = self_loop_log[:-1]
+        if not any(bool(torch.isfinite(lg).any()) for lg in self.log_gbar):
             raise ValueError("diag(G) is zero everywhere: the network computes the zero function")
-        self.shift = max(finite_peaks)
         self.passes = 0
 
     def log_weights(self, u: torch.Tensor) -> list[torch.Tensor]:
-        """log w_i = log g_i − 2(Bu)_i per tensor, shaped like each parameter's view."""
+        """log w = log ḡ − 2(Bu) per tensor, shaped ``[G, O/G, I/G, 1]`` (kernel summed)."""
         u_ext = self.groups.extend(u)
-        return [lg - 2 * dp.exponent(u_ext) for lg, dp in zip(self.log_g, self.groups.dag_params)]
+        return [lg - 2 * dp.exponent(u_ext) for lg, dp in zip(self.log_gbar, self.groups.dag_params)]
 
     def evaluate(self, u: torch.Tensor, frozen: torch.Tensor | None = None) -> Evaluation:
         """F(u), the shares a and c, ∂F/∂u and the relative KKT residual (frozen groups excluded)."""
         self.passes += 1
         H = self.groups.num_free
         u_ext = self.groups.extend(u)
-        while True:
-            incoming = torch.zeros(H + 1, dtype=torch.float64, device=self.device)
-            outgoing = torch.zeros(H + 1, dtype=torch.float64, device=self.device)
-            total = torch.zeros((), dtype=torch.float64, device=self.device)
-            peak = torch.full((), -torch.inf, dtype=torch.float64, device=self.device)
-            for lg, dp in zip(self.log_g, self.groups.dag_params):
-                log_w = lg - 2 * dp.exponent(u_ext)
-                peak = torch.maximum(peak, log_w.max())
-                w = torch.exp(log_w - self.shift)
-                total += w.sum()
-                dp.accumulate(w, incoming, outgoing)
-            peak_value = float(peak)
-            if abs(peak_value - self.shift) < SAFE_EXP_RANGE:
-                break
-            self.shift = peak_value
+        parts = []
+        for gbar, shift, dp in zip(self.gbar, self.gbar_shift, self.groups.dag_params):
+            log_dst, log_src = -2 * u_ext[dp.dst], 2 * u_ext[dp.src]
+            top_dst, top_src = log_dst.max(), log_src.max()
+            e_dst, e_src = torch.exp(log_dst - top_dst), torch.exp(log_src - top_src)
+            rows = e_dst * torch.bmm(gbar, e_src[:, :, None])[:, :, 0]
+            cols = e_src * torch.bmm(e_dst[:, None, :], gbar)[:, 0, :]
+            parts.append((dp, rows, cols, shift + top_dst + top_src))
+        peak = max(float(scale + torch.log(rows.max())) for _, rows, _, scale in parts if bool((rows > 0).any()))
+        incoming = torch.zeros(H + 1, dtype=torch.float64, device=self.device)
+        outgoing = torch.zeros(H + 1, dtype=torch.float64, device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for dp, rows, cols, scale in parts:
+            factor = torch.exp(scale - peak)
+            total += rows.sum() * factor
+            incoming.index_add_(0, dp.dst.reshape(-1), (rows * factor).reshape(-1))
+            outgoing.index_add_(0, dp.src.reshape(-1), (cols * factor).reshape(-1))
+        self_loops = torch.exp(self.self_loop_log - peak)
         scale = self.p / total
-        a, c = incoming[:H] * scale, outgoing[:H] * scale
-        value = self.p * (self.shift + float(torch.log(total))) + 2 * float(self.k @ u)
+        a = (incoming[:H] - self_loops).clamp_min(0) * scale
+        c = (outgoing[:H] - self_loops).clamp_min(0) * scale
+        value = self.p * (peak + float(torch.log(total))) + 2 * float(self.k @ u)
         gradient = 2 * (self.k - a + c)
         if frozen is not None:
             gradient = torch.where(frozen, torch.zeros_like(gradient), gradient)
         residual = float((gradient.abs() / (2 * self.degree)).max()) if H else 0.0
         return Evaluation(value, a, c, gradient, residual)
+
+
+def _group_logsumexp(groups: torch.Tensor, log_values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """log Σ exp(values) per group index, −inf for groups with no entry."""
+    flat_groups, flat = groups.reshape(-1), log_values.reshape(-1)
+    peak = torch.full_like(like, -torch.inf).scatter_reduce(0, flat_groups, flat, "amax")
+    safe_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    summed = torch.zeros_like(like).index_add(0, flat_groups, torch.exp(flat - safe_peak[flat_groups]))
+    return torch.log(summed) + safe_peak
 
 
 def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:

@@ -171,7 +171,9 @@ def _sequential(objective: Objective, u, frozen, current: Evaluation, tol, max_i
     history = [current.value]
     iterations = 0
     while current.kkt_residual > tol and iterations < max_iter:
-        weights = [torch.exp(lw - objective.shift) for lw in objective.log_weights(u)]
+        log_weights = objective.log_weights(u)
+        shift = max(float(lw.max()) for lw in log_weights)
+        weights = [torch.exp(lw - shift) for lw in log_weights]
         total = float(sum(w.sum() for w in weights))
         u_list = u.tolist()
         for h in active:

@@ -1,0 +1,778 @@
+"""ONNX import and export: an ONNX ReLU network as a :class:`Graph`, and the rescaled file back.
+
+Import translates the nodes that carry the activation (the values computed from the graph
+input) into graph nodes; everything else — weight initializers, ``Constant`` nodes, the
+``Transpose``/``Identity`` exporters put in front of weights, and shape arithmetic feeding
+``Reshape`` — is static and only read. Shapes come from ONNX shape inference (with data
+propagation, so the ``Shape → Gather → Concat`` chains of the TorchScript exporter resolve).
+
+Export copies the original ``ModelProto`` and replaces only the tensors the rescaling changed,
+so every other byte of the model (opset, producer, doc strings, untouched tensors) survives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from google.protobuf.message import DecodeError
+from onnx import numpy_helper
+
+from ..errors import InputError, UnsupportedModelError
+from ..fileio import atomic_write
+from ..graph import (
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
+    LeakyReLU, Linear, MaxPool, Node, ReLU,
+)
+from ..model import LoadedModel
+
+MIN_OPSET = 13
+DEFAULT_DOMAINS = ("", "ai.onnx")
+
+_FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT: torch.float32,
+    onnx.TensorProto.FLOAT16: torch.float16,
+    onnx.TensorProto.BFLOAT16: torch.bfloat16,
+    onnx.TensorProto.DOUBLE: torch.float64,
+}
+_ONNX_TYPE_OF = {dtype: onnx_type for onnx_type, dtype in _FLOAT_TYPES.items()}
+
+# Ops whose output describes the activation's shape, not its values: shape arithmetic.
+_SHAPE_QUERIES = ("Shape", "Size")
+
+_NOT_HOMOGENEOUS = {
+    "Sigmoid", "Tanh", "Gelu", "Erf", "Softmax", "LogSoftmax", "LayerNormalization", "Elu", "Selu",
+    "Celu", "Softplus", "Softsign", "HardSigmoid", "HardSwish", "Mish", "Exp", "Log", "Sqrt", "Pow",
+    "InstanceNormalization", "GroupNormalization", "LpNormalization",
+}
+
+
+class _Unsupported(Exception):
+    """Why one ONNX node cannot become part of the ReLU DAG (collected, never shown alone)."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def load_onnx(
+    source: str | Path | bytes,
+    *,
+    input_shape: tuple[int, ...] | None = None,
+    name: str | None = None,
+) -> LoadedModel:
+    """Read an ONNX ReLU network: its DAG, every tensor it stores, and the model for writing back.
+
+    ``input_shape`` (batch excluded) overrides the shape the model declares and is required
+    when a non-batch dimension of the input is symbolic.
+    """
+    label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
+    model = _parse(source, label)
+    _check(model, label)
+    graph_input = _single_input(model, label)
+    shape = _input_shape(graph_input, input_shape, label)
+    inferred = _infer_shapes(model, graph_input.name, shape, label)
+    params = _read_tensors(model)
+    translation = _Translator(inferred, label)
+    graph = translation.translate(graph_input.name, shape)
+    for alias, key in translation.aliases.items():
+        params[alias] = params[key].clone()
+    return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model)
+
+
+def _parse(source: str | Path | bytes, label: str) -> onnx.ModelProto:
+    try:
+        if isinstance(source, bytes):
+            model = onnx.load_from_string(source)
+        else:
+            model = onnx.load(str(source))
+    except FileNotFoundError as exc:
+        raise InputError(f"cannot read '{label}': {exc.strerror or exc} ({exc.filename}).") from None
+    except IsADirectoryError:
+        raise InputError(f"cannot read '{label}': it is a directory, not an ONNX file.") from None
+    except PermissionError:
+        raise InputError(f"cannot read '{label}': permission denied.") from None
+    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+        raise InputError(
+            f"cannot read '{label}': it is not a valid ONNX model (the file may be truncated or "
+            f"corrupted; the protobuf parser says: {_one_line(exc)})."
+        ) from None
+    if not model.HasField("graph") or model.ir_version == 0 or not model.opset_import:
+        raise InputError(f"cannot read '{label}': it is not an ONNX model (no graph, IR version or opset).")
+    return model
+
+
+def _check(model: onnx.ModelProto, label: str) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        raise InputError(f"'{label}' is not a valid ONNX model: {_one_line(exc)}") from None
+    opset = _default_opset(model)
+    if opset is not None and opset < MIN_OPSET:
+        raise UnsupportedModelError(
+            f"{label}: the model uses ONNX opset {opset}; pathcond reads opset {MIN_OPSET} and later. "
+            f"Re-export it with opset_version={MIN_OPSET} or newer."
+        )
+
+
+def _default_opset(model: onnx.ModelProto) -> int | None:
+    versions = [o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS]
+    return versions[0] if versions else None
+
+
+def _single_input(model: onnx.ModelProto, label: str) -> onnx.ValueInfoProto:
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    if len(inputs) != 1:
+        names = ", ".join(f"'{i.name}'" for i in inputs) or "none"
+        raise InputError(f"{label}: pathcond expects a model with exactly one input; this one has {len(inputs)} ({names}).")
+    return inputs[0]
+
+
+def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | None, label: str) -> tuple[int, ...]:
+    """The batch-free input shape: ``override`` if given, else the model's declared dimensions."""
+    tensor_type = graph_input.type.tensor_type
+    declared = (
+        [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
+        if tensor_type.HasField("shape") else None
+    )
+    if override is not None:
+        override = tuple(int(d) for d in override)
+        if any(d <= 0 for d in override):
+            raise InputError(f"{label}: --input-shape {override} must have positive dimensions.")
+        if declared is not None and len(declared) != len(override) + 1:
+            raise InputError(
+                f"{label}: --input-shape {override} has {len(override)} dimension(s), but input "
+                f"'{graph_input.name}' has {len(declared) - 1} besides the batch dimension."
+            )
+        return override
+    if declared is None or len(declared) < 2 or any(d is None for d in declared[1:]):
+        shown = "unknown" if declared is None else "(" + ", ".join("?" if d is None else str(d) for d in declared) + ")"
+        raise InputError(
+            f"{label}: the shape of input '{graph_input.name}' is {shown}; pass --input-shape with the "
+            "dimensions after the batch dimension (for example --input-shape 3,224,224)."
+        )
+    return tuple(declared[1:])
+
+
+def _infer_shapes(model: onnx.ModelProto, input_name: str, shape: tuple[int, ...], label: str) -> onnx.ModelProto:
+    """A copy of ``model`` with the input's non-batch dimensions fixed and every value's shape inferred."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph_input = next(i for i in copy.graph.input if i.name == input_name)
+    dims = graph_input.type.tensor_type.shape.dim
+    # A concrete batch lets inference resolve the Shape → Gather → Concat → Reshape chains that
+    # exporters emit for ``x.view(x.size(0), -1)``; 2 cannot be mistaken for a squeezable axis.
+    batch = dims[0].dim_value if len(dims) and dims[0].HasField("dim_value") else 2
+    del dims[:]
+    for d in (batch, *shape):
+        dims.add().dim_value = d
+    try:
+        return onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as exc:
+        raise InputError(
+            f"{label}: ONNX shape inference fails for input shape {shape}: {_one_line(exc)}"
+        ) from None
+
+
+def _read_tensors(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
+    """Every initializer and every ``Constant`` tensor, bit-exact, keyed by its ONNX name."""
+    tensors = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        value = _constant_tensor(node)
+        if value is not None:
+            tensors[node.output[0]] = value
+    params = {}
+    for key, proto in tensors.items():
+        tensor = _to_torch(proto)
+        if tensor is not None:
+            params[key] = tensor
+    return params
+
+
+def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
+    if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS:
+        return None
+    return next((a.t for a in node.attribute if a.name == "value"), None)
+
+
+def _to_torch(proto: onnx.TensorProto) -> torch.Tensor | None:
+    """The tensor as torch holds it, or None for element types torch lacks (strings, ...)."""
+    array = numpy_helper.to_array(proto)
+    if proto.data_type == onnx.TensorProto.BFLOAT16:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    try:
+        return torch.from_numpy(np.ascontiguousarray(array).copy())
+    except TypeError:
+        return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+# --------------------------------------------------------------------------- translation
+
+
+@dataclasses.dataclass
+class _Weight:
+    """A static tensor read as a parameter: its checkpoint key and whether a Transpose flips it."""
+
+    key: str
+    transposed: bool
+
+
+class _Translator:
+    """Builds the :class:`Graph` of a shape-inferred model, collecting every unsupported node."""
+
+    def __init__(self, model: onnx.ModelProto, label: str):
+        self.label = label
+        self.onnx_nodes = list(model.graph.node)
+        self.graph_outputs = [o.name for o in model.graph.output]
+        self.initializers = {t.name: t for t in model.graph.initializer}
+        self.constants = {n.output[0]: n for n in self.onnx_nodes if n.op_type == "Constant"}
+        self.producer = {out: n for n in self.onnx_nodes for out in n.output if out}
+        self.consumers: dict[str, list[onnx.NodeProto]] = {}
+        for n in self.onnx_nodes:
+            for value in n.input:
+                self.consumers.setdefault(value, []).append(n)
+        self.shapes = _value_shapes(model)
+        self.nodes: dict[str, Node] = {}
+        self.node_shapes: dict[str, tuple[int | None, ...] | None] = {}
+        self.node_of_value: dict[str, str] = {}
+        self.activations: set[str] = set()
+        self.pending_reshapes: dict[str, str] = {}
+        self.aliases: dict[str, str] = {}
+        self.problems: list[str] = []
+
+    # ---- driver
+
+    def translate(self, input_name: str, input_shape: tuple[int, ...]) -> Graph:
+        self._emit(Input(self._unique(input_name), shape=input_shape), input_name)
+        self.activations.add(input_name)
+        needed = self._needed_values()
+        for node in self.onnx_nodes:
+            if not any(out in needed for out in node.output):
+                continue
+            if node.op_type in _SHAPE_QUERIES or not any(value in self.activations for value in node.input):
+                continue
+            self.activations.update(out for out in node.output if out)
+            self._translate_node(node)
+        outputs = self._outputs()
+        if self.problems:
+            raise UnsupportedModelError(
+                f"{self.label}: the network is not a ReLU DAG pathcond can rescale exactly; "
+                f"{len(self.problems)} problem(s):",
+                self.problems,
+            )
+        return Graph(list(self.nodes.values()), outputs, source=self.label)
+
+    def _translate_node(self, node: onnx.NodeProto) -> None:
+        handler = _HANDLERS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
+        try:
+            if handler is None:
+                raise _Unsupported(_unsupported_reason(node))
+            handler(self, node)
+        except _Unsupported as exc:
+            self.problems.append(f"node '{_node_label(node)}' ({_op_label(node)}): {exc}")
+
+    def _needed_values(self) -> set[str]:
+        """Values the graph outputs depend on (nodes outside this set are dead and ignored)."""
+        needed = set(self.graph_outputs)
+        for node in reversed(self.onnx_nodes):
+            if any(out in needed for out in node.output):
+                needed.update(v for v in node.input if v)
+        return needed
+
+    def _outputs(self) -> tuple[str, ...]:
+        outputs = []
+        for value in self.graph_outputs:
+            if value not in self.activations:
+                self.problems.append(f"graph output '{value}' does not depend on the network input")
+            elif value in self.pending_reshapes:
+                self.problems.append(f"graph output '{value}': {self.pending_reshapes[value]}")
+            elif value in self.node_of_value:
+                outputs.append(self.node_of_value[value])
+        return tuple(outputs)
+
+    # ---- graph nodes and activations
+
+    def _unique(self, preferred: str) -> str:
+        name, suffix = preferred, 1
+        while name in self.nodes:
+            name, suffix = f"{preferred}_{suffix}", suffix + 1
+        return name
+
+    def _emit(self, node: Node, value: str, shape: tuple[int | None, ...] | None = None) -> Node:
+        """Add ``node`` as the producer of ONNX ``value`` (``shape``: its batch-free shape if not value's)."""
+        self.nodes[node.name] = node
+        self.node_shapes[node.name] = shape if shape is not None else self._known_batch_free_shape(value)
+        self.node_of_value[value] = node.name
+        return node
+
+    def _emit_for(self, onnx_node: onnx.NodeProto, make: Callable[..., Node], *inputs: str, **attributes) -> Node:
+        """Add the graph node standing for ``onnx_node`` (named after it) reading ``inputs``."""
+        node = make(name=self._unique(_node_label(onnx_node)), inputs=tuple(self._source(v) for v in inputs), **attributes)
+        return self._emit(node, onnx_node.output[0])
+
+    def _source(self, value: str) -> str:
+        """The graph node producing activation ``value`` (its ONNX name while a problem hides it)."""
+        return self.node_of_value.get(value, value)
+
+    def _activation(self, node: onnx.NodeProto, index: int = 0) -> str:
+        value = node.input[index] if index < len(node.input) else ""
+        if value not in self.activations:
+            raise _Unsupported(f"input {index} ('{value}') is expected to be computed from the network input")
+        if value in self.pending_reshapes:
+            raise _Unsupported(f"its input '{value}' comes from {self.pending_reshapes[value]}")
+        return value
+
+    def _is_static(self, value: str) -> bool:
+        return bool(value) and value not in self.activations
+
+    def _readers(self, value: str) -> int:
+        return len(self.consumers.get(value, [])) + (value in self.graph_outputs)
+
+    def _require_unused(self, node: onnx.NodeProto, *indices: int) -> None:
+        for i in indices:
+            if i < len(node.output) and node.output[i] and self._readers(node.output[i]):
+                raise _Unsupported(f"its output {i} ('{node.output[i]}') is used; only inference outputs are supported")
+
+    # ---- shapes
+
+    def _known_batch_free_shape(self, value: str) -> tuple[int | None, ...] | None:
+        shape = self.shapes.get(value)
+        return None if shape is None else tuple(shape[1:])
+
+    def _rank(self, value: str) -> int:
+        shape = self.shapes.get(value)
+        if shape is None:
+            raise _Unsupported(f"the rank of '{value}' is unknown after shape inference")
+        return len(shape)
+
+    def _batch_free_shape(self, value: str) -> tuple[int, ...]:
+        shape = self._known_batch_free_shape(value)
+        if shape is None or any(d is None for d in shape):
+            raise _Unsupported(f"the shape of '{value}' cannot be determined; try passing --input-shape")
+        return shape
+
+    # ---- static tensors
+
+    def _is_stored(self, value: str) -> bool:
+        return value in self.initializers or (value in self.constants and _constant_tensor(self.constants[value]) is not None)
+
+    def _weight(self, value: str) -> _Weight:
+        """Resolve a static input to the stored tensor it is (through Identity and Transpose)."""
+        if self._is_stored(value):
+            return _Weight(value, False)
+        producer = self.producer.get(value)
+        if producer is None:
+            raise _Unsupported(f"its tensor input '{value}' is neither an initializer nor a Constant")
+        if producer.op_type == "Identity":
+            source = producer.input[0]
+            if self._is_stored(source) and self._readers(source) > 1:
+                # One stored tensor behind several Identity nodes (TorchScript deduplicates
+                # equal tensors this way): each reader becomes its own parameter.
+                self.aliases[value] = source
+                return _Weight(value, False)
+            return self._weight(source)
+        if producer.op_type == "Transpose" and self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]:
+            inner = self._weight(producer.input[0])
+            return _Weight(inner.key, not inner.transposed)
+        raise _Unsupported(f"its tensor input '{value}' is computed by a {producer.op_type} node; only stored tensors are supported")
+
+    def _plain_weight(self, value: str, role: str, expected_rank: int) -> str:
+        weight = self._weight(value)
+        shape = self.shapes.get(value)
+        if weight.transposed or shape is None or len(shape) != expected_rank:
+            raise _Unsupported(f"its {role} '{value}' must be a stored tensor of rank {expected_rank}")
+        return weight.key
+
+    def _static_ints(self, value: str) -> list[int] | None:
+        """An int tensor stored in the model (axes of ReduceMean, Squeeze, ...), or None."""
+        constant = self.constants.get(value)
+        if constant is None:
+            proto = self.initializers.get(value)
+            return None if proto is None else [int(v) for v in numpy_helper.to_array(proto).reshape(-1)]
+        tensor = _constant_tensor(constant)
+        if tensor is not None:
+            return [int(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+        if _has(constant, "value_ints"):
+            return _ints(constant, "value_ints", [])
+        if _has(constant, "value_int"):
+            return [_int(constant, "value_int", 0)]
+        return None
+
+    def _axes(self, node: onnx.NodeProto) -> list[int] | None:
+        """The ``axes`` of a reduction or squeeze: an input from opset 13/18 on, an attribute before."""
+        if len(node.input) > 1 and node.input[1]:
+            return self._static_ints(node.input[1])
+        return _ints(node, "axes", None)
+
+    # ---- handlers: one per ONNX op type
+
+    def _gemm(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        if _int(node, "transA", 0) != 0:
+            raise _Unsupported("transA=1 is not supported")
+        has_bias = len(node.input) > 2 and bool(node.input[2])
+        if _float(node, "alpha", 1.0) != 1.0 or (has_bias and _float(node, "beta", 1.0) != 1.0):
+            raise _Unsupported("alpha and beta other than 1 are not supported")
+        self._linear(node, x, node.input[1], stored_in_out=_int(node, "transB", 0) == 0,
+                     bias=node.input[2] if has_bias else None)
+
+    def _matmul(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        if not self._is_static(node.input[1]):
+            raise _Unsupported("a product of two activations is not a linear layer")
+        self._linear(node, x, node.input[1], stored_in_out=True, bias=None)
+
+    def _linear(self, node: onnx.NodeProto, x: str, weight_value: str, *, stored_in_out: bool, bias: str | None) -> None:
+        """``stored_in_out``: the op reads its weight input as ``[in, out]`` (MatMul, Gemm transB=0)."""
+        if self._rank(x) != 2:
+            raise _Unsupported(f"input '{x}' has rank {self._rank(x)}; only (batch, features) inputs are supported")
+        if self._rank(weight_value) != 2:
+            raise _Unsupported(f"weight '{weight_value}' must have rank 2")
+        weight = self._weight(weight_value)
+        bias_key = self._plain_weight(bias, "bias", 1) if bias is not None else None
+        self._emit_for(node, Linear, x, weight=weight.key, bias=bias_key,
+                       weight_transposed=stored_in_out != weight.transposed)
+
+    def _conv(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        rank = self._rank(node.input[1])
+        if rank not in (3, 4):
+            raise _Unsupported(f"only 1-d and 2-d convolutions are supported (kernel rank {rank})")
+        weight = self._plain_weight(node.input[1], "kernel", rank)
+        bias = self._plain_weight(node.input[2], "bias", 1) if len(node.input) > 2 and node.input[2] else None
+        spatial = rank - 2
+        self._emit_for(
+            node, Conv, x, weight=weight, bias=bias,
+            stride=tuple(_ints(node, "strides", [1] * spatial)),
+            padding=_symmetric_pads(node, spatial),
+            dilation=tuple(_ints(node, "dilations", [1] * spatial)),
+            groups=_int(node, "group", 1),
+        )
+
+    def _batch_norm(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        if _int(node, "training_mode", 0) != 0:
+            raise _Unsupported("training_mode=1 (batch statistics) is not an inference graph")
+        self._require_unused(node, 1, 2)
+        roles = ("scale", "bias", "mean", "variance")
+        scale, bias, mean, var = (self._plain_weight(v, role, 1) for v, role in zip(node.input[1:5], roles))
+        # ONNX momentum weighs the running statistic, torch's the batch statistic.
+        self._emit_for(node, BatchNorm, x, weight=scale, bias=bias, running_mean=mean, running_var=var,
+                       eps=_float(node, "epsilon", 1e-5), momentum=1.0 - _float(node, "momentum", 0.9))
+
+    def _relu(self, node: onnx.NodeProto) -> None:
+        self._emit_for(node, ReLU, self._activation(node))
+
+    def _leaky_relu(self, node: onnx.NodeProto) -> None:
+        self._emit_for(node, LeakyReLU, self._activation(node), negative_slope=_float(node, "alpha", 0.01))
+
+    def _identity(self, node: onnx.NodeProto) -> None:
+        self._emit_for(node, Identity, self._activation(node))
+
+    def _dropout(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        training = node.input[2] if len(node.input) > 2 else ""
+        if training and self._static_ints(training) != [0]:
+            raise _Unsupported("training_mode must be absent or a constant false")
+        self._require_unused(node, 1)
+        self._emit_for(node, Identity, x)
+
+    def _max_pool(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        self._require_unused(node, 1)
+        spatial = self._spatial_rank(x)
+        self._emit_for(
+            node, MaxPool, x, kernel=tuple(_ints(node, "kernel_shape", [])),
+            stride=tuple(_ints(node, "strides", [1] * spatial)),
+            padding=_symmetric_pads(node, spatial),
+            dilation=tuple(_ints(node, "dilations", [1] * spatial)),
+            ceil_mode=bool(_int(node, "ceil_mode", 0)),
+        )
+
+    def _average_pool(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        spatial = self._spatial_rank(x)
+        if any(d != 1 for d in _ints(node, "dilations", [1] * spatial)):
+            raise _Unsupported("dilated average pooling is not supported")
+        self._emit_for(
+            node, AvgPool, x, kernel=tuple(_ints(node, "kernel_shape", [])),
+            stride=tuple(_ints(node, "strides", [1] * spatial)),
+            padding=_symmetric_pads(node, spatial),
+            ceil_mode=bool(_int(node, "ceil_mode", 0)),
+            count_include_pad=bool(_int(node, "count_include_pad", 0)),
+        )
+
+    def _global_average_pool(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        self._emit_for(node, AdaptiveAvgPool, x, output_size=(1,) * self._spatial_rank(x))
+
+    def _reduce_mean(self, node: onnx.NodeProto) -> None:
+        """A mean over every spatial axis is global average pooling (torch.export's form of it)."""
+        x = self._activation(node)
+        spatial = self._spatial_rank(x)
+        rank, axes = spatial + 2, self._axes(node)
+        if axes is None or sorted(a % rank for a in axes) != list(range(2, rank)):
+            raise _Unsupported(f"only a mean over all spatial axes is supported (axes {axes} of a rank-{rank} input)")
+        if _int(node, "keepdims", 1):
+            self._emit_for(node, AdaptiveAvgPool, x, output_size=(1,) * spatial)
+            return
+        channels = self._batch_free_shape(x)[0]
+        pool = AdaptiveAvgPool(name=self._unique(_node_label(node)), inputs=(self._source(x),), output_size=(1,) * spatial)
+        self._emit(pool, node.output[0], shape=(channels,) + (1,) * spatial)
+        self._emit(Flatten(name=self._unique(f"{pool.name}/flatten"), inputs=(pool.name,)), node.output[0])
+
+    def _reshape(self, node: onnx.NodeProto) -> None:
+        """Reshape, Flatten, Squeeze, Unsqueeze: a flatten to (batch, features), a no-op, or a step between.
+
+        The shape is compared with that of the graph node behind the input, so a chain such
+        as two Squeezes after global pooling is one flatten; a step that ends nowhere a graph
+        node can represent is reported when something reads it.
+        """
+        x = node.input[0]
+        if x not in self.activations:
+            raise _Unsupported(f"input 0 ('{x}') is expected to be computed from the network input")
+        if node.op_type == "Flatten" and _int(node, "axis", 1) != 1:
+            raise _Unsupported(f"only axis=1 is supported (axis={_int(node, 'axis', 1)})")
+        if node.op_type in ("Squeeze", "Unsqueeze"):
+            axes = self._axes(node)
+            rank = self._rank(x if node.op_type == "Squeeze" else node.output[0])
+            if axes is None or any(a % rank == 0 for a in axes):
+                raise _Unsupported("its axes must be given and must not include the batch axis")
+        source = self._source(x)
+        before = self.node_shapes.get(source) or self._batch_free_shape(x)
+        after = self._batch_free_shape(node.output[0])
+        if after == before:
+            self._emit_for(node, Identity, x)
+        elif len(after) == 1 and len(before) >= 2 and after[0] == math.prod(before):
+            self._emit_for(node, Flatten, x)
+        else:
+            self.node_of_value[node.output[0]] = source
+            self.pending_reshapes[node.output[0]] = (
+                f"node '{_node_label(node)}' ({node.op_type}), which reshapes {before} to {after} (batch excluded): "
+                "only a flatten to (batch, features) or a no-op is supported"
+            )
+
+    def _add(self, node: onnx.NodeProto) -> None:
+        static = [v for v in node.input if self._is_static(v)]
+        if not static:
+            values = [self._activation(node, i) for i in range(len(node.input))]
+            shapes = {self._known_batch_free_shape(v) for v in values} - {None}
+            if len(shapes) > 1:
+                shown = ", ".join(map(str, sorted(shapes)))
+                raise _Unsupported(f"the summed tensors have different shapes {shown}; broadcasting is not supported")
+            self._emit_for(node, Add, *values)
+            return
+        if len(node.input) != 2 or len(static) != 1:
+            raise _Unsupported("only a sum of activations, or a bias added after MatMul, is supported")
+        self._fuse_bias(node, self._activation(node, 1 - list(node.input).index(static[0])), static[0])
+
+    def _fuse_bias(self, node: onnx.NodeProto, x: str, bias_value: str) -> None:
+        """``MatMul`` then ``Add`` of a stored vector: that vector is the Linear layer's bias."""
+        layer = self.nodes.get(self._source(x))
+        if not isinstance(layer, Linear) or layer.bias is not None or self._readers(x) != 1:
+            raise _Unsupported(
+                f"adding the constant '{bias_value}' is only supported as the bias of a MatMul whose only reader it is"
+            )
+        self.nodes[layer.name] = dataclasses.replace(layer, bias=self._plain_weight(bias_value, "bias", 1))
+        self.node_of_value[node.output[0]] = layer.name
+
+    def _concat(self, node: onnx.NodeProto) -> None:
+        values = [self._activation(node, i) for i in range(len(node.input))]
+        axis = _int(node, "axis", 1)
+        if axis % self._rank(node.output[0]) != 1:
+            raise _Unsupported(f"only concatenation along the channel axis is supported (axis={axis})")
+        self._emit_for(node, Concat, *values)
+
+    def _spatial_rank(self, value: str) -> int:
+        rank = self._rank(value)
+        if rank not in (3, 4):
+            raise _Unsupported(f"pooling needs a 1-d or 2-d feature map ('{value}' has rank {rank})")
+        return rank - 2
+
+
+_HANDLERS: dict[str, Callable[[_Translator, onnx.NodeProto], None]] = {
+    "Gemm": _Translator._gemm,
+    "MatMul": _Translator._matmul,
+    "Conv": _Translator._conv,
+    "BatchNormalization": _Translator._batch_norm,
+    "Relu": _Translator._relu,
+    "LeakyRelu": _Translator._leaky_relu,
+    "Identity": _Translator._identity,
+    "Dropout": _Translator._dropout,
+    "MaxPool": _Translator._max_pool,
+    "AveragePool": _Translator._average_pool,
+    "GlobalAveragePool": _Translator._global_average_pool,
+    "ReduceMean": _Translator._reduce_mean,
+    "Flatten": _Translator._reshape,
+    "Reshape": _Translator._reshape,
+    "Squeeze": _Translator._reshape,
+    "Unsqueeze": _Translator._reshape,
+    "Add": _Translator._add,
+    "Sum": _Translator._add,
+    "Concat": _Translator._concat,
+}
+
+
+def _value_shapes(model: onnx.ModelProto) -> dict[str, tuple[int | None, ...]]:
+    """Every value's inferred shape (None for an unknown dimension), initializers included."""
+    shapes: dict[str, tuple[int | None, ...]] = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    for info in (*model.graph.input, *model.graph.value_info, *model.graph.output):
+        tensor_type = info.type.tensor_type
+        if tensor_type.HasField("shape"):
+            shapes[info.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim)
+    for node in model.graph.node:
+        tensor = _constant_tensor(node)
+        if tensor is not None:
+            shapes[node.output[0]] = tuple(tensor.dims)
+    return shapes
+
+
+def _has(node: onnx.NodeProto, name: str) -> bool:
+    return any(a.name == name for a in node.attribute)
+
+
+def _attribute(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _int(node: onnx.NodeProto, name: str, default: int) -> int:
+    return int(_attribute(node, name, default))
+
+
+def _float(node: onnx.NodeProto, name: str, default: float) -> float:
+    return float(_attribute(node, name, default))
+
+
+def _ints(node: onnx.NodeProto, name: str, default: list[int] | None) -> list[int] | None:
+    value = _attribute(node, name, default)
+    return None if value is None else [int(v) for v in value]
+
+
+def _symmetric_pads(node: onnx.NodeProto, spatial: int) -> tuple[int, ...]:
+    """``pads`` as torch's per-axis padding; torch has no asymmetric padding for these ops."""
+    auto_pad = _attribute(node, "auto_pad", b"NOTSET")
+    auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+    if auto_pad == "VALID":
+        return (0,) * spatial
+    if auto_pad != "NOTSET":
+        raise _Unsupported(f"auto_pad={auto_pad} is not supported; export with explicit pads")
+    pads = _ints(node, "pads", [0] * (2 * spatial))
+    begin, end = pads[:spatial], pads[spatial:]
+    if begin != end:
+        raise _Unsupported(f"asymmetric padding {pads} is not supported")
+    return tuple(begin)
+
+
+def _node_label(node: onnx.NodeProto) -> str:
+    return node.name or node.output[0]
+
+
+def _op_label(node: onnx.NodeProto) -> str:
+    return node.op_type if node.domain in DEFAULT_DOMAINS else f"{node.domain}::{node.op_type}"
+
+
+def _unsupported_reason(node: onnx.NodeProto) -> str:
+    if node.domain not in DEFAULT_DOMAINS:
+        return f"operators of domain '{node.domain}' are not supported"
+    if node.op_type in _NOT_HOMOGENEOUS:
+        return "not positively homogeneous, so no rescaling preserves the function (pathcond needs a ReLU network)"
+    return "this operator is not supported on the activation path"
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_onnx(model: LoadedModel, changed: dict[str, torch.Tensor], destination: Path, metadata: dict[str, str]) -> None:
+    """Write the loaded model with the tensors in ``changed`` replaced and ``metadata`` recorded.
+
+    Every other part of the model — graph, opset, producer, doc strings, metadata already there,
+    and each tensor not in ``changed`` — is written back exactly as it was read.
+    """
+    proto = onnx.ModelProto()
+    proto.CopyFrom(model.payload)
+    _replace_tensors(proto.graph, changed)
+    _update_metadata(proto, metadata)
+    atomic_write(Path(destination), lambda tmp: onnx.save_model(proto, str(tmp)))
+
+
+def _replace_tensors(graph: onnx.GraphProto, changed: dict[str, torch.Tensor]) -> None:
+    remaining = dict(changed)
+    for tensor in graph.initializer:
+        if tensor.name in remaining:
+            _set_tensor_data(tensor, remaining.pop(tensor.name))
+    for node in graph.node:
+        key = node.output[0] if node.output else ""
+        if key not in remaining:
+            continue
+        stored = _constant_tensor(node)
+        if stored is not None:
+            _set_tensor_data(stored, remaining.pop(key))
+        elif node.op_type == "Identity":
+            _identity_to_constant(node, remaining.pop(key))
+    if remaining:
+        raise KeyError(f"no initializer or Constant named {', '.join(map(repr, remaining))} in the model")
+
+
+def _identity_to_constant(node: onnx.NodeProto, tensor: torch.Tensor) -> None:
+    """Give an Identity that aliased a shared tensor its own, rescaled, value."""
+    value = onnx.TensorProto(name=node.output[0], data_type=_ONNX_TYPE_OF[tensor.dtype], dims=tensor.shape)
+    _set_tensor_data(value, tensor)
+    node.op_type = "Constant"
+    del node.input[:]
+    del node.attribute[:]
+    node.attribute.append(onnx.helper.make_attribute("value", value))
+
+
+def _set_tensor_data(proto: onnx.TensorProto, tensor: torch.Tensor) -> None:
+    """Store ``tensor`` in ``proto`` as raw little-endian bytes, keeping name, type and dims."""
+    dtype = _FLOAT_TYPES.get(proto.data_type)
+    if dtype is None or tuple(tensor.shape) != tuple(proto.dims):
+        raise ValueError(
+            f"tensor '{proto.name}': cannot store {tuple(tensor.shape)} {tensor.dtype} values "
+            f"in a {tuple(proto.dims)} {onnx.TensorProto.DataType.Name(proto.data_type)} tensor"
+        )
+    data = tensor.detach().to("cpu", dtype).contiguous()
+    if dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data", "external_data"):
+        proto.ClearField(field)
+    proto.data_location = onnx.TensorProto.DEFAULT
+    array = data.numpy()
+    proto.raw_data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _update_metadata(proto: onnx.ModelProto, metadata: dict[str, str]) -> None:
+    existing = {entry.key: entry for entry in proto.metadata_props}
+    for key, value in metadata.items():
+        entry = existing.get(key) or proto.metadata_props.add(key=key)
+        entry.value = str(value)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def reference_outputs(source: Path | bytes, inputs: np.ndarray) -> list[np.ndarray]:
+    """The model's outputs on ``inputs`` by ONNX's own reference evaluator (independent of ours).
+
+    ``inputs`` is cast to the element type the model declares for its input.
+    """
+    from onnx.reference import ReferenceEvaluator
+
+    model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(str(source))
+    graph_input = _single_input(model, "<reference>")
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type)
+    outputs = ReferenceEvaluator(model).run(None, {graph_input.name: np.asarray(inputs).astype(dtype)})
+    return [np.asarray(o) for o in outputs]

@@ -1,0 +1,314 @@
+"""safetensors checkpoints (one file or a sharded index) plus the architecture they need.
+
+A safetensors file holds named tensors and a str→str metadata dict, but no architecture. The
+architecture is resolved in a fixed order and never guessed: ``arch`` (a spec file or a Python
+factory), then the spec pathcond embeds in every file it writes (metadata key
+``pathcond.spec``), then a sidecar spec next to the checkpoint.
+
+Sharded checkpoints follow the Hugging Face layout: ``NAME.safetensors.index.json`` holds
+``{"metadata": {...}, "weight_map": {tensor key: shard file}}`` and the shards lie beside it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import safetensors
+import safetensors.torch
+import torch
+
+from ..errors import InputError, InvalidWeightsError, OutputError
+from ..fileio import atomic_write
+from ..graph import Conv, Graph, Linear
+from ..model import LoadedModel
+from .fx_import import graph_from_module, load_factory
+from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
+
+SPEC_METADATA_KEY = "pathcond.spec"
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+# safetensors itself refuses larger headers; a larger length field means corruption.
+MAX_HEADER_BYTES = 100_000_000
+# Longest first: what is left is the name sidecars and output shards are named after.
+_CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".index.json", ".safetensors", ".json")
+_UNUSED_SHOWN = 20
+_SAFETENSORS_ERRORS = (safetensors.SafetensorError, ValueError, RuntimeError, TypeError)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file of a sharded checkpoint: its name relative to the index, keys and metadata."""
+
+    file: str
+    keys: tuple[str, ...]
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class SafetensorsPayload:
+    """What writing the checkpoint back needs beyond its tensors.
+
+    ``metadata`` is the file's ``__metadata__`` (str→str), or for a sharded checkpoint the
+    index's ``metadata`` object; ``shards`` is the shard layout, empty for a single file.
+    """
+
+    metadata: dict[str, Any]
+    shards: tuple[Shard, ...] = ()
+
+
+def load_safetensors(
+    source: str | Path | bytes,
+    *,
+    arch: str | None = None,
+    input_shape: Sequence[int] | None = None,
+    name: str | None = None,
+) -> LoadedModel:
+    """Read a safetensors checkpoint (file, index json or bytes) and resolve its architecture.
+
+    ``arch`` is a spec file (.yaml/.yml/.json) or a factory ``module.path:callable``;
+    ``input_shape`` is batch-free and overrides the spec's input shape; ``name`` is how the
+    checkpoint is called in messages (default: its path, or ``<bytes>``). Tensors the
+    architecture does not use are kept and named in ``warnings``.
+    """
+    path = None if isinstance(source, bytes) else Path(source)
+    display = name or (str(path) if path is not None else "<bytes>")
+    if path is None:
+        params, payload = _read_stream(io.BytesIO(source), len(source), display)
+    elif path.name.endswith(".json"):
+        params, payload = _read_index(path, display)
+    else:
+        params, payload = _read_file(path, display)
+    graph = _architecture(arch, path, payload.metadata, input_shape, display)
+    _check_parameters(graph, params, display)
+    return LoadedModel(graph, params, "safetensors", display, payload, _unused_tensor_warnings(graph, params, display))
+
+
+def write_safetensors(
+    model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: Path, metadata: Mapping[str, str]
+) -> None:
+    """Write ``model`` with ``changed`` tensors replaced, atomically.
+
+    Every other tensor is written from its loaded bytes, so it stays bit-identical. The
+    original metadata is kept and extended with ``metadata`` and the graph's spec under
+    ``pathcond.spec``, so the output reads back without ``--arch``. A sharded checkpoint is
+    written shard by shard beside ``destination`` (the new index json, written last), shards
+    named ``<stem>-00001-of-0000N.safetensors`` after it.
+    """
+    destination = Path(destination)
+    tensors = _tensors_to_write(model.params, changed)
+    payload = model.payload if isinstance(model.payload, SafetensorsPayload) else SafetensorsPayload({})
+    added = {**metadata, SPEC_METADATA_KEY: dump_spec(spec_from_graph(model.graph))}
+    if payload.shards:
+        _write_sharded(tensors, payload, destination, added)
+    else:
+        _write_file(destination, tensors, {**payload.metadata, **added})
+
+
+def sidecar_candidates(checkpoint: Path) -> list[Path]:
+    """Where a spec for ``checkpoint`` is looked for, in order."""
+    stem = checkpoint_stem(checkpoint.name)
+    names = [f"{stem}.pathcond{suffix}" for suffix in SPEC_SUFFIXES] + [f"{stem}{suffix}" for suffix in SPEC_SUFFIXES]
+    return [checkpoint.with_name(n) for n in names if n != checkpoint.name]
+
+
+def checkpoint_stem(file_name: str) -> str:
+    """``model`` for ``model.safetensors`` and ``model.safetensors.index.json``."""
+    for suffix in _CHECKPOINT_SUFFIXES:
+        if file_name.endswith(suffix) and len(file_name) > len(suffix):
+            return file_name[: -len(suffix)]
+    return Path(file_name).stem
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+def _read_file(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+    try:
+        with open(path, "rb") as handle:
+            return _read_stream(handle, os.fstat(handle.fileno()).st_size, display)
+    except OSError as exc:
+        raise InputError(f"{display}: cannot read the checkpoint: {exc.strerror or exc}") from None
+
+
+def _read_stream(stream: BinaryIO, size: int, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+    """Validate the envelope ourselves (clear messages), then let safetensors read the tensors."""
+    metadata = _read_metadata(stream, size, display)
+    stream.seek(0)
+    try:
+        tensors = safetensors.torch.load(stream.read())
+    except _SAFETENSORS_ERRORS as exc:
+        raise InputError(f"{display}: corrupt or truncated safetensors file ({exc})") from None
+    return tensors, SafetensorsPayload(metadata)
+
+
+def _read_metadata(stream: BinaryIO, size: int, display: str) -> dict[str, str]:
+    if size < 8:
+        raise InputError(f"{display}: not a safetensors file: {size} bytes, too short even for the header length")
+    length = int.from_bytes(stream.read(8), "little")
+    if length > MAX_HEADER_BYTES:
+        raise InputError(
+            f"{display}: not a safetensors file: its header length field says {length} bytes "
+            f"(safetensors allows at most {MAX_HEADER_BYTES})"
+        )
+    if 8 + length > size:
+        raise InputError(
+            f"{display}: truncated or not a safetensors file: the header claims {length} bytes "
+            f"but only {size - 8} follow"
+        )
+    try:
+        header = json.loads(stream.read(length))
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        raise InputError(f"{display}: not a safetensors file: its header is not JSON") from None
+    metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise InputError(f"{display}: not a safetensors file: malformed header")
+    return metadata
+
+
+def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"{display}: cannot read the checkpoint index: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise InputError(f"{display}: not a safetensors index: invalid JSON ({exc})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    metadata = index.get("metadata", {}) if isinstance(index, dict) else None
+    if (
+        not isinstance(weight_map, dict) or not weight_map or not isinstance(metadata, dict)
+        or not all(isinstance(f, str) for f in weight_map.values())
+    ):
+        raise InputError(
+            f"{display}: not a safetensors index: expected {{\"metadata\": {{...}}, \"weight_map\": {{key: shard file}}}}"
+        )
+    params: dict[str, torch.Tensor] = {}
+    shards = []
+    for file in sorted(set(weight_map.values())):
+        tensors, payload = _read_file(path.parent / file, f"{display}: shard '{file}'")
+        listed = {key for key, shard_file in weight_map.items() if shard_file == file}
+        if set(tensors) != listed:
+            raise InputError(
+                f"{display}: the index and shard '{file}' disagree: listed but absent: "
+                f"{sorted(listed - set(tensors)) or 'none'}; present but not listed: {sorted(set(tensors) - listed) or 'none'}"
+            )
+        params.update(tensors)
+        shards.append(Shard(file, tuple(sorted(tensors)), payload.metadata))
+    return params, SafetensorsPayload(metadata, tuple(shards))
+
+
+def _architecture(
+    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: Sequence[int] | None, display: str
+) -> Graph:
+    if arch is not None:
+        return _graph_from_arch(arch, input_shape)
+    embedded = metadata.get(SPEC_METADATA_KEY)
+    if embedded is not None:
+        source = f"{display} (metadata '{SPEC_METADATA_KEY}')"
+        if not isinstance(embedded, str):
+            raise InputError(f"{source}: expected the spec as a JSON string")
+        return graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape)
+    candidates = sidecar_candidates(path) if path is not None else []
+    for candidate in candidates:
+        if candidate.is_file():
+            return graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
+    raise InputError(_no_architecture_message(display, candidates))
+
+
+def _graph_from_arch(arch: str, input_shape: Sequence[int] | None) -> Graph:
+    if arch.lower().endswith(SPEC_SUFFIXES):
+        return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape)
+    if ":" in arch:
+        if input_shape is None:
+            raise InputError(
+                f"--arch '{arch}': tracing a Python factory needs the batch-free input shape "
+                "(--input-shape, e.g. 3,32,32)"
+            )
+        graph, _ = graph_from_module(load_factory(arch), input_shape, source=arch)
+        return graph
+    raise InputError(
+        f"--arch '{arch}': expected a spec file (.yaml, .yml, .json) or a Python factory module.path:callable"
+    )
+
+
+def _no_architecture_message(display: str, candidates: list[Path]) -> str:
+    sidecars = (
+        f"sidecar spec files {', '.join(str(c) for c in candidates)}: none exists"
+        if candidates else "sidecar spec files: none, the checkpoint was not given as a file"
+    )
+    return (
+        f"{display}: no architecture found for this checkpoint. Searched, in order:\n"
+        "  - --arch: not given\n"
+        f"  - the checkpoint metadata key '{SPEC_METADATA_KEY}': absent\n"
+        f"  - {sidecars}\n"
+        "Pass --arch ARCH.yaml (a layer spec, see docs/spec-format.md) or --arch module.path:callable "
+        "(a Python factory returning the torch.nn.Module, with --input-shape)."
+    )
+
+
+def _check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> None:
+    """``graph.check_parameters`` with the checkpoint named, and a hint for a default bias key."""
+    try:
+        graph.check_parameters(params)
+    except InvalidWeightsError as exc:
+        raise InvalidWeightsError(f"{display}: {exc}") from None
+    except InputError as exc:
+        missing_biases = [
+            node.name for node in graph.nodes
+            if isinstance(node, (Linear, Conv)) and node.bias is not None and node.bias not in params
+        ]
+        hint = (
+            f"\n(layers {', '.join(missing_biases)} have no bias tensor: a layer without bias needs 'bias: null' in the spec)"
+            if missing_biases else ""
+        )
+        raise InputError(f"{display}: {exc}{hint}") from None
+
+
+def _unused_tensor_warnings(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> list[str]:
+    used = set(graph.parameter_keys())
+    # BatchNorm's num_batches_tracked only counts training steps: never part of the function.
+    unused = sorted(k for k in params if k not in used and not k.endswith("num_batches_tracked"))
+    if not unused:
+        return []
+    shown = ", ".join(unused[:_UNUSED_SHOWN])
+    if len(unused) > _UNUSED_SHOWN:
+        shown += f" and {len(unused) - _UNUSED_SHOWN} more"
+    return [f"{display}: {len(unused)} tensor(s) not used by the architecture are carried through unchanged: {shown}"]
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    for key, tensor in changed.items():
+        original = params.get(key)
+        if original is None or tensor.shape != original.shape or tensor.dtype != original.dtype:
+            raise ValueError(f"changed tensor '{key}' must replace a checkpoint tensor of the same shape and dtype")
+    return {key: changed.get(key, tensor).contiguous() for key, tensor in params.items()}
+
+
+def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    atomic_write(destination, lambda tmp: safetensors.torch.save_file(dict(tensors), str(tmp), metadata=dict(metadata)))
+
+
+def _write_sharded(
+    tensors: Mapping[str, torch.Tensor], payload: SafetensorsPayload, destination: Path, added: Mapping[str, str]
+) -> None:
+    if not destination.name.endswith(".json"):
+        raise OutputError(
+            f"cannot write '{destination}': a sharded checkpoint is written as an index; "
+            "name the output like 'model.safetensors.index.json'"
+        )
+    stem = checkpoint_stem(destination.name)
+    weight_map: dict[str, str] = {}
+    for number, shard in enumerate(payload.shards, start=1):
+        file = f"{stem}-{number:05d}-of-{len(payload.shards):05d}.safetensors"
+        _write_file(destination.with_name(file), {key: tensors[key] for key in shard.keys}, shard.metadata)
+        weight_map.update(dict.fromkeys(shard.keys, file))
+    index = {"metadata": {**payload.metadata, **added}, "weight_map": dict(sorted(weight_map.items()))}
+    text = json.dumps(index, indent=2) + "\n"
+    atomic_write(destination, lambda tmp: tmp.write_text(text, encoding="utf-8"))

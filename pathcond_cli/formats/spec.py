@@ -1,0 +1,430 @@
+"""Declarative architecture specs: a YAML or JSON list of layers mapping 1:1 onto graph.py nodes.
+
+A safetensors checkpoint holds tensors but no architecture; a spec supplies it. The schema
+(documented in ``docs/spec-format.md``)::
+
+    format_version: 1                 # optional
+    layers:
+      - {name: x, type: input, shape: [3, 32, 32]}
+      - {name: conv1, type: conv, padding: 1, bias: null}   # weight key: conv1.weight
+      - {name: bn1, type: batchnorm}
+      - {name: relu1, type: relu}
+      - {name: skip, type: add, inputs: [relu1, x]}
+    outputs: [skip]                   # optional: the last layer
+
+Hyper-parameters carry the names of the node fields. Integers that torch accepts "per
+spatial axis" (stride, padding, kernel, ...) may be a scalar or a list; once the graph is
+known, they are expanded to the spatial rank of the layer's input, which follows from the
+input shape. That is why every input needs a shape (in the spec or from ``input_shape``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import InputError
+from ..graph import (
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
+    LeakyReLU, Linear, MaxPool, Node, ReLU, node_attributes,
+)
+
+FORMAT_VERSION = 1
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class _Field:
+    """A hyper-parameter: ``convert`` validates a raw value (raising ValueError) and normalises it."""
+
+    convert: Callable[[Any], Any]
+    default: Any = _REQUIRED
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ints(minimum: int) -> Callable[[Any], tuple[int, ...]]:
+    def convert(value: Any) -> tuple[int, ...]:
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not items or not all(_is_int(v) and v >= minimum for v in items):
+            raise ValueError(f"must be an integer >= {minimum} or a list of them")
+        return tuple(items)
+
+    return convert
+
+
+def _int(minimum: int) -> Callable[[Any], int]:
+    def convert(value: Any) -> int:
+        if not _is_int(value) or value < minimum:
+            raise ValueError(f"must be an integer >= {minimum}")
+        return value
+
+    return convert
+
+
+def _float(requirement: str, accept: Callable[[float], bool] = math.isfinite) -> Callable[[Any], float]:
+    def convert(value: Any) -> float:
+        number = None
+        if _is_int(value) or isinstance(value, float):
+            number = float(value)
+        elif isinstance(value, str):
+            # PyYAML (YAML 1.1) reads "1e-5" without a dot as a string.
+            try:
+                number = float(value)
+            except ValueError:
+                pass
+        if number is None or not math.isfinite(number) or not accept(number):
+            raise ValueError(f"must be {requirement}")
+        return number
+
+    return convert
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
+_KERNEL = _Field(_ints(1))
+_STRIDE_OF_POOL = _Field(_ints(1), None)  # None: the kernel size, as in torch
+_PADDING = _Field(_ints(0), (0,))
+_DILATION = _Field(_ints(1), (1,))
+_CEIL_MODE = _Field(_bool, False)
+
+
+@dataclass(frozen=True)
+class _LayerType:
+    """How one spec ``type`` becomes a node.
+
+    ``keys`` are the tensor-key roles (default ``<name>.<role>``), ``nullable_keys`` those
+    that may be ``null``; ``pinned`` node fields an alias fixes; ``ignored`` fields are
+    accepted for readability and dropped (dropout's ``p`` has no effect in inference).
+    """
+
+    node: type[Node]
+    hyper: dict[str, _Field] = field(default_factory=dict)
+    keys: tuple[str, ...] = ()
+    nullable_keys: tuple[str, ...] = ()
+    pinned: dict[str, Any] = field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+
+
+LAYER_TYPES: dict[str, _LayerType] = {
+    "input": _LayerType(Input, {"shape": _Field(_ints(1), None)}),
+    "linear": _LayerType(Linear, {"weight_transposed": _Field(_bool, False)}, ("weight", "bias"), ("bias",)),
+    "conv": _LayerType(
+        Conv,
+        {"stride": _Field(_ints(1), (1,)), "padding": _PADDING, "dilation": _DILATION, "groups": _Field(_int(1), 1)},
+        ("weight", "bias"),
+        ("bias",),
+    ),
+    "batchnorm": _LayerType(
+        BatchNorm,
+        {
+            "eps": _Field(_float("a number > 0", lambda x: x > 0), 1e-5),
+            "momentum": _Field(_float("a number in [0, 1]", lambda x: 0 <= x <= 1), 0.1),
+        },
+        ("weight", "bias", "running_mean", "running_var"),
+    ),
+    "relu": _LayerType(ReLU),
+    "leaky_relu": _LayerType(LeakyReLU, {"negative_slope": _Field(_float("a finite number"), 0.01)}),
+    "identity": _LayerType(Identity),
+    "dropout": _LayerType(Identity, ignored=("p",)),
+    "maxpool": _LayerType(
+        MaxPool,
+        {"kernel": _KERNEL, "stride": _STRIDE_OF_POOL, "padding": _PADDING, "dilation": _DILATION, "ceil_mode": _CEIL_MODE},
+    ),
+    "avgpool": _LayerType(
+        AvgPool,
+        {
+            "kernel": _KERNEL, "stride": _STRIDE_OF_POOL, "padding": _PADDING, "ceil_mode": _CEIL_MODE,
+            "count_include_pad": _Field(_bool, True),
+        },
+    ),
+    "adaptive_avgpool": _LayerType(AdaptiveAvgPool, {"output_size": _Field(_ints(1))}),
+    "global_avgpool": _LayerType(AdaptiveAvgPool, pinned={"output_size": (1,)}),
+    "flatten": _LayerType(Flatten),
+    "add": _LayerType(Add),
+    "concat": _LayerType(Concat),
+}
+
+# Fields whose values are given per spatial axis, expanded to the input's spatial rank.
+_PER_AXIS_FIELDS: dict[type[Node], tuple[str, ...]] = {
+    Conv: ("stride", "padding", "dilation"),
+    MaxPool: ("kernel", "stride", "padding", "dilation"),
+    AvgPool: ("kernel", "stride", "padding"),
+    AdaptiveAvgPool: ("output_size",),
+}
+_SUPPORTED_SPATIAL_RANKS = (1, 2)
+
+_TOP_LEVEL_KEYS = ("format_version", "layers", "outputs")
+_COMMON_KEYS = ("name", "type", "inputs")
+
+
+def graph_from_spec(spec: Mapping[str, Any], *, source: str, input_shape: Sequence[int] | None = None) -> Graph:
+    """The validated :class:`Graph` a spec describes.
+
+    ``input_shape`` (batch-free, e.g. ``(3, 32, 32)``) overrides the shape of the spec's
+    single input layer. Every problem found in the spec is reported in one :class:`InputError`
+    that names ``source`` and the layer; structural problems (cycles, dangling inputs,
+    duplicate names) come from :class:`Graph` with ``source`` in the message.
+    """
+    problems: list[str] = []
+    layers = _top_level(spec, problems)
+    nodes = []
+    previous: str | None = None
+    for index, layer in enumerate(layers):
+        node = _parse_layer(index, layer, previous, problems)
+        if node is not None:
+            nodes.append(node)
+            previous = node.name
+    outputs = _outputs(spec, previous, problems)
+    nodes = _with_input_shape(nodes, input_shape, problems)
+    _raise_if_any(problems, source)
+
+    graph = Graph(nodes, outputs, source)
+    expanded = _expand_per_axis_fields(graph, problems)
+    _raise_if_any(problems, source)
+    return Graph(expanded, outputs, source)
+
+
+def spec_from_graph(graph: Graph) -> dict[str, Any]:
+    """The spec of ``graph``, every field explicit: ``graph_from_spec`` of it gives an equal graph."""
+    layers = []
+    previous: str | None = None
+    for node in graph.nodes:
+        layer: dict[str, Any] = {"name": node.name, "type": node.op}
+        if not isinstance(node, Input) and node.inputs != (previous,):
+            layer["inputs"] = list(node.inputs)
+        for name, value in node_attributes(node).items():
+            layer[name] = list(value) if isinstance(value, tuple) else value
+        layers.append(layer)
+        previous = node.name
+    return {"format_version": FORMAT_VERSION, "layers": layers, "outputs": list(graph.outputs)}
+
+
+def dump_spec(spec: Mapping[str, Any]) -> str:
+    """Compact JSON of a spec (what pathcond embeds in checkpoint metadata)."""
+    return json.dumps(spec, separators=(",", ":"), allow_nan=False)
+
+
+def load_spec_file(path: str | Path) -> dict[str, Any]:
+    """Read a spec file; JSON when its content starts with ``{``, YAML otherwise."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not an architecture spec file") from None
+    except FileNotFoundError:
+        raise InputError(f"{path}: architecture spec file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read the architecture spec: {exc}") from None
+    return parse_spec_text(text, source=str(path))
+
+
+def parse_spec_text(text: str, *, source: str) -> dict[str, Any]:
+    """Parse spec text (JSON or YAML by content) into a mapping; ``source`` names it in errors."""
+    try:
+        if text.lstrip().startswith("{"):
+            spec = json.loads(text)
+        else:
+            spec = yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{source}: invalid JSON in the architecture spec: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{source}: invalid YAML in the architecture spec: {exc}") from None
+    if not isinstance(spec, dict):
+        raise InputError(f"{source}: an architecture spec must be a mapping with a 'layers' list")
+    return spec
+
+
+def _raise_if_any(problems: list[str], source: str) -> None:
+    if problems:
+        raise InputError(
+            f"{source}: the architecture spec has {len(problems)} problem(s):\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
+
+
+def _top_level(spec: Any, problems: list[str]) -> list[Any]:
+    if not isinstance(spec, Mapping):
+        problems.append("the spec must be a mapping with a 'layers' list")
+        return []
+    for key in spec:
+        if key not in _TOP_LEVEL_KEYS:
+            problems.append(f"unknown top-level key '{key}' (allowed: {', '.join(_TOP_LEVEL_KEYS)})")
+    version = spec.get("format_version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        problems.append(f"format_version {version!r} is not supported (this pathcond reads version {FORMAT_VERSION})")
+    layers = spec.get("layers")
+    if not isinstance(layers, list) or not layers:
+        problems.append("'layers' must be a non-empty list of layers")
+        return []
+    return layers
+
+
+def _outputs(spec: Any, last_layer: str | None, problems: list[str]) -> tuple[str, ...]:
+    outputs = spec.get("outputs") if isinstance(spec, Mapping) else None
+    if outputs is None:
+        return () if last_layer is None else (last_layer,)
+    names = _names(outputs)
+    if names is None:
+        problems.append("'outputs' must be a layer name or a list of layer names")
+        return ()
+    return names
+
+
+def _names(value: Any) -> tuple[str, ...] | None:
+    """A name or list of names as a tuple; None when it is neither."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(v, str) and v for v in items):
+        return None
+    return tuple(items)
+
+
+def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[str]) -> Node | None:
+    """The node for one layer entry, or None after recording why it cannot be built."""
+    if not isinstance(layer, Mapping):
+        problems.append(f"layer #{index + 1} must be a mapping with 'name' and 'type', not {layer!r}")
+        return None
+    name = layer.get("name")
+    label = f"layer '{name}'" if isinstance(name, str) and name else f"layer #{index + 1}"
+    if not (isinstance(name, str) and name):
+        problems.append(f"{label} needs a non-empty string 'name'")
+    kind = layer.get("type")
+    layer_type = LAYER_TYPES.get(kind) if isinstance(kind, str) else None
+    if layer_type is None:
+        problems.append(f"{label} has unknown type {kind!r} (known types: {', '.join(LAYER_TYPES)})")
+        return None
+    label = f"{label} ({kind})"
+    count_before = len(problems)
+
+    allowed = (*_COMMON_KEYS, *layer_type.hyper, *layer_type.keys, *layer_type.ignored)
+    for key in layer:
+        if key not in allowed:
+            problems.append(f"{label}: unknown field '{key}' (allowed: {', '.join(allowed)})")
+
+    values: dict[str, Any] = dict(layer_type.pinned)
+    values["inputs"] = _layer_inputs(label, layer, layer_type, previous, problems)
+    for key, spec_field in layer_type.hyper.items():
+        if key not in layer:
+            if spec_field.default is _REQUIRED:
+                problems.append(f"{label}: missing required field '{key}'")
+            values[key] = spec_field.default
+            continue
+        try:
+            values[key] = spec_field.convert(layer[key])
+        except ValueError as exc:
+            problems.append(f"{label}: '{key}' {exc}, got {layer[key]!r}")
+    for role in layer_type.keys:
+        values[role] = _tensor_key(label, layer, role, role in layer_type.nullable_keys, problems)
+    if values.get("stride", ()) is None:
+        values["stride"] = values.get("kernel")
+
+    if len(problems) > count_before or not (isinstance(name, str) and name):
+        return None
+    return layer_type.node(name=name, **values)
+
+
+def _layer_inputs(label: str, layer: Mapping[str, Any], layer_type: _LayerType, previous: str | None,
+                  problems: list[str]) -> tuple[str, ...]:
+    if layer_type.node is Input:
+        if "inputs" in layer:
+            problems.append(f"{label}: an input layer takes no 'inputs'")
+        return ()
+    if "inputs" not in layer:
+        if previous is None:
+            problems.append(f"{label}: the first layer has no previous layer to read; give 'inputs'")
+            return ()
+        return (previous,)
+    names = _names(layer["inputs"])
+    if names is None:
+        problems.append(f"{label}: 'inputs' must be a layer name or a list of layer names, got {layer['inputs']!r}")
+        return ()
+    return names
+
+
+def _tensor_key(label: str, layer: Mapping[str, Any], role: str, nullable: bool, problems: list[str]) -> str | None:
+    if role not in layer:
+        return f"{layer.get('name')}.{role}"
+    key = layer[role]
+    if key is None and nullable:
+        return None
+    if not (isinstance(key, str) and key):
+        null_hint = " or null" if nullable else ""
+        problems.append(f"{label}: '{role}' must be a tensor key{null_hint}, got {key!r}")
+    return key
+
+
+def _with_input_shape(nodes: list[Node], input_shape: Sequence[int] | None, problems: list[str]) -> list[Node]:
+    inputs = [n for n in nodes if isinstance(n, Input)]
+    if input_shape is not None:
+        try:
+            shape = _ints(1)(input_shape)
+        except ValueError as exc:
+            problems.append(f"the input shape {exc}, got {input_shape!r}")
+            return nodes
+        if len(inputs) != 1:
+            problems.append(f"an input shape was given, but the spec has {len(inputs)} input layers")
+            return nodes
+        nodes = [replace(n, shape=shape) if n is inputs[0] else n for n in nodes]
+    for node in nodes:
+        if isinstance(node, Input) and node.shape is None:
+            problems.append(
+                f"layer '{node.name}' (input) needs a 'shape' (batch-free, e.g. [3, 32, 32]), "
+                "in the spec or from --input-shape"
+            )
+    return nodes
+
+
+def _expand_per_axis_fields(graph: Graph, problems: list[str]) -> list[Node]:
+    """The graph's nodes with scalar per-axis fields repeated to their input's spatial rank."""
+    ranks: dict[str, int] = {}
+    expanded: list[Node] = []
+    for node in graph.nodes:
+        if isinstance(node, Input):
+            ranks[node.name] = len(node.shape) - 1
+        elif isinstance(node, (Linear, Flatten)):
+            ranks[node.name] = 0
+        else:
+            ranks[node.name] = ranks[node.inputs[0]]
+        rank = ranks[node.inputs[0]] if node.inputs else ranks[node.name]
+        expanded.append(_expand_node(node, rank, problems))
+    return expanded
+
+
+def _expand_node(node: Node, rank: int, problems: list[str]) -> Node:
+    label = f"layer '{node.name}' ({node.op})"
+    if isinstance(node, Linear) and rank:
+        problems.append(
+            f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it"
+        )
+    names = _PER_AXIS_FIELDS.get(type(node))
+    if names is None:
+        return node
+    if rank not in _SUPPORTED_SPATIAL_RANKS:
+        problems.append(
+            f"{label} needs an input with 1 or 2 spatial axes, but '{node.inputs[0]}' has {rank}"
+        )
+        return node
+    changes = {}
+    for name in names:
+        value = getattr(node, name)
+        if len(value) == 1:
+            changes[name] = value * rank
+        elif len(value) != rank:
+            problems.append(
+                f"{label}: '{name}' has {len(value)} values, but its input has {rank} spatial axes"
+            )
+    return replace(node, **changes)
+
