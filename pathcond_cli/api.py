@@ -8,13 +8,17 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from . import __version__
 from .diag import DiagG, PathCount, diag_g, path_count
 from .errors import VerificationError
 from .groups import RescalingGroups, build_groups
@@ -187,3 +191,108 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
         for key, tensor in result.changed.items():
             state[key].copy_(tensor)
     return result
+
+
+def load(
+    source: str | Path | bytes,
+    *,
+    arch: str | None = None,
+    input_shape: tuple[int, ...] | None = None,
+) -> LoadedModel:
+    """Load an ONNX model or a safetensors checkpoint (``arch``: spec file or ``module:factory``)."""
+    from .formats import load_model
+
+    return load_model(Path(source) if isinstance(source, str) else source, arch=arch, input_shape=input_shape)
+
+
+def run_metadata(result: RescaleResult) -> dict[str, str]:
+    """Key figures of the run, recorded in the written file's metadata."""
+    solve = result.solve
+    return {
+        "pathcond.version": __version__,
+        "pathcond.solver": solve.method,
+        "pathcond.iterations": str(solve.iterations),
+        "pathcond.converged": str(solve.converged).lower(),
+        "pathcond.kkt_residual": f"{solve.kkt_residual:.6g}",
+        "pathcond.objective_initial": repr(solve.objective[0]),
+        "pathcond.objective_final": repr(solve.objective[-1]),
+        "pathcond.u_inf": f"{solve.u_inf:.6g}",
+        "pathcond.log10_paths": f"{result.analysis.paths.log10:.6f}",
+    }
+
+
+def save(
+    result: RescaleResult,
+    destination: str | Path,
+    *,
+    input_shape: tuple[int, ...] | None = None,
+    in_place: bool = False,
+    seconds: dict[str, float] | None = None,
+) -> Verification:
+    """Write the rescaled model in its input format, reload it and verify it.
+
+    The write is atomic; if the reloaded file does not compute the original function (or,
+    for ONNX, onnx's ReferenceEvaluator disagrees) it is removed and
+    :class:`VerificationError` is raised. The verification is stored on ``result`` too.
+    """
+    from .fileio import check_destination
+    from .formats import write_model
+
+    model = result.analysis.model
+    destination = Path(destination)
+    source = Path(model.source)
+    check_destination(destination, inputs=[source] if source.exists() else [], in_place=in_place)
+    timings = seconds if seconds is not None else result.seconds
+    timed = _Stopwatch(timings)
+    timed("write", lambda: write_model(model, result.changed, destination, run_metadata(result)))
+    result.verification = timed("verify_written", lambda: _verify_written(model, destination, input_shape))
+    return result.verification
+
+
+def _verify_written(model: LoadedModel, target: Path, input_shape) -> Verification:
+    """Reload what was written (its architecture is embedded) and compare it with the original;
+    remove it if it differs."""
+    from .formats import load_model
+
+    try:
+        written = load_model(target, input_shape=input_shape, name=str(target))
+        verification = compare(model.graph, model.params, written.params)
+        if verification.passed and model.format == "onnx":
+            _check_onnx_reference(model, target, verification.tolerance)
+        if not verification.passed:
+            raise VerificationError(
+                f"'{target}': the written model differs from the original by a relative "
+                f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the file was removed."
+            )
+        return verification
+    except BaseException:
+        remove_written(target)
+        raise
+
+
+def remove_written(target: Path) -> None:
+    """Delete a written checkpoint, with its shards when it is a shard index."""
+    from .formats import SHARD_INDEX_SUFFIX
+
+    if target.name.endswith(SHARD_INDEX_SUFFIX) and target.exists():
+        for shard in set(json.loads(target.read_text()).get("weight_map", {}).values()):
+            (target.parent / shard).unlink(missing_ok=True)
+    target.unlink(missing_ok=True)
+
+
+def _check_onnx_reference(model: LoadedModel, target: Path, tolerance: float) -> None:
+    """Cross-check the written ONNX file with onnx's own ReferenceEvaluator."""
+    from .evaluate import forward
+    from .formats.onnx_format import reference_outputs
+
+    node = model.graph.inputs[0]
+    x = torch.randn((2, *node.shape), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    expected = forward(model.graph, model.params, x)[model.graph.outputs[0]].numpy()
+    got = reference_outputs(target, x.numpy().astype(np.float32))[0].astype(np.float64)
+    relative = float(np.abs(got - expected).max()) / max(float(np.abs(expected).max()), 1e-300)
+    tolerance = max(tolerance, 1e-4)
+    if relative > tolerance:
+        raise VerificationError(
+            f"'{target}': onnx.reference.ReferenceEvaluator disagrees with the original network by a relative "
+            f"{relative:.3g} (tolerance {tolerance:g}); the file was removed."
+        )

@@ -17,13 +17,12 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import __version__
-from .api import analyse, rescale as rescale_model
-from .errors import EXIT_CODES, PathcondError, VerificationError
+from .api import analyse, rescale as rescale_model, save
+from .errors import EXIT_CODES, PathcondError
 from .fileio import atomic_write, check_destination
-from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model, write_model
+from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model
 from .report import analysis_report, render, rescale_report
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
-from .verify import Verification, compare
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
@@ -203,17 +202,10 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
                                progress=stages.solver, verify=False)
         seconds = {"load": load_seconds, **result.seconds}
 
-        stages.stage("writing")
-        metadata = _run_metadata(result)
+        stages.stage("writing and verifying the written file")
         with tempfile.TemporaryDirectory(prefix="pathcond-") as scratch:
             target = destination if destination is not None else Path(scratch) / f"out.{loaded.format}"
-            write_start = time.perf_counter()
-            write_model(loaded, result.changed, target, metadata)
-            seconds["write"] = time.perf_counter() - write_start
-            stages.stage("verifying the written file")
-            verify_start = time.perf_counter()
-            result.verification = _verify_written(loaded, target, shape)
-            seconds["verify_written"] = time.perf_counter() - verify_start
+            save(result, target, input_shape=shape, in_place=in_place, seconds=seconds)
             seconds["total"] = time.perf_counter() - started
             report = rescale_report(result, str(destination) if destination is not None else "-", seconds)
             if destination is None:
@@ -221,70 +213,6 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
                     shutil.copyfileobj(handle, sys.stdout.buffer)
                 sys.stdout.buffer.flush()
     return report
-
-
-def _run_metadata(result) -> dict[str, str]:
-    solve = result.solve
-    return {
-        "pathcond.version": __version__,
-        "pathcond.solver": solve.method,
-        "pathcond.iterations": str(solve.iterations),
-        "pathcond.converged": str(solve.converged).lower(),
-        "pathcond.kkt_residual": f"{solve.kkt_residual:.6g}",
-        "pathcond.objective_initial": repr(solve.objective[0]),
-        "pathcond.objective_final": repr(solve.objective[-1]),
-        "pathcond.u_inf": f"{solve.u_inf:.6g}",
-        "pathcond.log10_paths": f"{result.analysis.paths.log10:.6f}",
-    }
-
-
-def _verify_written(loaded, target: Path, shape) -> Verification:
-    """Reload what was written (its architecture is embedded) and compare it with the original;
-    remove it if it differs."""
-    try:
-        written = load_model(target, input_shape=shape, name=str(target))
-        verification = compare(loaded.graph, loaded.params, written.params)
-        if verification.passed and loaded.format == "onnx":
-            verification = _check_onnx_reference(loaded, target, verification)
-        if not verification.passed:
-            raise VerificationError(
-                f"'{target}': the written model differs from the original by a relative "
-                f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the file was removed."
-            )
-        return verification
-    except BaseException:
-        _remove_written(target)
-        raise
-
-
-def _remove_written(target: Path) -> None:
-    if target.name.endswith(SHARD_INDEX_SUFFIX) and target.exists():
-        for shard in set(json.loads(target.read_text()).get("weight_map", {}).values()):
-            (target.parent / shard).unlink(missing_ok=True)
-    target.unlink(missing_ok=True)
-
-
-def _check_onnx_reference(loaded, target: Path, verification: Verification) -> Verification:
-    """Cross-check the written ONNX file with onnx's own ReferenceEvaluator."""
-    import numpy as np
-    import torch
-
-    from .evaluate import forward
-    from .formats.onnx_format import reference_outputs
-
-    node = loaded.graph.inputs[0]
-    x = torch.randn((2, *node.shape), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    expected = forward(loaded.graph, loaded.params, x)[loaded.graph.outputs[0]].numpy()
-    got = reference_outputs(target, x.numpy().astype(np.float32))[0].astype(np.float64)
-    diff = float(np.abs(got - expected).max())
-    rel = diff / max(float(np.abs(expected).max()), 1e-300)
-    tolerance = max(verification.tolerance, 1e-4)
-    if rel > tolerance:
-        raise VerificationError(
-            f"'{target}': onnx.reference.ReferenceEvaluator disagrees with the original network by a relative "
-            f"{rel:.3g} (tolerance {tolerance:g}); the file was removed."
-        )
-    return verification
 
 
 @app.command()

@@ -117,9 +117,12 @@ def _apply(node: Node, x: torch.Tensor, xs: list[torch.Tensor], param, train: bo
 
 
 def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    """Batch-free output shape of every node, by a forward pass on meta tensors (no compute)."""
-    meta_params = {key: params[key].to("meta", torch.float32) for key in graph.parameter_keys()}
-    inputs = {n.name: torch.empty((1, *n.shape), device="meta") for n in graph.inputs}
+    """Batch-free output shape of every node, by a forward pass of one all-zero example.
+
+    (Meta tensors would skip the arithmetic, but their one-off set-up costs seconds.)
+    """
+    probe_params = {key: params[key].to(torch.float32) for key in graph.parameter_keys()}
+    inputs = {n.name: torch.zeros((1, *n.shape)) for n in graph.inputs}
     shapes: dict[str, tuple[int, ...]] = {}
     values: dict[str, torch.Tensor] = {}
     for node in graph.nodes:
@@ -128,7 +131,8 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
         else:
             xs = [values[i] for i in node.inputs]
             try:
-                values[node.name] = _apply(node, xs[0], xs, lambda k: None if k is None else meta_params[k], False)
+                with torch.no_grad():
+                    values[node.name] = _apply(node, xs[0], xs, lambda k: None if k is None else probe_params[k], False)
             except (RuntimeError, ValueError, IndexError) as exc:
                 in_shapes = ", ".join(str(tuple(v.shape[1:])) for v in xs)
                 raise InputError(

@@ -25,7 +25,7 @@ from .groups import RescalingGroups
 from .objective import Evaluation, Objective, block_step, degenerate_mask, paper_step
 
 SOLVERS = ("block", "lbfgs", "sequential")
-DEFAULT_SOLVER = "block"
+DEFAULT_SOLVER = "lbfgs"
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_ITER = 1000
 

@@ -1,0 +1,138 @@
+"""Solver benchmark (issue 6): the paper's sequential coordinate descent against the block
+solver and L-BFGS, on the same g and groups, to the same KKT tolerance.
+
+Run by hand, not by the test suite:
+
+    python benchmarks/bench_solvers.py                      # every model, one process each
+    python benchmarks/bench_solvers.py --models mlp3 resnet50 --sequential-budget 300
+    python benchmarks/bench_solvers.py --device cuda
+
+Each model runs in its own process so that its peak resident memory is its own. Prints one
+table row per solver and the ratios against the sequential baseline; ``--json`` writes the
+raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+MODELS = ["mlp1", "mlp2", "mlp3", "mlp4", "mlp5", "mlp6", "mlp7", "mlp8", "mlp9", "cifar_nv", "resnet18", "resnet50"]
+
+
+def build(name: str):
+    import torch
+
+    import reference_models as zoo
+
+    torch.manual_seed(0)
+    if name.startswith("mlp"):
+        return zoo.mlp(int(name[3:])), (3072,)
+    factory, shape = {"cifar_nv": (zoo.cifar_nv, (3, 32, 32)), "resnet18": (zoo.resnet18, (3, 224, 224)),
+                      "resnet50": (zoo.resnet50, (3, 224, 224)), "vgg16": (zoo.vgg16, (3, 224, 224)),
+                      "alexnet": (zoo.alexnet, (3, 224, 224))}[name]
+    return factory(), shape
+
+
+def peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def run_one(name: str, args) -> dict:
+    from pathcond_cli.api import analyse, module_model
+    from pathcond_cli.solvers import solve
+
+    module, shape = build(name)
+    start = time.perf_counter()
+    model = module_model(module, shape, name=name)
+    analysis = analyse(model, device=args.device)
+    setup = time.perf_counter() - start
+    row = {"model": name, "parameters": model.parameter_count, "dag_parameters": analysis.groups.p,
+           "groups": analysis.groups.num_free, "colours": analysis.groups.num_colours,
+           "analysis_seconds": analysis.seconds, "setup_seconds": setup, "solvers": {}}
+    for method in args.solvers:
+        budget = args.sequential_budget if method == "sequential" else float("inf")
+        row["solvers"][method] = _timed_solve(solve, analysis, method, args, budget)
+    row["peak_rss_gib"] = peak_rss_gib()
+    return row
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+def _timed_solve(solve, analysis, method: str, args, budget: float) -> dict:
+    """Solve to the tolerance, or stop after ``budget`` seconds and report how far it got."""
+    started = time.perf_counter()
+    last = {"iterations": 0, "objective_final": None, "kkt_residual": None}
+
+    def watch(iteration: int, value: float, residual: float) -> None:
+        last.update(iterations=iteration, objective_final=value, kkt_residual=residual)
+        if time.perf_counter() - started > budget:
+            raise _OutOfTime
+
+    try:
+        result = solve(analysis.groups, analysis.diag, method=method, tol=args.tol, max_iter=args.max_iter,
+                       device=args.device, progress=watch)
+    except _OutOfTime:
+        return {**last, "passes": None, "seconds": time.perf_counter() - started, "converged": False, "cut": True}
+    return {"iterations": result.iterations, "passes": result.passes, "seconds": result.seconds,
+            "objective_final": result.objective[-1], "kkt_residual": result.kkt_residual,
+            "converged": result.converged, "cut": False}
+
+
+def print_row(row: dict) -> None:
+    base = row["solvers"].get("sequential")
+    print(f"\n{row['model']}: {row['parameters']:,} parameters, p = {row['dag_parameters']:,}, "
+          f"{row['groups']:,} free groups, {row['colours']} colours, analysis "
+          f"{sum(row['analysis_seconds'].values()):.2f} s, peak RSS {row['peak_rss_gib']:.2f} GiB")
+    print(f"  {'solver':<11}{'iters':>7}{'passes':>8}{'seconds':>10}{'s/Mparam':>10}{'F*':>24}{'KKT':>10}  speed-up")
+    for method, r in row["solvers"].items():
+        ratio = "" if base is None or method == "sequential" else (
+            f"{base['seconds'] / r['seconds']:.1f}x" if not base["cut"] else
+            f">{base['seconds'] / r['seconds']:.1f}x (baseline cut at KKT {base['kkt_residual']:.1e})")
+        per_million = r["seconds"] / (row["dag_parameters"] / 1e6)
+        iters = f"{r['iterations']}{'+' if r['cut'] else ''}"
+        passes = r["passes"] if r["passes"] is not None else "–"
+        print(f"  {method:<11}{iters:>7}{passes:>8}{r['seconds']:>10.3f}{per_million:>10.4f}"
+              f"{r['objective_final']:>24.12g}{r['kkt_residual']:>10.1e}  {ratio}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--solvers", nargs="+", default=["sequential", "block", "lbfgs"])
+    parser.add_argument("--tol", type=float, default=1e-6)
+    parser.add_argument("--max-iter", type=int, default=100000)
+    parser.add_argument("--sequential-budget", type=float, default=600.0, help="seconds before the baseline is cut")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path, help="append raw rows to this JSON-lines file")
+    parser.add_argument("--single", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.single:
+        print(json.dumps(run_one(args.single, args)))
+        return
+    for name in args.models:
+        command = [sys.executable, __file__, "--single", name, "--tol", str(args.tol), "--max-iter", str(args.max_iter),
+                   "--sequential-budget", str(args.sequential_budget), "--device", args.device, "--solvers", *args.solvers]
+        finished = subprocess.run(command, capture_output=True, text=True)
+        if finished.returncode:
+            print(f"{name}: failed\n{finished.stderr[-2000:]}")
+            continue
+        row = json.loads(finished.stdout.strip().splitlines()[-1])
+        print_row(row)
+        if args.json:
+            with open(args.json, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
