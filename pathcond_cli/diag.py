@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .evaluate import adaptive_avg_pool, conv, spatial_rank
 from .graph import (
-    AdaptiveAvgPool, Add, AvgPool, Concat, Conv, Flatten, Graph, Input, Linear, MaxPool,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Input, Linear, MaxPool,
 )
 from .groups import RescalingGroups
 
@@ -118,6 +118,13 @@ def squared_network(
             if bias is not None and renormalise:
                 bias = bias * math.exp(-offset)
             y = F.linear(x, weight, bias) if isinstance(node, Linear) else conv(x, weight, bias, node)
+        elif isinstance(node, BatchNorm) and node.name in layer_params:
+            x, offset = values[node.inputs[0]], offsets[node.inputs[0]]
+            scale, shift = layer_params[node.name]
+            broadcast = (1, -1, *([1] * (x.dim() - 2)))
+            if renormalise:
+                shift = shift * math.exp(-offset)
+            y = x * scale.reshape(broadcast) + shift.reshape(broadcast)
         elif isinstance(node, (Add, Concat)):
             offset = max(offsets[i] for i in node.inputs)
             parts = [values[i] * math.exp(offsets[i] - offset) if renormalise else values[i] for i in node.inputs]

@@ -77,7 +77,12 @@ class Conv(Node):
 
 @dataclass(frozen=True)
 class BatchNorm(Node):
-    """Per-channel ``γ (x − μ) / √(σ² + eps) + β``; must directly follow a Linear or Conv."""
+    """Per-channel ``γ (x − μ) / √(σ² + eps) + β``.
+
+    Directly after a Linear/Conv that feeds nothing else it is folded into that layer;
+    anywhere else (pre-activation blocks, after a Concat) it is a layer of its own whose
+    input channels can never be rescaled (batch statistics would undo the scale).
+    """
 
     weight: str = ""
     bias: str = ""
@@ -217,6 +222,13 @@ class Graph:
     def parameter_keys(self) -> list[str]:
         return [key for n in self.nodes for key in n.parameter_keys().values()]
 
+    def folded_into(self, bn: BatchNorm) -> Linear | Conv | None:
+        """The Linear/Conv that ``bn`` is folded into, or None for a standalone BatchNorm."""
+        producer = self._by_name[bn.inputs[0]]
+        if isinstance(producer, (Linear, Conv)) and self.batchnorm_after(producer.name) is bn:
+            return producer
+        return None
+
     def batchnorm_after(self, name: str) -> BatchNorm | None:
         """The BatchNorm folded into Linear/Conv ``name``, if its only consumer is one."""
         consumers = self._consumers[name]
@@ -333,13 +345,6 @@ def _check_structure(graph: Graph) -> None:
                     "shared by two layers is not a ReLU DAG pathcond can rescale"
                 )
             readers[key] = node.name
-        if isinstance(node, BatchNorm):
-            producer = graph[node.inputs[0]]
-            if not isinstance(producer, (Linear, Conv)) or graph.batchnorm_after(producer.name) is not node:
-                problems.append(
-                    f"BatchNorm '{node.name}' must directly follow a Linear or Conv whose only consumer it is "
-                    f"(it follows '{producer.name}' ({producer.op}))"
-                )
     if not graph.inputs:
         problems.append("the graph has no input")
     reachable = set(graph.outputs)

@@ -182,14 +182,22 @@ def folded_affine(
     bn = graph.batchnorm_after(node.name)
     if bn is None:
         return weight, bias, None
-    gamma = params[bn.weight].to(torch.float64)
-    beta = params[bn.bias].to(torch.float64)
-    mean = params[bn.running_mean].to(torch.float64)
-    var = params[bn.running_var].to(torch.float64)
-    scale = gamma / torch.sqrt(var + bn.eps)
+    scale, shift = batchnorm_affine(bn, params)
     weight = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-    bias = scale * ((bias if bias is not None else 0.0) - mean) + beta
+    bias = shift + scale * (bias if bias is not None else 0.0)
     return weight, bias, bn
+
+
+def batchnorm_affine(bn: BatchNorm, params: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval-mode BatchNorm as ``y = scale · x + shift`` per channel, in float64."""
+    gamma = params[bn.weight].to(torch.float64)
+    mean = params[bn.running_mean].to(torch.float64)
+    scale = gamma / torch.sqrt(params[bn.running_var].to(torch.float64) + bn.eps)
+    return scale, params[bn.bias].to(torch.float64) - scale * mean
+
+
+def _is_standalone_batchnorm(graph: Graph, node) -> bool:
+    return isinstance(node, BatchNorm) and graph.folded_into(node) is None
 
 
 class _UnionFind:
@@ -228,10 +236,12 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
         if isinstance(node, Input):
             ids = uf.make(shapes[node.name][0])
             fixed_elements.extend(ids.tolist())
-        elif isinstance(node, (Linear, Conv)):
+        elif isinstance(node, (Linear, Conv)) or _is_standalone_batchnorm(graph, node):
             ids = uf.make(shapes[node.name][0])
             for c, element in enumerate(ids.tolist()):
                 element_labels[element] = f"{node.name}:{c}"
+            if isinstance(node, BatchNorm):
+                fixed_elements.extend(channel_ids[node.inputs[0]].tolist())
         elif isinstance(node, Flatten):
             source = channel_ids[node.inputs[0]]
             ids = source.repeat_interleave(prod(shapes[node.inputs[0]][1:]))
@@ -266,6 +276,15 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     writebacks: list[WriteBack] = []
     fixed_slot = torch.tensor([[num_free]])
     for node in graph.nodes:
+        if _is_standalone_batchnorm(graph, node):
+            scale, shift = batchnorm_affine(node, params)
+            dst, channels = node_groups[node.name], len(scale)
+            dag_params.append(DagParam(f"{node.weight} (BatchNorm scale γ/σ)", node.name, scale, dst.reshape(-1, 1),
+                                       node_groups[node.inputs[0]].reshape(-1, 1), (channels, 1, 1, 1)))
+            dag_params.append(DagParam(f"{node.bias} (BatchNorm shift β − γμ/σ)", node.name, shift, dst.reshape(1, -1),
+                                       fixed_slot, (1, channels, 1, 1)))
+            writebacks.append(WriteBack(node.weight, "vector", dst, None, channels))
+            writebacks.append(WriteBack(node.bias, "vector", dst, None, channels))
         if not isinstance(node, (Linear, Conv)):
             continue
         weight, bias, bn = folded_affine(graph, node, params)

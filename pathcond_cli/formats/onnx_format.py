@@ -68,7 +68,9 @@ def load_onnx(
     """Read an ONNX ReLU network: its DAG, every tensor it stores, and the model for writing back.
 
     ``input_shape`` (batch excluded) overrides the shape the model declares and is required
-    when a non-batch dimension of the input is symbolic.
+    when a non-batch dimension of the input is symbolic. ``params`` holds every initializer
+    and ``Constant`` tensor by ONNX name, plus, for a stored tensor that several layers read
+    through ``Identity`` nodes, one copy per such Identity keyed by its output name.
     """
     label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
     model = _parse(source, label)
@@ -103,6 +105,11 @@ def _parse(source: str | Path | bytes, label: str) -> onnx.ModelProto:
         ) from None
     if not model.HasField("graph") or model.ir_version == 0 or not model.opset_import:
         raise InputError(f"cannot read '{label}': it is not an ONNX model (no graph, IR version or opset).")
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+        raise InputError(
+            f"cannot read '{label}': its tensors live in external data files, which can only be found "
+            "from the model's path; pass the .onnx file itself rather than its bytes."
+        )
     return model
 
 
@@ -140,6 +147,11 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
         [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
         if tensor_type.HasField("shape") else None
     )
+    if declared is not None and len(declared) < 2:
+        raise InputError(
+            f"{label}: input '{graph_input.name}' has rank {len(declared)}; pathcond expects a batch "
+            "dimension followed by features or by channels and spatial dimensions."
+        )
     if override is not None:
         override = tuple(int(d) for d in override)
         if any(d <= 0 for d in override):
@@ -150,7 +162,7 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
                 f"'{graph_input.name}' has {len(declared) - 1} besides the batch dimension."
             )
         return override
-    if declared is None or len(declared) < 2 or any(d is None for d in declared[1:]):
+    if declared is None or any(d is None for d in declared[1:]):
         shown = "unknown" if declared is None else "(" + ", ".join("?" if d is None else str(d) for d in declared) + ")"
         raise InputError(
             f"{label}: the shape of input '{graph_input.name}' is {shown}; pass --input-shape with the "
@@ -171,6 +183,10 @@ def _infer_shapes(model: onnx.ModelProto, input_name: str, shape: tuple[int, ...
     del dims[:]
     for d in (batch, *shape):
         dims.add().dim_value = d
+    # Shapes recorded at export time hold for the export's input size only: infer them afresh.
+    del copy.graph.value_info[:]
+    for output in copy.graph.output:
+        output.type.tensor_type.ClearField("shape")
     try:
         return onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as exc:
@@ -206,7 +222,7 @@ def _to_torch(proto: onnx.TensorProto) -> torch.Tensor | None:
     if proto.data_type == onnx.TensorProto.BFLOAT16:
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
     try:
-        return torch.from_numpy(np.ascontiguousarray(array).copy())
+        return torch.from_numpy(np.array(array))  # a copy: to_array may return a read-only view
     except TypeError:
         return None
 
@@ -282,10 +298,13 @@ class _Translator:
             self.problems.append(f"node '{_node_label(node)}' ({_op_label(node)}): {exc}")
 
     def _needed_values(self) -> set[str]:
-        """Values the graph outputs depend on (nodes outside this set are dead and ignored)."""
+        """Values the graph outputs depend on (nodes outside this set are dead and ignored).
+
+        A value only measured by Shape is not needed: its node need not be translatable.
+        """
         needed = set(self.graph_outputs)
         for node in reversed(self.onnx_nodes):
-            if any(out in needed for out in node.output):
+            if node.op_type not in _SHAPE_QUERIES and any(out in needed for out in node.output):
                 needed.update(v for v in node.input if v)
         return needed
 
@@ -308,12 +327,16 @@ class _Translator:
             name, suffix = f"{preferred}_{suffix}", suffix + 1
         return name
 
-    def _emit(self, node: Node, value: str, shape: tuple[int | None, ...] | None = None) -> Node:
-        """Add ``node`` as the producer of ONNX ``value`` (``shape``: its batch-free shape if not value's)."""
+    def _add_node(self, node: Node, shape: tuple[int | None, ...] | None) -> Node:
+        """Add ``node``, whose output has batch-free ``shape`` in the graph."""
         self.nodes[node.name] = node
-        self.node_shapes[node.name] = shape if shape is not None else self._known_batch_free_shape(value)
-        self.node_of_value[value] = node.name
+        self.node_shapes[node.name] = shape
         return node
+
+    def _emit(self, node: Node, value: str) -> Node:
+        """Add ``node`` as the producer of ONNX ``value``."""
+        self.node_of_value[value] = node.name
+        return self._add_node(node, self._known_batch_free_shape(value))
 
     def _emit_for(self, onnx_node: onnx.NodeProto, make: Callable[..., Node], *inputs: str, **attributes) -> Node:
         """Add the graph node standing for ``onnx_node`` (named after it) reading ``inputs``."""
@@ -323,6 +346,13 @@ class _Translator:
     def _source(self, value: str) -> str:
         """The graph node producing activation ``value`` (its ONNX name while a problem hides it)."""
         return self.node_of_value.get(value, value)
+
+    def _viewed_activation(self, node: onnx.NodeProto) -> str:
+        """Input 0, an activation that may be a reshaped view of the graph node behind it."""
+        value = node.input[0]
+        if value not in self.activations:
+            raise _Unsupported(f"input 0 ('{value}') is expected to be computed from the network input")
+        return value
 
     def _activation(self, node: onnx.NodeProto, index: int = 0) -> str:
         value = node.input[index] if index < len(node.input) else ""
@@ -358,13 +388,14 @@ class _Translator:
     def _batch_free_shape(self, value: str) -> tuple[int, ...]:
         shape = self._known_batch_free_shape(value)
         if shape is None or any(d is None for d in shape):
-            raise _Unsupported(f"the shape of '{value}' cannot be determined; try passing --input-shape")
+            raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{value}'")
         return shape
 
     # ---- static tensors
 
     def _is_stored(self, value: str) -> bool:
-        return value in self.initializers or (value in self.constants and _constant_tensor(self.constants[value]) is not None)
+        constant = self.constants.get(value)
+        return value in self.initializers or (constant is not None and _constant_tensor(constant) is not None)
 
     def _weight(self, value: str) -> _Weight:
         """Resolve a static input to the stored tensor it is (through Identity and Transpose)."""
@@ -381,10 +412,13 @@ class _Translator:
                 self.aliases[value] = source
                 return _Weight(value, False)
             return self._weight(source)
-        if producer.op_type == "Transpose" and self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]:
+        is_matrix_transpose = self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]
+        if producer.op_type == "Transpose" and is_matrix_transpose:
             inner = self._weight(producer.input[0])
             return _Weight(inner.key, not inner.transposed)
-        raise _Unsupported(f"its tensor input '{value}' is computed by a {producer.op_type} node; only stored tensors are supported")
+        raise _Unsupported(
+            f"its tensor input '{value}' is computed by a {producer.op_type} node; only stored tensors are supported"
+        )
 
     def _plain_weight(self, value: str, role: str, expected_rank: int) -> str:
         weight = self._weight(value)
@@ -427,15 +461,14 @@ class _Translator:
                      bias=node.input[2] if has_bias else None)
 
     def _matmul(self, node: onnx.NodeProto) -> None:
-        x = self._activation(node)
-        if not self._is_static(node.input[1]):
-            raise _Unsupported("a product of two activations is not a linear layer")
-        self._linear(node, x, node.input[1], stored_in_out=True, bias=None)
+        self._linear(node, self._activation(node), node.input[1], stored_in_out=True, bias=None)
 
     def _linear(self, node: onnx.NodeProto, x: str, weight_value: str, *, stored_in_out: bool, bias: str | None) -> None:
         """``stored_in_out``: the op reads its weight input as ``[in, out]`` (MatMul, Gemm transB=0)."""
         if self._rank(x) != 2:
             raise _Unsupported(f"input '{x}' has rank {self._rank(x)}; only (batch, features) inputs are supported")
+        if not self._is_static(weight_value):
+            raise _Unsupported("a product of two activations is not a linear layer")
         if self._rank(weight_value) != 2:
             raise _Unsupported(f"weight '{weight_value}' must have rank 2")
         weight = self._weight(weight_value)
@@ -517,19 +550,33 @@ class _Translator:
         self._emit_for(node, AdaptiveAvgPool, x, output_size=(1,) * self._spatial_rank(x))
 
     def _reduce_mean(self, node: onnx.NodeProto) -> None:
-        """A mean over every spatial axis is global average pooling (torch.export's form of it)."""
-        x = self._activation(node)
-        spatial = self._spatial_rank(x)
-        rank, axes = spatial + 2, self._axes(node)
-        if axes is None or sorted(a % rank for a in axes) != list(range(2, rank)):
+        """A mean over every spatial axis is global average pooling (torch.export's form of it).
+
+        Its input may be a reshaped view of a graph node (torch.export pools 1-d maps as
+        (C, 1, L)): as long as the channel axis is kept, the mean is over the same elements.
+        """
+        x = self._viewed_activation(node)
+        rank, axes = self._rank(x), self._axes(node)
+        if axes is None or rank < 3 or sorted(a % rank for a in axes) != list(range(2, rank)):
             raise _Unsupported(f"only a mean over all spatial axes is supported (axes {axes} of a rank-{rank} input)")
-        if _int(node, "keepdims", 1):
-            self._emit_for(node, AdaptiveAvgPool, x, output_size=(1,) * spatial)
+        source = self._source(x)
+        channels, *spatial = self.node_shapes.get(source) or self._batch_free_shape(x)
+        if channels != self._batch_free_shape(x)[0] or len(spatial) not in (1, 2):
+            raise _Unsupported(f"its input '{x}' is not a 1-d or 2-d feature map of the graph")
+        pooled_shape = (channels,) + (1,) * len(spatial)
+        pool = self._add_node(
+            AdaptiveAvgPool(name=self._unique(_node_label(node)), inputs=(source,), output_size=(1,) * len(spatial)),
+            pooled_shape,
+        )
+        if not _int(node, "keepdims", 1):
+            self._emit(Flatten(name=self._unique(f"{pool.name}/flatten"), inputs=(pool.name,)), node.output[0])
             return
-        channels = self._batch_free_shape(x)[0]
-        pool = AdaptiveAvgPool(name=self._unique(_node_label(node)), inputs=(self._source(x),), output_size=(1,) * spatial)
-        self._emit(pool, node.output[0], shape=(channels,) + (1,) * spatial)
-        self._emit(Flatten(name=self._unique(f"{pool.name}/flatten"), inputs=(pool.name,)), node.output[0])
+        self.node_of_value[node.output[0]] = pool.name
+        onnx_shape = self._batch_free_shape(node.output[0])
+        if onnx_shape != pooled_shape:
+            self.pending_reshapes[node.output[0]] = (
+                f"node '{_node_label(node)}' (ReduceMean), whose {pooled_shape} result it shapes as {onnx_shape}"
+            )
 
     def _reshape(self, node: onnx.NodeProto) -> None:
         """Reshape, Flatten, Squeeze, Unsqueeze: a flatten to (batch, features), a no-op, or a step between.
@@ -538,9 +585,7 @@ class _Translator:
         as two Squeezes after global pooling is one flatten; a step that ends nowhere a graph
         node can represent is reported when something reads it.
         """
-        x = node.input[0]
-        if x not in self.activations:
-            raise _Unsupported(f"input 0 ('{x}') is expected to be computed from the network input")
+        x = self._viewed_activation(node)
         if node.op_type == "Flatten" and _int(node, "axis", 1) != 1:
             raise _Unsupported(f"only axis=1 is supported (axis={_int(node, 'axis', 1)})")
         if node.op_type in ("Squeeze", "Unsqueeze"):
@@ -618,7 +663,6 @@ _HANDLERS: dict[str, Callable[[_Translator, onnx.NodeProto], None]] = {
     "Squeeze": _Translator._reshape,
     "Unsqueeze": _Translator._reshape,
     "Add": _Translator._add,
-    "Sum": _Translator._add,
     "Concat": _Translator._concat,
 }
 
@@ -703,9 +747,23 @@ def write_onnx(model: LoadedModel, changed: dict[str, torch.Tensor], destination
     """
     proto = onnx.ModelProto()
     proto.CopyFrom(model.payload)
-    _replace_tensors(proto.graph, changed)
+    _replace_tensors(proto.graph, _with_detached_aliases(proto.graph, changed, model.params))
     _update_metadata(proto, metadata)
     atomic_write(Path(destination), lambda tmp: onnx.save_model(proto, str(tmp)))
+
+
+def _with_detached_aliases(
+    graph: onnx.GraphProto, changed: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``changed`` plus each Identity alias (a parameter of its own) whose shared tensor changes.
+
+    Such an alias must stop reading the shared tensor and keep the value it had.
+    """
+    detached = dict(changed)
+    for node in graph.node:
+        if node.op_type == "Identity" and node.output[0] in params and node.input[0] in changed:
+            detached.setdefault(node.output[0], params[node.output[0]])
+    return detached
 
 
 def _replace_tensors(graph: onnx.GraphProto, changed: dict[str, torch.Tensor]) -> None:

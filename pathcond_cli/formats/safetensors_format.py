@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,7 +37,7 @@ MAX_HEADER_BYTES = 100_000_000
 # Longest first: what is left is the name sidecars and output shards are named after.
 _CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".index.json", ".safetensors", ".json")
 _UNUSED_SHOWN = 20
-_SAFETENSORS_ERRORS = (safetensors.SafetensorError, ValueError, RuntimeError, TypeError)
+_SAFETENSORS_ERRORS = (safetensors.SafetensorError, OSError, ValueError, RuntimeError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def load_safetensors(
     path = None if isinstance(source, bytes) else Path(source)
     display = name or (str(path) if path is not None else "<bytes>")
     if path is None:
-        params, payload = _read_stream(io.BytesIO(source), len(source), display)
+        params, payload = _read_bytes(source, display)
     elif path.name.endswith(".json"):
         params, payload = _read_index(path, display)
     else:
@@ -130,20 +130,23 @@ def checkpoint_stem(file_name: str) -> str:
 def _read_file(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
     try:
         with open(path, "rb") as handle:
-            return _read_stream(handle, os.fstat(handle.fileno()).st_size, display)
+            metadata = _read_metadata(handle, os.fstat(handle.fileno()).st_size, display)
     except OSError as exc:
         raise InputError(f"{display}: cannot read the checkpoint: {exc.strerror or exc}") from None
+    return _load_tensors(lambda: safetensors.torch.load_file(path), display), SafetensorsPayload(metadata)
 
 
-def _read_stream(stream: BinaryIO, size: int, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
-    """Validate the envelope ourselves (clear messages), then let safetensors read the tensors."""
-    metadata = _read_metadata(stream, size, display)
-    stream.seek(0)
+def _read_bytes(data: bytes, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+    metadata = _read_metadata(io.BytesIO(data), len(data), display)
+    return _load_tensors(lambda: safetensors.torch.load(data), display), SafetensorsPayload(metadata)
+
+
+def _load_tensors(load: Callable[[], dict[str, torch.Tensor]], display: str) -> dict[str, torch.Tensor]:
+    """Run safetensors' own reader (after our envelope checks), its errors as InputError."""
     try:
-        tensors = safetensors.torch.load(stream.read())
+        return load()
     except _SAFETENSORS_ERRORS as exc:
         raise InputError(f"{display}: corrupt or truncated safetensors file ({exc})") from None
-    return tensors, SafetensorsPayload(metadata)
 
 
 def _read_metadata(stream: BinaryIO, size: int, display: str) -> dict[str, str]:

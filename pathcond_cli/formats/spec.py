@@ -187,7 +187,7 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str, input_shape: Sequen
         node = _parse_layer(index, layer, previous, problems)
         if node is not None:
             nodes.append(node)
-            previous = node.name
+        previous = _layer_name(layer) or previous
     outputs = _outputs(spec, previous, problems)
     nodes = _with_input_shape(nodes, input_shape, problems)
     _raise_if_any(problems, source)
@@ -206,8 +206,8 @@ def spec_from_graph(graph: Graph) -> dict[str, Any]:
         layer: dict[str, Any] = {"name": node.name, "type": node.op}
         if not isinstance(node, Input) and node.inputs != (previous,):
             layer["inputs"] = list(node.inputs)
-        for name, value in node_attributes(node).items():
-            layer[name] = list(value) if isinstance(value, tuple) else value
+        for field_name, value in node_attributes(node).items():
+            layer[field_name] = list(value) if isinstance(value, tuple) else value
         layers.append(layer)
         previous = node.name
     return {"format_version": FORMAT_VERSION, "layers": layers, "outputs": list(graph.outputs)}
@@ -292,14 +292,19 @@ def _names(value: Any) -> tuple[str, ...] | None:
     return tuple(items)
 
 
+def _layer_name(layer: Any) -> str | None:
+    name = layer.get("name") if isinstance(layer, Mapping) else None
+    return name if isinstance(name, str) and name else None
+
+
 def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[str]) -> Node | None:
     """The node for one layer entry, or None after recording why it cannot be built."""
     if not isinstance(layer, Mapping):
         problems.append(f"layer #{index + 1} must be a mapping with 'name' and 'type', not {layer!r}")
         return None
-    name = layer.get("name")
-    label = f"layer '{name}'" if isinstance(name, str) and name else f"layer #{index + 1}"
-    if not (isinstance(name, str) and name):
+    name = _layer_name(layer)
+    label = f"layer '{name}'" if name else f"layer #{index + 1}"
+    if not name:
         problems.append(f"{label} needs a non-empty string 'name'")
     kind = layer.get("type")
     layer_type = LAYER_TYPES.get(kind) if isinstance(kind, str) else None
@@ -331,7 +336,7 @@ def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[st
     if values.get("stride", ()) is None:
         values["stride"] = values.get("kernel")
 
-    if len(problems) > count_before or not (isinstance(name, str) and name):
+    if len(problems) > count_before or not name:
         return None
     return layer_type.node(name=name, **values)
 
@@ -348,8 +353,8 @@ def _layer_inputs(label: str, layer: Mapping[str, Any], layer_type: _LayerType, 
             return ()
         return (previous,)
     names = _names(layer["inputs"])
-    if names is None:
-        problems.append(f"{label}: 'inputs' must be a layer name or a list of layer names, got {layer['inputs']!r}")
+    if not names:
+        problems.append(f"{label}: 'inputs' must be a layer name or a non-empty list of layer names, got {layer['inputs']!r}")
         return ()
     return names
 
