@@ -34,15 +34,9 @@ def max_pool(x: torch.Tensor, node: MaxPool) -> torch.Tensor:
     return fn(x, node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode)
 
 
-def avg_pool(x: torch.Tensor, node: AvgPool, divisor_override: int | None = None) -> torch.Tensor:
-    if spatial_rank(x) == 1:
-        if divisor_override is not None:
-            return F.avg_pool1d(x, node.kernel, node.stride, node.padding, node.ceil_mode, True) * node.kernel[0]
-        return F.avg_pool1d(x, node.kernel, node.stride, node.padding, node.ceil_mode, node.count_include_pad)
-    return F.avg_pool2d(
-        x, node.kernel, node.stride, node.padding, node.ceil_mode,
-        node.count_include_pad if divisor_override is None else True, divisor_override,
-    )
+def avg_pool(x: torch.Tensor, node: AvgPool) -> torch.Tensor:
+    fn = F.avg_pool1d if spatial_rank(x) == 1 else F.avg_pool2d
+    return fn(x, node.kernel, node.stride, node.padding, node.ceil_mode, node.count_include_pad)
 
 
 def adaptive_avg_pool(x: torch.Tensor, node: AdaptiveAvgPool) -> torch.Tensor:

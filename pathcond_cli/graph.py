@@ -195,9 +195,9 @@ class Graph:
 
     nodes: list[Node]
     outputs: tuple[str, ...]
-    source: str = "<graph>"
-    _by_name: dict[str, Node] = field(init=False, repr=False)
-    _consumers: dict[str, list[str]] = field(init=False, repr=False)
+    source: str = field(default="<graph>", compare=False)
+    _by_name: dict[str, Node] = field(init=False, repr=False, compare=False)
+    _consumers: dict[str, list[str]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.outputs = tuple(self.outputs)

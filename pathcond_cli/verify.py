@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -9,6 +10,8 @@ import torch
 
 from .evaluate import forward
 from .graph import BatchNorm, Graph
+
+LARGE_INPUT = 16384
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 
@@ -40,11 +43,17 @@ def compare(
     original: Mapping[str, torch.Tensor],
     rescaled: Mapping[str, torch.Tensor],
     *,
-    batch: int = 8,
+    batch: int | None = None,
     seed: int = 0,
 ) -> Verification:
     """Run both parameter sets on the same random float64 inputs, in eval mode and, when the
-    network has BatchNorm, in train mode (batch statistics) too."""
+    network has BatchNorm, in train mode (batch statistics) too.
+
+    The default batch is 8, or 2 for inputs of more than 16384 elements (ImageNet-sized
+    images), where float64 convolutions dominate the run time.
+    """
+    if batch is None:
+        batch = 2 if max(math.prod(n.shape) for n in graph.inputs) > LARGE_INPUT else 8
     generator = torch.Generator().manual_seed(seed)
     inputs = {n.name: torch.randn((batch, *n.shape), generator=generator, dtype=torch.float64) for n in graph.inputs}
     modes = ("eval", "train") if any(isinstance(n, BatchNorm) for n in graph.nodes) else ("eval",)

@@ -1,0 +1,266 @@
+"""torch.fx import: supported modules compute what the module computes; the rest is listed."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pathcond_cli.errors import InputError, UnsupportedModelError
+from pathcond_cli.evaluate import forward
+from pathcond_cli.formats.fx_import import graph_from_module, load_factory
+from pathcond_cli.groups import build_groups
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(5, 8)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(8, 8, bias=False)
+        self.fc3 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        x = self.drop(F.relu(self.fc1(x)))
+        x = torch.relu(torch.add(self.fc2(x), x))
+        return self.fc3(F.dropout(x, 0.5, self.training))
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(6, 8, 3, stride=1, padding="same"), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AvgPool2d(2, stride=1, padding=1, count_include_pad=False),
+            nn.Conv2d(8, 8, 3, groups=2, dilation=2), nn.ReLU(),
+            nn.AdaptiveAvgPool2d((2, 2)),
+        )
+        self.flatten = nn.Flatten()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.flatten(self.features(x)))
+
+
+class CNN1d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 4, 5, stride=2, padding=2)
+        self.bn = nn.BatchNorm1d(4)
+        self.pool = nn.MaxPool1d(3, stride=2, padding=1, ceil_mode=True)
+        self.gap = nn.AdaptiveAvgPool1d(1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.gap(F.avg_pool1d(self.pool(F.relu(self.bn(self.conv(x)))), 1))
+        return self.fc(x.flatten(1))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)  # one module called twice: fine, it has no parameters
+        self.fc = nn.Linear(4 * 2 * 2, 3)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        out = self.relu(out)
+        out = F.max_pool2d(out, 2)
+        return self.fc(out.view(out.size(0), -1))
+
+
+class ConcatBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.a = nn.Conv2d(4, 2, 1)
+        self.b = nn.Conv2d(4, 3, 3, padding=1)
+        self.fc = nn.Linear(5 * 16, 2)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        x = torch.cat((F.relu(self.a(x)), self.b(x).relu()), 1)
+        return self.fc(x.reshape(x.shape[0], -1))
+
+
+class Leaky(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 6)
+        self.act = nn.LeakyReLU(0.1)
+        self.fc2 = nn.Linear(6, 6)
+        self.fc3 = nn.Linear(6, 2)
+
+    def forward(self, x):
+        x = self.act(self.fc1(x))
+        return self.fc3(F.leaky_relu(self.fc2(x), negative_slope=0.3))
+
+
+def randomised(module: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+    return module.double()
+
+
+CASES = [
+    (MLP, (5,)),
+    (CNN, (3, 8, 8)),
+    (CNN1d, (2, 16)),
+    (ResidualBlock, (4, 4, 4)),
+    (ConcatBlock, (3, 4, 4)),
+    (Leaky, (4,)),
+]
+
+
+@pytest.mark.parametrize("factory, input_shape", CASES, ids=[c[0].__name__ for c in CASES])
+def test_imported_graph_computes_the_module(factory, input_shape):
+    module = randomised(factory())
+    graph, params = graph_from_module(module, input_shape, source=factory.__name__)
+    assert set(params) == set(module.state_dict())
+    assert set(graph.parameter_keys()) <= set(params)
+    assert module.training, "tracing must restore the module's mode"
+    x = torch.randn(3, *input_shape, dtype=torch.float64)
+    expected = module.eval()(x)
+    got = forward(graph, params, x)[graph.outputs[0]]
+    assert (got - expected).abs().max() / expected.abs().max() <= 1e-6
+    build_groups(graph, params)
+
+
+def test_layer_names_follow_module_paths():
+    graph, _ = graph_from_module(ResidualBlock(), (4, 4, 4), source="block")
+    names = [node.name for node in graph.nodes]
+    assert names[:4] == ["x", "conv1", "bn1", "relu"]
+    assert "relu_1" in names  # the second call of self.relu
+    assert graph["conv1"].weight == "conv1.weight" and graph["conv1"].bias is None
+    graph, _ = graph_from_module(CNN(), (3, 8, 8), source="cnn")
+    assert graph["features.1"].running_var == "features.1.running_var"
+    assert graph["features.4"].padding == (1, 1)
+
+
+class NotHomogeneous(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.gelu = nn.GELU()
+        self.norm = nn.LayerNorm(4)
+        self.fc2 = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = self.norm(self.gelu(self.fc1(x)))
+        return torch.sigmoid(self.fc2(F.silu(x)))
+
+
+def test_every_unsupported_node_is_listed_in_one_error():
+    with pytest.raises(UnsupportedModelError) as info:
+        graph_from_module(NotHomogeneous(), (4,), source="net.py")
+    problems = info.value.problems
+    assert len(problems) == 4
+    message = str(info.value)
+    assert message.startswith("net.py:")
+    assert "fx node 'gelu' (module 'gelu', GELU)" in message
+    assert "fx node 'norm' (module 'norm', LayerNorm)" in message
+    assert "fx node 'silu' (function torch.nn.functional.silu)" in message
+    assert "fx node 'sigmoid' (function torch.sigmoid)" in message
+
+
+class AppliedTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.out(F.relu(self.fc(F.relu(self.fc(x)))))
+
+
+def test_module_applied_twice_is_rejected():
+    with pytest.raises(UnsupportedModelError, match=r"module 'fc' \(Linear\) is applied 2 times \(fx nodes fc, fc_1\)"):
+        graph_from_module(AppliedTwice(), (4,), source="twice")
+
+
+class OddShapes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding_mode="reflect", padding=1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = torch.cat([y, y], dim=0) + 1
+        return self.fc(y.view(-1, 4) * self.fc.weight.sum())
+
+
+def test_configurations_outside_the_dag_are_explained():
+    with pytest.raises(UnsupportedModelError) as info:
+        graph_from_module(OddShapes(), (3, 2, 2), source="odd")
+    message = str(info.value)
+    assert "padding_mode='reflect'" in message
+    assert "only concatenation along dim 1" in message
+    assert "adding a constant" in message
+    assert "only x.view(x.size(0), -1)" in message
+    assert "a parameter or constant used outside its module" in message
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        return x if x.sum() > 0 else -x
+
+
+def test_untraceable_module_is_unsupported():
+    with pytest.raises(UnsupportedModelError, match="torch.fx cannot trace"):
+        graph_from_module(DataDependent(), (3,), source="dd")
+
+
+def test_load_factory(tmp_path, monkeypatch):
+    (tmp_path / "my_factories.py").write_text(textwrap.dedent("""
+        import torch.nn as nn
+
+        def mlp():
+            return nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+
+        class Zoo:
+            @staticmethod
+            def small():
+                return nn.Linear(2, 2)
+
+        def not_a_module():
+            return 42
+
+        def broken():
+            raise RuntimeError("no weights here")
+
+        NOT_CALLABLE = 3
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert isinstance(load_factory("my_factories:mlp"), nn.Sequential)
+    assert isinstance(load_factory("my_factories:Zoo.small"), nn.Linear)
+    failures = {
+        "no_such_module_xyz:build": "cannot import module 'no_such_module_xyz'",
+        "my_factories:missing": "has no attribute 'missing'",
+        "my_factories:not_a_module": "returned int, not a torch.nn.Module",
+        "my_factories:broken": "no weights here",
+        "my_factories:NOT_CALLABLE": "is not callable",
+        "my_factories": "expected the form module.path:callable",
+    }
+    for spec, fragment in failures.items():
+        with pytest.raises(InputError, match=fragment):
+            load_factory(spec)
