@@ -43,7 +43,6 @@ class Objective:
         self.p = groups.p
         self.k = groups.k.to(self.device, torch.float64)
         self.degree = (groups.n_in + groups.n_out).to(self.device, torch.float64).clamp_min(1)
-        self.log_gbar: list[torch.Tensor] = []
         self.gbar: list[torch.Tensor] = []
         self.gbar_shift: list[float] = []
         self_loop_log = torch.full((groups.num_free + 1,), -torch.inf, dtype=torch.float64, device=self.device)
@@ -52,21 +51,23 @@ class Objective:
             log_gbar = torch.logsumexp(log_g4, dim=3)
             finite = log_gbar[torch.isfinite(log_gbar)]
             shift = float(finite.max()) if finite.numel() else 0.0
-            self.log_gbar.append(log_gbar[..., None])
             self.gbar.append(torch.exp(log_gbar - shift))
             self.gbar_shift.append(shift)
             if dp.self_loops is not None:
                 masked = torch.where(dp.self_loops[..., 0], log_gbar, torch.full_like(log_gbar, -torch.inf))
                 self_loop_log = torch.logaddexp(self_loop_log, _group_logsumexp(dp.dst, torch.logsumexp(masked, dim=2), self_loop_log))
         self.self_loop_log = self_loop_log[:-1]
-        if not any(bool(torch.isfinite(lg).any()) for lg in self.log_gbar):
+        if not any(bool((gbar > 0).any()) for gbar in self.gbar):
             raise ValueError("diag(G) is zero everywhere: the network computes the zero function")
         self.passes = 0
 
     def log_weights(self, u: torch.Tensor) -> list[torch.Tensor]:
         """log w = log ḡ − 2(Bu) per tensor, shaped ``[G, O/G, I/G, 1]`` (kernel summed)."""
         u_ext = self.groups.extend(u)
-        return [lg - 2 * dp.exponent(u_ext) for lg, dp in zip(self.log_gbar, self.groups.dag_params)]
+        return [
+            (torch.log(gbar) + shift)[..., None] - 2 * dp.exponent(u_ext)
+            for gbar, shift, dp in zip(self.gbar, self.gbar_shift, self.groups.dag_params)
+        ]
 
     def evaluate(self, u: torch.Tensor, frozen: torch.Tensor | None = None) -> Evaluation:
         """F(u), the shares a and c, ∂F/∂u and the relative KKT residual (frozen groups excluded)."""
