@@ -119,12 +119,13 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
     history = [current.value]
     iterations = 0
     while current.kkt_residual > tol and iterations < max_iter:
-        direction = -_inverse_hessian_times(steps, current.gradient)
+        curvature_diagonal = 4 * (current.a + current.c)
+        direction = -_inverse_hessian_times(steps, current.gradient, curvature_diagonal)
         slope = float(current.gradient @ direction)
         if slope >= 0:
             steps.clear()
             direction, slope = -current.gradient, -float(current.gradient @ current.gradient)
-        t = 1.0 if steps else 1.0 / max(float(current.gradient.abs().sum()), 1.0)
+        t = 1.0
         while True:
             candidate = objective.evaluate(u + t * direction, frozen)
             if candidate.value <= current.value + 1e-4 * t * slope or t < 1e-20:
@@ -145,17 +146,24 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
     return u, history, current, iterations
 
 
-def _inverse_hessian_times(steps, gradient: torch.Tensor) -> torch.Tensor:
-    """The L-BFGS estimate of H⁻¹·gradient from the stored (s, y, 1/yᵀs) pairs."""
+def _inverse_hessian_times(steps, gradient: torch.Tensor, curvature_diagonal: torch.Tensor) -> torch.Tensor:
+    """The L-BFGS estimate of H⁻¹·gradient from the stored (s, y, 1/yᵀs) pairs.
+
+    The initial matrix is the inverse Hessian diagonal of F, ∂²F/∂u_h² ≈ 4(a_h + c_h), scaled
+    by the usual sᵀy / yᵀDy: group curvatures differ by orders of magnitude across layers,
+    which a scalar initial matrix cannot follow.
+    """
+    inverse_diagonal = 1 / curvature_diagonal.clamp_min(float(curvature_diagonal.max()) * 1e-12 + 1e-300)
     q = gradient.clone()
     alphas = []
     for s, y, rho in reversed(steps):
         alpha = rho * float(s @ q)
         q -= alpha * y
         alphas.append(alpha)
+    q *= inverse_diagonal
     if steps:
         s, y, _ = steps[-1]
-        q *= float(s @ y) / float(y @ y)
+        q *= float(s @ y) / float(y @ (inverse_diagonal * y))
     for (s, y, rho), alpha in zip(steps, reversed(alphas)):
         q += (alpha - rho * float(y @ q)) * s
     return q
