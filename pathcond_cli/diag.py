@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from .evaluate import adaptive_avg_pool, conv, spatial_rank
 from .graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Input, Linear, MaxPool,
+    AdaptiveAvgPool, Add, AvgPool, Concat, Conv, Flatten, Graph, Input, Linear, MaxPool,
 )
 from .groups import RescalingGroups
 
@@ -90,57 +90,145 @@ def _adaptive_window_sizes(in_size: tuple[int, ...], out_size: tuple[int, ...], 
     return grid.to(like.dtype)
 
 
+@dataclass
+class ScaledTensor:
+    """A non-negative tensor stored as ``value · exp(log_scale)`` so that any magnitude fits."""
+
+    value: torch.Tensor
+    log_scale: float = 0.0
+
+    @classmethod
+    def from_log(cls, log_value: torch.Tensor) -> ScaledTensor:
+        finite = log_value[torch.isfinite(log_value)]
+        log_scale = float(finite.max()) if finite.numel() else 0.0
+        return cls(torch.exp(log_value - log_scale), log_scale)
+
+
+@dataclass
+class SquaredPass:
+    """The squared network's activations: true value of node n is ``exp(offsets[n]) · values[n]``."""
+
+    values: dict[str, torch.Tensor]
+    offsets: dict[str, float]
+
+    def total(self, graph: Graph) -> tuple[float, float]:
+        """L = Σ outputs, as (mantissa, log offset)."""
+        final = max(self.offsets[o] for o in graph.outputs)
+        mantissa = sum(float(self.values[o].sum()) * math.exp(self.offsets[o] - final) for o in graph.outputs)
+        return mantissa, final
+
+
+def _renormalise(y: torch.Tensor, offset: float) -> tuple[torch.Tensor, float]:
+    """Divide by the peak when it leaves [1e-100, 1e100], moving the factor into the log offset."""
+    peak = float(y.abs().max()) if y.numel() else 0.0
+    if peak > 0 and not 1e-100 < peak < 1e100:
+        return y / peak, offset + math.log(peak)
+    return y, offset
+
+
 def squared_network(
     graph: Graph,
-    layer_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+    layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]],
     *,
     power: int,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str = "cpu",
-    renormalise: bool = False,
-) -> tuple[torch.Tensor, float]:
-    """Summed output of the squared network, and (when ``renormalise``) its natural-log scale.
+) -> SquaredPass:
+    """Forward pass of the squared network on all-ones inputs, with a log offset per node.
 
-    ``layer_params`` maps each Linear/Conv node to its (BatchNorm-folded) ψ weight and bias in
-    torch's layout. With ``renormalise`` every activation is divided by its maximum and the
-    factor kept as a log offset, so counts beyond float64's range stay representable; the
-    returned total is then ``exp(offset) · value``.
+    ``layers`` maps each Linear/Conv (and standalone BatchNorm) node to its ψ weight and bias
+    in torch's layout, each with its own log scale; so neither a huge global scale nor a huge
+    path count overflows.
     """
     values: dict[str, torch.Tensor] = {}
     offsets: dict[str, float] = {}
-    for node in graph.nodes:
-        offset = 0.0
-        if isinstance(node, Input):
-            y = torch.ones((1, *node.shape), dtype=dtype, device=device)
-        elif isinstance(node, (Linear, Conv)):
-            x, offset = values[node.inputs[0]], offsets[node.inputs[0]]
-            weight, bias = layer_params[node.name]
-            if bias is not None and renormalise:
-                bias = bias * math.exp(-offset)
-            y = F.linear(x, weight, bias) if isinstance(node, Linear) else conv(x, weight, bias, node)
-        elif isinstance(node, BatchNorm) and node.name in layer_params:
-            x, offset = values[node.inputs[0]], offsets[node.inputs[0]]
-            scale, shift = layer_params[node.name]
-            broadcast = (1, -1, *([1] * (x.dim() - 2)))
-            if renormalise:
-                shift = shift * math.exp(-offset)
-            y = x * scale.reshape(broadcast) + shift.reshape(broadcast)
-        elif isinstance(node, (Add, Concat)):
-            offset = max(offsets[i] for i in node.inputs)
-            parts = [values[i] * math.exp(offsets[i] - offset) if renormalise else values[i] for i in node.inputs]
-            y = torch.cat(parts, dim=1) if isinstance(node, Concat) else sum(parts[1:], parts[0])
+    with torch.no_grad():
+        for node in graph.nodes:
+            if isinstance(node, Input):
+                y, offset = torch.ones((1, *node.shape), dtype=dtype, device=device), 0.0
+            elif node.name in layers:
+                weight, bias = layers[node.name]
+                weighted_scale = offsets[node.inputs[0]] + weight.log_scale
+                offset = weighted_scale if bias is None else max(weighted_scale, bias.log_scale)
+                y = _weighted(node, values[node.inputs[0]], weight.value) * math.exp(weighted_scale - offset)
+                if bias is not None:
+                    y = y + _per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
+            elif isinstance(node, (Add, Concat)):
+                offset = max(offsets[i] for i in node.inputs)
+                parts = [values[i] * math.exp(offsets[i] - offset) for i in node.inputs]
+                y = torch.cat(parts, dim=1) if isinstance(node, Concat) else sum(parts[1:], parts[0])
+            else:
+                y, offset = _fixed_op(node, values[node.inputs[0]], power), offsets[node.inputs[0]]
+            values[node.name], offsets[node.name] = _renormalise(y, offset)
+    return SquaredPass(values, offsets)
+
+
+def _per_channel(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return vector.reshape(1, -1, *([1] * (like.dim() - 2)))
+
+
+def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Vector–Jacobian product of a (multi)linear op at ``inputs``: local autograd, one node."""
+    leaves = [t.detach().requires_grad_(True) for t in inputs]
+    with torch.enable_grad():
+        output = function(*leaves)
+        return torch.autograd.grad(output, leaves, cotangent, allow_unused=True)
+
+
+def log_gradients(
+    graph: Graph, layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets.
+
+    Each node's vector–Jacobian product is taken locally on normalised values, and the scale
+    of the cotangent is carried as a log offset, so gradients far below (or above) the rest
+    of the network stay representable: no chain of tiny factors ever multiplies out.
+    """
+    cotangents: dict[str, list[tuple[torch.Tensor, float]]] = {
+        o: [(torch.ones_like(forward.values[o]), 0.0)] for o in graph.outputs
+    }
+    result: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for node in reversed(graph.nodes):
+        if isinstance(node, Input) or node.name not in cotangents:
+            continue
+        incoming = cotangents.pop(node.name)
+        sigma = max(offset for _, offset in incoming)
+        cotangent = sum(t * math.exp(offset - sigma) for t, offset in incoming)
+        cotangent, sigma = _renormalise(cotangent, sigma)
+
+        def send(name: str, tensor: torch.Tensor, offset: float) -> None:
+            cotangents.setdefault(name, []).append(_renormalise(tensor, offset))
+
+        if node.name in layers:
+            weight, bias = layers[node.name]
+            source = node.inputs[0]
+            x = forward.values[source]
+            grad_x, grad_w = _vjp(lambda a, w: _weighted(node, a, w), [x, weight.value], cotangent)
+            send(source, grad_x, sigma + weight.log_scale)
+            log_bias = None
+            if bias is not None:
+                log_bias = torch.log(cotangent.sum(dim=[0, *range(2, cotangent.dim())]).clamp_min(0)) + sigma
+            result[node.name] = (torch.log(grad_w.clamp_min(0)) + sigma + forward.offsets[source], log_bias)
+        elif isinstance(node, Add):
+            for source in node.inputs:
+                send(source, cotangent, sigma)
+        elif isinstance(node, Concat):
+            widths = [forward.values[i].shape[1] for i in node.inputs]
+            for source, part in zip(node.inputs, torch.split(cotangent, widths, dim=1)):
+                send(source, part, sigma)
         else:
-            x, offset = values[node.inputs[0]], offsets[node.inputs[0]]
-            y = _fixed_op(node, x, power)
-        if renormalise:
-            peak = float(y.max()) if y.numel() else 0.0
-            if peak > 0 and not 1e-100 < peak < 1e100:
-                y = y / peak
-                offset += math.log(peak)
-        values[node.name], offsets[node.name] = y, offset
-    total = sum(values[name].sum() * (math.exp(offsets[name] - max(offsets[o] for o in graph.outputs)))
-                for name in graph.outputs)
-    return total, max(offsets[o] for o in graph.outputs)
+            (grad_x,) = _vjp(lambda a: _fixed_op(node, a, 2), [forward.values[node.inputs[0]]], cotangent)
+            send(node.inputs[0], grad_x, sigma)
+    return result
+
+
+def _weighted(node, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The parameterised part of a layer (no bias): Linear, Conv, or BatchNorm's scale."""
+    if isinstance(node, Linear):
+        return F.linear(x, weight)
+    if isinstance(node, Conv):
+        return conv(x, weight, None, node)
+    return x * weight.reshape(1, -1, *([1] * (x.dim() - 2)))
 
 
 def _fixed_op(node, x: torch.Tensor, power: int) -> torch.Tensor:
@@ -159,14 +247,14 @@ def _fixed_op(node, x: torch.Tensor, power: int) -> torch.Tensor:
     return x
 
 
-def _layer_tensors(groups: RescalingGroups, tensors: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    by_layer: dict[str, list[torch.Tensor]] = {}
+def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
+    by_layer: dict[str, list] = {}
     for dp, t in zip(groups.dag_params, tensors):
         by_layer.setdefault(dp.layer, []).append(t)
     return by_layer
 
 
-def _layer_params(groups: RescalingGroups, tensors: list[torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+def _layers(groups: RescalingGroups, tensors: list[ScaledTensor]) -> dict[str, tuple[ScaledTensor, ScaledTensor | None]]:
     return {layer: (ts[0], ts[1] if len(ts) > 1 else None) for layer, ts in _layer_tensors(groups, tensors).items()}
 
 
@@ -198,31 +286,35 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
 
 
 def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> DiagG:
-    """log diag(G) for every DAG parameter: one forward and one backward pass (SPEC §3)."""
-    u_balance = balancing_exponents(groups).to(device)
-    u_ext = groups.extend(u_balance)
+    """log diag(G) for every DAG parameter: one forward and one backward pass (SPEC §3).
+
+    ψ = (Dθ)² is built from log|θ| + (B u_D) in the log domain with a scale per tensor, and
+    log g(θ) = log ∂L/∂Ψ(Dθ) + 2(B u_D) since g(Dθ) = g(θ) / d².
+    """
+    u_ext = groups.extend(balancing_exponents(groups).to(device))
     dev_groups = groups.to(device)
-    psi: list[torch.Tensor] = []
-    log_shift: list[torch.Tensor] = []
+    psi: list[ScaledTensor] = []
+    exponents: list[torch.Tensor] = []
     for dp in dev_groups.dag_params:
         exponent = dp.exponent(u_ext).expand(dp.view).reshape(dp.value.shape)
-        value = dp.value.to(device)
-        balanced_log_abs = torch.log(value.abs()) + exponent
-        psi.append(torch.exp(2 * balanced_log_abs).requires_grad_(True))
-        log_shift.append(2 * exponent)
-    total, _ = squared_network(groups.graph, _layer_params(groups, psi), power=2, device=device)
-    grads = torch.autograd.grad(total, psi, allow_unused=True)
+        psi.append(ScaledTensor.from_log(2 * (torch.log(dp.value.to(device).abs()) + exponent)))
+        exponents.append(exponent)
+    layers = _layers(groups, psi)
+    gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=2, device=device))
     log_g = []
-    for p, grad, shift in zip(psi, grads, log_shift):
-        g = torch.zeros_like(p) if grad is None else grad.detach()
-        log_g.append(torch.log(g.clamp_min(0)) + shift)
+    for dp, scaled, exponent in zip(groups.dag_params, psi, exponents):
+        weight_log, bias_log = gradients[dp.layer]
+        is_bias = layers[dp.layer][1] is scaled
+        log_g.append((bias_log if is_bias else weight_log).reshape(dp.value.shape) + 2 * exponent)
+    if any(bool(torch.isnan(lg).any() | (lg == torch.inf).any()) for lg in log_g):
+        raise ArithmeticError("diag(G) could not be represented even in the log domain")
     return DiagG(log_g)
 
 
 def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> PathCount:
     """Number of paths (input or bias to output) as log10, and exactly when below 2**53."""
-    ones = [torch.ones(dp.value.shape, dtype=torch.float64, device=device) for dp in groups.dag_params]
-    total, offset = squared_network(groups.graph, _layer_params(groups, ones), power=0, device=device, renormalise=True)
-    log10 = (math.log(float(total)) + offset) / math.log(10)
-    exact = int(round(float(total))) if offset == 0.0 and float(total) < EXACT_LIMIT else None
+    ones = [ScaledTensor(torch.ones(dp.value.shape, dtype=torch.float64, device=device)) for dp in groups.dag_params]
+    mantissa, offset = squared_network(groups.graph, _layers(groups, ones), power=0, device=device).total(groups.graph)
+    log10 = (math.log(mantissa) + offset) / math.log(10)
+    exact = int(round(mantissa)) if offset == 0.0 and mantissa < EXACT_LIMIT else None
     return PathCount(log10, exact)

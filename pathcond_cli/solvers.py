@@ -28,6 +28,7 @@ SOLVERS = ("block", "lbfgs", "sequential")
 DEFAULT_SOLVER = "lbfgs"
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_ITER = 1000
+MIN_STEP = 1e-10
 
 ProgressCallback = Callable[[int, float, float], None]
 
@@ -104,7 +105,7 @@ def _block(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
             if colour:
                 current = objective.evaluate(u, frozen)
             update = (colours == colour) & ~frozen
-            step = block_step(current.a, current.c, objective.k)
+            step = block_step(current.log_a, current.log_c, objective.k)
             u = torch.where(update, u + step, u)
         iterations += 1
         current = objective.evaluate(u, frozen)
@@ -114,7 +115,11 @@ def _block(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
 
 
 def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress, memory: int = 20):
-    """L-BFGS (two-loop recursion) with a backtracking Armijo line search on F."""
+    """L-BFGS (two-loop recursion) with a backtracking Armijo line search on F.
+
+    Stops, unconverged, when the line search cannot decrease F any more (the tolerance asked
+    for is below what F's float64 value can resolve).
+    """
     steps: list[tuple[torch.Tensor, torch.Tensor, float]] = []
     history = [current.value]
     iterations = 0
@@ -128,7 +133,7 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
         t = 1.0
         while True:
             candidate = objective.evaluate(u + t * direction, frozen)
-            if candidate.value <= current.value + 1e-4 * t * slope or t < 1e-20:
+            if candidate.value <= current.value + 1e-4 * t * slope or t < MIN_STEP:
                 break
             t *= 0.5
         step = t * direction
@@ -141,7 +146,7 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
         iterations += 1
         history.append(current.value)
         _report(progress, iterations, current)
-        if t < 1e-20:
+        if t < MIN_STEP:
             break
     return u, history, current, iterations
 
@@ -170,7 +175,11 @@ def _inverse_hessian_times(steps, gradient: torch.Tensor, curvature_diagonal: to
 
 
 def _sequential(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress):
-    """The paper's Algorithm 2: exact update of one group at a time, S kept incrementally."""
+    """The paper's Algorithm 2: exact update of one group at a time, S kept incrementally.
+
+    Weights are kept as logs and each group's sums are log-sum-exp, so the update holds
+    however far apart the groups' scales are.
+    """
     groups = objective.groups
     p = objective.p
     k = objective.k.tolist()
@@ -180,21 +189,19 @@ def _sequential(objective: Objective, u, frozen, current: Evaluation, tol, max_i
     iterations = 0
     while current.kkt_residual > tol and iterations < max_iter:
         log_weights = objective.log_weights(u)
-        shift = max(float(lw.max()) for lw in log_weights)
-        weights = [torch.exp(lw - shift) for lw in log_weights]
-        total = float(sum(w.sum() for w in weights))
+        log_total = torch.logsumexp(torch.cat([lw.reshape(-1) for lw in log_weights]), dim=0)
         u_list = u.tolist()
         for h in active:
             rows, cols = incidence[h]
-            incoming = sum(float(_rows(weights[t], groups.dag_params[t], r).sum()) for t, r in rows)
-            outgoing = sum(float(_cols(weights[t], groups.dag_params[t], c).sum()) for t, c in cols)
-            delta = paper_step(incoming, outgoing, total - incoming - outgoing, k[h], p)
-            z = math.exp(2 * delta)
+            log_in = torch.logsumexp(torch.cat([_rows(log_weights[t], groups.dag_params[t], r) for t, r in rows]), 0)
+            log_out = torch.logsumexp(torch.cat([_cols(log_weights[t], groups.dag_params[t], c) for t, c in cols]), 0)
+            log_rest = _log_remainder(log_total, log_in, log_out)
+            delta = paper_step(log_in, log_out, log_rest, k[h], p)
             for t, r in rows:
-                _scale_rows(weights[t], r, 1 / z)
+                _shift_rows(log_weights[t], r, -2 * delta)
             for t, c in cols:
-                _scale_cols(weights[t], c, z)
-            total += incoming * (1 / z - 1) + outgoing * (z - 1)
+                _shift_cols(log_weights[t], c, 2 * delta)
+            log_total = torch.logsumexp(torch.stack([log_rest, log_in - 2 * delta, log_out + 2 * delta]), 0)
             u_list[h] += delta
         u = torch.tensor(u_list, dtype=torch.float64, device=u.device)
         objective.passes += 1
@@ -203,6 +210,12 @@ def _sequential(objective: Objective, u, frozen, current: Evaluation, tol, max_i
         history.append(current.value)
         _report(progress, iterations, current)
     return u, history, current, iterations
+
+
+def _log_remainder(log_total: torch.Tensor, log_in: torch.Tensor, log_out: torch.Tensor) -> torch.Tensor:
+    """log E = log(S − A − C), the weight of parameters not touching the group (≥ 0)."""
+    share = torch.exp(log_in - log_total) + torch.exp(log_out - log_total)
+    return log_total + torch.log1p(-share.clamp(max=1.0))
 
 
 def _incidence(groups: RescalingGroups):
@@ -231,19 +244,21 @@ def _split_by_value(values: torch.Tensor, order: torch.Tensor):
     return unique.tolist(), torch.split(order, counts.tolist())
 
 
-def _rows(w: torch.Tensor, dp, rows: torch.Tensor) -> torch.Tensor:
-    w4 = w if dp.self_loops is None else w * ~dp.self_loops
-    return w4.reshape(dp.view[0] * dp.view[1], -1)[rows]
+def _without_self_loops(log_w: torch.Tensor, dp) -> torch.Tensor:
+    return log_w if dp.self_loops is None else log_w.masked_fill(dp.self_loops, -torch.inf)
 
 
-def _cols(w: torch.Tensor, dp, cols) -> torch.Tensor:
-    w4 = w if dp.self_loops is None else w * ~dp.self_loops
-    return w4[cols[0], :, cols[1], :]
+def _rows(log_w: torch.Tensor, dp, rows: torch.Tensor) -> torch.Tensor:
+    return _without_self_loops(log_w, dp).reshape(dp.view[0] * dp.view[1], -1)[rows].reshape(-1)
 
 
-def _scale_rows(w: torch.Tensor, rows: torch.Tensor, factor: float) -> None:
-    w.view(w.shape[0] * w.shape[1], -1)[rows] *= factor
+def _cols(log_w: torch.Tensor, dp, cols) -> torch.Tensor:
+    return _without_self_loops(log_w, dp)[cols[0], :, cols[1], :].reshape(-1)
 
 
-def _scale_cols(w: torch.Tensor, cols, factor: float) -> None:
-    w[cols[0], :, cols[1], :] *= factor
+def _shift_rows(log_w: torch.Tensor, rows: torch.Tensor, amount: float) -> None:
+    log_w.view(log_w.shape[0] * log_w.shape[1], -1)[rows] += amount
+
+
+def _shift_cols(log_w: torch.Tensor, cols, amount: float) -> None:
+    log_w[cols[0], :, cols[1], :] += amount

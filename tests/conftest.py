@@ -1,0 +1,337 @@
+"""Shared fixtures: tiny random ReLU DAGs (Graph + checkpoint params) for the oracle tests.
+
+``nets`` (session scope, usable from hypothesis tests) exposes :class:`NetBuilder` and a
+catalogue of named tiny networks, each small enough for explicit path enumeration
+(at most a few hundred to a couple of thousand paths).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pathcond_cli.graph import (
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
+    LeakyReLU, Linear, MaxPool, ReLU,
+)
+
+
+class NetBuilder:
+    """Append nodes one by one; tracks shapes with a dummy torch forward; draws random params."""
+
+    def __init__(self, shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float64,
+                 scale: float = 1.0):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+        self.scale = scale
+        self.nodes = [Input("x", shape=tuple(shape))]
+        self.params: dict[str, torch.Tensor] = {}
+        self.dummy = {"x": torch.zeros((1, *shape))}
+        self.cur = "x"
+        self.count = 0
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _name(self, kind: str) -> str:
+        self.count += 1
+        return f"{kind}{self.count}"
+
+    def shape(self, name: str | None = None) -> tuple[int, ...]:
+        return tuple(self.dummy[name or self.cur].shape[1:])
+
+    def _rand(self, *shape, scale=None) -> torch.Tensor:
+        s = self.scale if scale is None else scale
+        return (torch.randn(shape, generator=self.gen, dtype=torch.float64) * s).to(self.dtype)
+
+    def _push(self, node, y: torch.Tensor) -> str:
+        self.nodes.append(node)
+        self.dummy[node.name] = y
+        self.cur = node.name
+        return node.name
+
+    # -- layers --------------------------------------------------------------------------------
+    def linear(self, out: int, bias: bool = True, transposed: bool = False, src: str | None = None) -> str:
+        src = src or self.cur
+        name = self._name("fc")
+        (inp,) = self.shape(src)
+        w = self._rand(out, inp, scale=self.scale / math.sqrt(inp))
+        self.params[f"{name}.weight"] = w.t().contiguous() if transposed else w
+        if bias:
+            self.params[f"{name}.bias"] = self._rand(out, scale=0.5 * self.scale)
+        node = Linear(name, (src,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None,
+                      weight_transposed=transposed)
+        return self._push(node, torch.zeros(1, out))
+
+    def conv(self, out: int, k, stride=1, padding=0, dilation=1, groups: int = 1, bias: bool = True,
+             src: str | None = None) -> str:
+        src = src or self.cur
+        name = self._name("conv")
+        shp = self.shape(src)
+        r = len(shp) - 1
+        k = (k,) * r if isinstance(k, int) else tuple(k)
+        tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
+        fan_in = shp[0] // groups * math.prod(k)
+        self.params[f"{name}.weight"] = self._rand(out, shp[0] // groups, *k, scale=self.scale / math.sqrt(fan_in))
+        if bias:
+            self.params[f"{name}.bias"] = self._rand(out, scale=0.5 * self.scale)
+        node = Conv(name, (src,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None,
+                    stride=tup(stride), padding=tup(padding), dilation=tup(dilation), groups=groups)
+        fn = F.conv1d if r == 1 else F.conv2d
+        y = fn(self.dummy[src], torch.zeros(out, shp[0] // groups, *k), None, node.stride, node.padding,
+               node.dilation, groups)
+        return self._push(node, y)
+
+    def bn(self, eps: float = 1e-5) -> str:
+        name = self._name("bn")
+        C = self.shape()[0]
+        g = self.gen
+        self.params[f"{name}.weight"] = ((torch.rand(C, generator=g, dtype=torch.float64) + 0.5)
+                                         * torch.where(torch.rand(C, generator=g) < 0.2, -1.0, 1.0)).to(self.dtype)
+        self.params[f"{name}.bias"] = self._rand(C, scale=0.3)
+        self.params[f"{name}.running_mean"] = self._rand(C, scale=0.3)
+        self.params[f"{name}.running_var"] = (torch.rand(C, generator=g, dtype=torch.float64) + 0.5).to(self.dtype)
+        node = BatchNorm(name, (self.cur,), weight=f"{name}.weight", bias=f"{name}.bias",
+                         running_mean=f"{name}.running_mean", running_var=f"{name}.running_var", eps=eps)
+        return self._push(node, self.dummy[self.cur])
+
+    def relu(self, src: str | None = None) -> str:
+        src = src or self.cur
+        return self._push(ReLU(self._name("relu"), (src,)), self.dummy[src])
+
+    def leaky(self, slope: float = 0.1) -> str:
+        return self._push(LeakyReLU(self._name("lrelu"), (self.cur,), negative_slope=slope), self.dummy[self.cur])
+
+    def identity(self) -> str:
+        return self._push(Identity(self._name("id"), (self.cur,)), self.dummy[self.cur])
+
+    def maxpool(self, k, stride=None, padding=0, dilation=1, ceil_mode=False) -> str:
+        r = len(self.shape()) - 1
+        tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
+        stride = k if stride is None else stride
+        node = MaxPool(self._name("maxpool"), (self.cur,), kernel=tup(k), stride=tup(stride), padding=tup(padding),
+                       dilation=tup(dilation), ceil_mode=ceil_mode)
+        fn = F.max_pool1d if r == 1 else F.max_pool2d
+        y = fn(self.dummy[self.cur], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=ceil_mode)
+        return self._push(node, y)
+
+    def avgpool(self, k, stride=None, padding=0, ceil_mode=False, count_include_pad=True) -> str:
+        r = len(self.shape()) - 1
+        tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
+        stride = k if stride is None else stride
+        node = AvgPool(self._name("avgpool"), (self.cur,), kernel=tup(k), stride=tup(stride), padding=tup(padding),
+                       ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+        fn = F.avg_pool1d if r == 1 else F.avg_pool2d
+        y = fn(self.dummy[self.cur], node.kernel, node.stride, node.padding, ceil_mode, count_include_pad)
+        return self._push(node, y)
+
+    def adaptive(self, size) -> str:
+        r = len(self.shape()) - 1
+        size = (size,) * r if isinstance(size, int) else tuple(size)
+        fn = F.adaptive_avg_pool1d if r == 1 else F.adaptive_avg_pool2d
+        return self._push(AdaptiveAvgPool(self._name("apool"), (self.cur,), output_size=size),
+                          fn(self.dummy[self.cur], size))
+
+    def flatten(self) -> str:
+        return self._push(Flatten(self._name("flat"), (self.cur,)), self.dummy[self.cur].flatten(1))
+
+    def add(self, *srcs: str) -> str:
+        return self._push(Add(self._name("add"), tuple(srcs)), sum(self.dummy[s] for s in srcs))
+
+    def concat(self, *srcs: str) -> str:
+        return self._push(Concat(self._name("cat"), tuple(srcs)), torch.cat([self.dummy[s] for s in srcs], 1))
+
+    def build(self, outputs: tuple[str, ...] | None = None) -> tuple[Graph, dict[str, torch.Tensor]]:
+        return Graph(list(self.nodes), tuple(outputs or (self.cur,))), dict(self.params)
+
+
+# ----------------------------------------------------------------------------------------------
+# Catalogue of tiny networks: name -> builder(seed, dtype) -> (graph, params)
+# ----------------------------------------------------------------------------------------------
+
+def mlp(seed=0, dtype=torch.float64, widths=(3, 4, 3, 2), bias=True, transposed=False, scale=1.0):
+    b = NetBuilder((widths[0],), seed, dtype, scale)
+    for i, w in enumerate(widths[1:]):
+        b.linear(w, bias=bias, transposed=transposed and i == 0)
+        if i < len(widths) - 2:
+            b.relu()
+    return b.build()
+
+
+def mlp_leaky(seed=0, dtype=torch.float64):
+    b = NetBuilder((3,), seed, dtype)
+    b.linear(4); b.leaky(0.2); b.linear(3, bias=False); b.leaky(0.05); b.linear(2)
+    return b.build()
+
+
+def conv_maxpool(seed=0, dtype=torch.float64):
+    b = NetBuilder((1, 4, 4), seed, dtype)
+    b.conv(2, 3, padding=1); b.relu(); b.maxpool(2); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def conv_maxpool_strided(seed=0, dtype=torch.float64):
+    b = NetBuilder((2, 5, 5), seed, dtype)
+    b.conv(2, 2, stride=1, dilation=2, padding=1); b.relu()
+    b.maxpool(3, stride=2, padding=1, ceil_mode=True); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def residual(seed=0, dtype=torch.float64):
+    b = NetBuilder((3,), seed, dtype)
+    stem = b.relu(b.linear(3))
+    b.relu(b.linear(2))
+    y = b.linear(3)
+    s = b.relu(b.add(stem, y))
+    b.relu(b.linear(2, src=s))
+    y2 = b.linear(3)
+    b.add(s, y2)
+    b.linear(2)
+    return b.build()
+
+
+def conv_residual(seed=0, dtype=torch.float64):
+    b = NetBuilder((1, 3, 3), seed, dtype)
+    stem = b.relu(b.conv(2, 1))
+    b.conv(2, 3, padding=1); b.relu()
+    y = b.conv(2, 1)
+    b.relu(b.add(stem, y))
+    b.adaptive(1); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def avgpool_net(seed=0, dtype=torch.float64, count_include_pad=True, ceil_mode=False):
+    b = NetBuilder((1, 5, 5), seed, dtype)
+    b.conv(2, 2, padding=1); b.relu()
+    b.avgpool(3, stride=2, padding=1, ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+def concat_net(seed=0, dtype=torch.float64):
+    b = NetBuilder((1, 3, 3), seed, dtype)
+    a = b.relu(b.conv(2, 2))
+    c = b.relu(b.conv(1, 3, padding=1, src="x"))
+    c = b.maxpool(2, stride=1)
+    b.concat(a, c); b.conv(2, 1); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def conv_bn(seed=0, dtype=torch.float64):
+    b = NetBuilder((2, 4, 4), seed, dtype)
+    b.conv(3, 3, bias=False); b.bn(); b.relu()
+    b.conv(2, 2, bias=True); b.bn(); b.relu()
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+def grouped_conv(seed=0, dtype=torch.float64):
+    b = NetBuilder((4, 3, 3), seed, dtype)
+    b.conv(4, 2, groups=2, padding=1); b.relu()
+    b.conv(2, 2, groups=2); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def adaptive_net(seed=0, dtype=torch.float64):
+    b = NetBuilder((1, 5, 4), seed, dtype)
+    b.conv(2, 2); b.relu(); b.adaptive((3, 2)); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def conv1d_net(seed=0, dtype=torch.float64):
+    b = NetBuilder((2, 7), seed, dtype)
+    b.conv(3, 3, stride=2, padding=1); b.relu(); b.maxpool(2, ceil_mode=True)
+    b.conv(2, 2, dilation=1); b.relu(); b.avgpool(2, stride=1, padding=1, count_include_pad=False)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+def bottleneck(seed=0, dtype=torch.float64):
+    """A residual stream S with a 3-conv bottleneck S→A→B→S: the colouring needs 3 colours."""
+    b = NetBuilder((1, 2, 2), seed, dtype)
+    s = b.relu(b.conv(2, 1))
+    b.conv(2, 1); b.relu()
+    b.conv(2, 3, padding=1); b.relu()
+    y = b.conv(2, 1)
+    b.relu(b.add(s, y))
+    b.adaptive(1); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def mlp_bottleneck(seed=0, dtype=torch.float64):
+    """Linear version of the bottleneck: stream S(2) → A(2) → B(2) → S, two blocks."""
+    b = NetBuilder((2,), seed, dtype)
+    s = b.relu(b.linear(2))
+    for _ in range(2):
+        b.relu(b.linear(2, src=s))
+        b.relu(b.linear(2))
+        y = b.linear(2)
+        s = b.relu(b.add(s, y))
+    b.linear(2)
+    return b.build()
+
+
+def self_loop(seed=0, dtype=torch.float64):
+    """A layer that reads the residual stream and writes straight back into it: its weights
+    join one group to itself (zero rows of B). A second layer reads [stream, other] (mixed)."""
+    b = NetBuilder((2,), seed, dtype)
+    s = b.relu(b.linear(2))
+    y = b.linear(2, src=s)
+    s = b.relu(b.add(s, y))
+    t = b.relu(b.linear(2, src=s))
+    c = b.concat(s, t)
+    y = b.linear(2, src=c)
+    s = b.relu(b.add(s, y))
+    b.linear(2, src=s)
+    return b.build()
+
+
+def maxpool_dilated(seed=0, dtype=torch.float64):
+    b = NetBuilder((1, 5, 5), seed, dtype)
+    b.conv(2, 2); b.relu(); b.maxpool(2, stride=1, padding=1, dilation=2); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def cnn_bn_residual(seed=0, dtype=torch.float64):
+    """A small CNN with BatchNorm everywhere, an identity skip and pooling (invariance tests)."""
+    b = NetBuilder((2, 6, 6), seed, dtype)
+    b.conv(3, 3, padding=1, bias=False); b.bn()
+    s = b.relu()
+    b.conv(3, 3, padding=1); b.bn(); b.relu()
+    b.conv(3, 3, padding=1, bias=False); y = b.bn()
+    b.relu(b.add(s, y))
+    b.maxpool(2)
+    b.conv(4, 3, padding=1); b.bn(); b.relu()
+    b.adaptive(1); b.flatten(); b.linear(3)
+    return b.build()
+
+
+CATALOGUE = {
+    "mlp": mlp,
+    "mlp_nobias_transposed": lambda seed=0, dtype=torch.float64: mlp(seed, dtype, bias=False, transposed=True),
+    "mlp_leaky": mlp_leaky,
+    "conv_maxpool": conv_maxpool,
+    "conv_maxpool_strided": conv_maxpool_strided,
+    "residual": residual,
+    "conv_residual": conv_residual,
+    "avgpool": avgpool_net,
+    "avgpool_nopad": lambda seed=0, dtype=torch.float64: avgpool_net(seed, dtype, count_include_pad=False),
+    "avgpool_ceil": lambda seed=0, dtype=torch.float64: avgpool_net(seed, dtype, ceil_mode=True),
+    "avgpool_ceil_nopad": lambda seed=0, dtype=torch.float64: avgpool_net(seed, dtype, False, True),
+    "concat": concat_net,
+    "conv_bn": conv_bn,
+    "grouped_conv": grouped_conv,
+    "adaptive": adaptive_net,
+    "conv1d": conv1d_net,
+    "bottleneck": bottleneck,
+    "mlp_bottleneck": mlp_bottleneck,
+    "self_loop": self_loop,
+    "maxpool_dilated": maxpool_dilated,
+}
+
+
+@pytest.fixture(scope="session")
+def nets():
+    return SimpleNamespace(builder=NetBuilder, catalogue=CATALOGUE, cnn_bn_residual=cnn_bn_residual, **CATALOGUE)
