@@ -41,13 +41,11 @@ class Input(Node):
 
 
 @dataclass(frozen=True)
-class Linear(Node):
-    """``y = W x + b`` on a feature vector. ``weight_transposed``: stored as ``[in, out]``."""
+class WeightedNode(Node):
+    """A layer with a weight tensor and an optional bias."""
 
     weight: str = ""
     bias: str | None = None
-    weight_transposed: bool = False
-    op: ClassVar[str] = "linear"
 
     def parameter_keys(self) -> dict[str, str]:
         keys = {"weight": self.weight}
@@ -57,22 +55,22 @@ class Linear(Node):
 
 
 @dataclass(frozen=True)
-class Conv(Node):
+class Linear(WeightedNode):
+    """``y = W x + b`` on a feature vector. ``weight_transposed``: stored as ``[in, out]``."""
+
+    weight_transposed: bool = False
+    op: ClassVar[str] = "linear"
+
+
+@dataclass(frozen=True)
+class Conv(WeightedNode):
     """1-d or 2-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
 
-    weight: str = ""
-    bias: str | None = None
     stride: tuple[int, ...] = (1,)
     padding: tuple[int, ...] = (0,)
     dilation: tuple[int, ...] = (1,)
     groups: int = 1
     op: ClassVar[str] = "conv"
-
-    def parameter_keys(self) -> dict[str, str]:
-        keys = {"weight": self.weight}
-        if self.bias is not None:
-            keys["bias"] = self.bias
-        return keys
 
 
 @dataclass(frozen=True)
