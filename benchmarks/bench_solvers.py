@@ -114,15 +114,21 @@ def main() -> None:
     parser.add_argument("--max-iter", type=int, default=100000)
     parser.add_argument("--sequential-budget", type=float, default=600.0, help="seconds before the baseline is cut")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="append raw rows to this JSON-lines file")
     parser.add_argument("--single", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.single:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         print(json.dumps(run_one(args.single, args)))
         return
     for name in args.models:
         command = [sys.executable, __file__, "--single", name, "--tol", str(args.tol), "--max-iter", str(args.max_iter),
-                   "--sequential-budget", str(args.sequential_budget), "--device", args.device, "--solvers", *args.solvers]
+                   "--sequential-budget", str(args.sequential_budget), "--device", args.device, "--threads", str(args.threads),
+                   "--solvers", *args.solvers]
         finished = subprocess.run(command, capture_output=True, text=True)
         if finished.returncode:
             print(f"{name}: failed\n{finished.stderr[-2000:]}")
