@@ -20,7 +20,7 @@ import torch
 
 from . import __version__
 from .diag import DiagG, PathCount, diag_g, path_count
-from .errors import VerificationError
+from .errors import PathcondError, VerificationError
 from .groups import RescalingGroups, build_groups
 from .model import LoadedModel
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
@@ -231,38 +231,54 @@ def save(
 ) -> Verification:
     """Write the rescaled model in its input format, reload it and verify it.
 
-    The write is atomic; if the reloaded file does not compute the original function (or,
-    for ONNX, onnx's ReferenceEvaluator disagrees) it is removed and
-    :class:`VerificationError` is raised. The verification is stored on ``result`` too.
+    The model is written into a hidden staging directory beside ``destination``, reloaded
+    from there and verified; only a file that computes the original function (and, for
+    ONNX, that onnx's ReferenceEvaluator agrees with) is renamed onto ``destination``.
+    Otherwise :class:`VerificationError` is raised and nothing is left behind, so
+    ``destination`` — the input itself with ``in_place`` — is untouched by a failed or
+    interrupted run. The verification is stored on ``result`` too.
     """
-    from .fileio import check_destination
+    from .fileio import check_destination, staged_output
     from .formats import write_model
 
     model = result.analysis.model
     destination = Path(destination)
     source = Path(model.source)
     check_destination(destination, inputs=[source] if source.exists() else [], in_place=in_place)
+    not_finite = sorted(k for k, t in result.changed.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if not_finite:
+        raise VerificationError(
+            f"{model.source}: the rescaling produced NaN or Inf in tensor(s) {', '.join(map(repr, not_finite))} "
+            f"(solver '{result.solve.method}', max |u| = {result.solve.u_inf:.3g}); nothing was written."
+        )
     timings = seconds if seconds is not None else result.seconds
     timed = _Stopwatch(timings)
-    timed("write", lambda: write_model(model, result.changed, destination, run_metadata(result)))
-    result.verification = timed("verify_written", lambda: _verify_written(model, destination, input_shape))
+    with staged_output(destination) as staged:
+        timed("write", lambda: write_model(model, result.changed, staged, run_metadata(result)))
+        result.verification = timed(
+            "verify_written", lambda: _verify_written(model, staged, input_shape, name=str(destination))
+        )
     return result.verification
 
 
-def _verify_written(model: LoadedModel, target: Path, input_shape) -> Verification:
+def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str | None = None) -> Verification:
     """Reload what was written (its architecture is embedded) and compare it with the original;
-    remove it if it differs."""
+    remove it if it differs. ``name`` is how the file is called in messages (default: ``target``)."""
     from .formats import load_model
 
+    name = name or str(target)
     try:
-        written = load_model(target, input_shape=input_shape, name=str(target))
+        try:
+            written = load_model(target, input_shape=input_shape, name=name)
+        except PathcondError as exc:
+            raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
         verification = compare(model.graph, model.params, written.params)
         if verification.passed and model.format == "onnx":
-            _check_onnx_reference(model, target, verification.tolerance)
+            _check_onnx_reference(model, target, verification.tolerance, name=name)
         if not verification.passed:
             raise VerificationError(
-                f"'{target}': the written model differs from the original by a relative "
-                f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the file was removed."
+                f"'{name}': the written model differs from the original by a relative "
+                f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
             )
         return verification
     except BaseException:
@@ -274,13 +290,18 @@ def remove_written(target: Path) -> None:
     """Delete a written checkpoint, with its shards when it is a shard index."""
     from .formats import SHARD_INDEX_SUFFIX
 
-    if target.name.endswith(SHARD_INDEX_SUFFIX) and target.exists():
-        for shard in set(json.loads(target.read_text()).get("weight_map", {}).values()):
+    if target.name.endswith(SHARD_INDEX_SUFFIX) and target.is_file():
+        try:
+            weight_map = json.loads(target.read_text(encoding="utf-8")).get("weight_map", {})
+            shards = {shard for shard in weight_map.values() if isinstance(shard, str)}
+        except (OSError, ValueError, AttributeError):
+            shards = set()
+        for shard in shards:
             (target.parent / shard).unlink(missing_ok=True)
     target.unlink(missing_ok=True)
 
 
-def _check_onnx_reference(model: LoadedModel, target: Path, tolerance: float) -> None:
+def _check_onnx_reference(model: LoadedModel, target: Path, tolerance: float, *, name: str | None = None) -> None:
     """Cross-check the written ONNX file with onnx's own ReferenceEvaluator."""
     from .evaluate import forward
     from .formats.onnx_format import reference_outputs
@@ -293,6 +314,6 @@ def _check_onnx_reference(model: LoadedModel, target: Path, tolerance: float) ->
     tolerance = max(tolerance, 1e-4)
     if relative > tolerance:
         raise VerificationError(
-            f"'{target}': onnx.reference.ReferenceEvaluator disagrees with the original network by a relative "
-            f"{relative:.3g} (tolerance {tolerance:g}); the file was removed."
+            f"'{name or target}': onnx.reference.ReferenceEvaluator disagrees with the original network by a relative "
+            f"{relative:.3g} (tolerance {tolerance:g}); nothing was written."
         )

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
+import re
 import shutil
 import sys
 import tempfile
@@ -18,7 +21,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import __version__
 from .api import analyse, rescale as rescale_model, save
-from .errors import EXIT_CODES, PathcondError
+from .errors import EXIT_CODES, OutputError, PathcondError
 from .fileio import atomic_write, check_destination
 from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model
 from .report import analysis_report, render, rescale_report
@@ -29,6 +32,8 @@ EXIT_HELP = (
     "4 unsupported architecture · 5 verification failed (output removed) · "
     "6 output not writable · 7 NaN/Inf weights · 130 interrupted."
 )
+
+DEBUG_VARIABLE = "PATHCOND_DEBUG"
 
 app = typer.Typer(
     name="pathcond",
@@ -59,7 +64,7 @@ ArchOpt = Annotated[Optional[str], typer.Option(
 ShapeOpt = Annotated[Optional[str], typer.Option(
     "--input-shape", help="Input shape without the batch dimension, e.g. 3,32,32 (for symbolic ONNX dims or to override).",
 )]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu or cuda.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables and no progress on stderr.")]
 
@@ -76,6 +81,29 @@ def _parse_shape(text: str | None) -> tuple[int, ...] | None:
     return shape
 
 
+def _parse_device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA only when torch sees that device."""
+    value = text.strip().lower()
+    if value in ("auto", "cpu"):
+        return value
+    if not re.fullmatch(r"cuda(:\d+)?", value):
+        raise typer.BadParameter(f"'{text}' is not one of auto, cpu, cuda, cuda:N", param_hint="--device")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise typer.BadParameter(
+            f"'{text}': CUDA was requested but torch sees no CUDA device on this machine "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use --device cpu or auto",
+            param_hint="--device",
+        )
+    index = int(value.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise typer.BadParameter(
+            f"'{text}': this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0", param_hint="--device"
+        )
+    return value
+
+
 @contextlib.contextmanager
 def _errors_to_exit_codes() -> Iterator[None]:
     """One paragraph on stderr and a distinct exit code; never a traceback."""
@@ -87,8 +115,27 @@ def _errors_to_exit_codes() -> Iterator[None]:
     except KeyboardInterrupt:
         stderr.print("[bold red]interrupted:[/] nothing was written.")
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
+    except BrokenPipeError:
+        # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stderr.print("[bold red]error:[/] stdout was closed before the output was complete.")
+        raise typer.Exit(EXIT_CODES["output_not_written"]) from None
     except MemoryError:
         stderr.print("[bold red]error:[/] out of memory; try --device cuda or a machine with more memory.")
+        raise typer.Exit(1) from None
+    except (typer.Exit, typer.Abort, typer.TyperException):
+        raise  # usage errors and deliberate exits: typer reports them itself
+    except Exception as exc:
+        # A bug in pathcond, not a problem with the input: one paragraph, unless asked for more.
+        if os.environ.get(DEBUG_VARIABLE):
+            raise
+        stderr.print(
+            f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n"
+            f"This is a bug in pathcond {__version__}; please report it with the command line. "
+            f"Set {DEBUG_VARIABLE}=1 to see the traceback.",
+            highlight=False, markup=True, soft_wrap=True,
+        )
         raise typer.Exit(1) from None
 
 
@@ -119,10 +166,33 @@ class _Stages:
 
 def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
     if model == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise typer.BadParameter("'-' reads the model from stdin, but stdin is a terminal; pipe a file in", param_hint="MODEL")
         return sys.stdin.buffer.read(), None, "<stdin>"
     path = Path(model)
     check_readable(path)
     return path, path, str(path)
+
+
+@contextlib.contextmanager
+def _scratch_directory() -> Iterator[Path]:
+    """A private temporary directory for output headed to stdout (``-o -``)."""
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix="pathcond-")
+    except OSError as exc:
+        raise OutputError(
+            f"cannot write the output for stdout: no temporary directory in '{tempfile.gettempdir()}' "
+            f"({exc.strerror or exc}); set TMPDIR to a writable directory."
+        ) from None
+    with scratch as name:
+        yield Path(name)
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def _default_output(path: Path) -> Path:
@@ -142,7 +212,7 @@ def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, qu
         render(report, stderr)
 
 
-@app.command()
+@app.command(epilog=EXIT_HELP)
 def rescale(
     model: ModelArg,
     output: Annotated[Optional[str], typer.Option(
@@ -166,9 +236,16 @@ def rescale(
     """
     if solver not in SOLVERS:
         raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
+    if not math.isfinite(tol):
+        raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
     if output == "-" and as_json:
         raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
+    if model == "-" and output is None:
+        raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
+    if report_file is not None and output is not None and output != "-" and _same_path(report_file, Path(output)):
+        raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file", param_hint="--report")
     shape = _parse_shape(input_shape)
+    device = _parse_device(device)
     with _errors_to_exit_codes():
         report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
@@ -191,7 +268,10 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
         if destination is not None:
             check_destination(destination, inputs=[source_path] if source_path else [], in_place=in_place)
         if report_file is not None:
-            check_destination(report_file, inputs=[p for p in (source_path, destination) if p is not None])
+            check_destination(report_file, inputs=[source_path] if source_path else [])
+            if destination is not None and _same_path(report_file, destination):
+                raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file",
+                                         param_hint="--report")
 
         stages.stage("loading")
         load_start = time.perf_counter()
@@ -203,19 +283,23 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
         seconds = {"load": load_seconds, **result.seconds}
 
         stages.stage("writing and verifying the written file")
-        with tempfile.TemporaryDirectory(prefix="pathcond-") as scratch:
-            target = destination if destination is not None else Path(scratch) / f"out.{loaded.format}"
-            save(result, target, input_shape=shape, in_place=in_place, seconds=seconds)
+        if destination is not None:
+            save(result, destination, input_shape=shape, in_place=in_place, seconds=seconds)
             seconds["total"] = time.perf_counter() - started
-            report = rescale_report(result, str(destination) if destination is not None else "-", seconds)
-            if destination is None:
+            report = rescale_report(result, str(destination), seconds)
+        else:
+            with _scratch_directory() as scratch:
+                target = scratch / f"out.{loaded.format}"
+                save(result, target, input_shape=shape, seconds=seconds)
+                seconds["total"] = time.perf_counter() - started
+                report = rescale_report(result, "-", seconds)
                 with open(target, "rb") as handle:
                     shutil.copyfileobj(handle, sys.stdout.buffer)
                 sys.stdout.buffer.flush()
     return report
 
 
-@app.command()
+@app.command(epilog=EXIT_HELP)
 def inspect(
     model: ModelArg,
     arch: ArchOpt = None,
@@ -229,13 +313,18 @@ def inspect(
     Writes nothing. Example: pathcond inspect model.onnx --json
     """
     shape = _parse_shape(input_shape)
+    device = _parse_device(device)
     with _errors_to_exit_codes():
+        started = time.perf_counter()
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             source, _, name = _read_source(model)
             stages.stage("loading")
             loaded = load_model(source, arch=arch, input_shape=shape, name=name)
+            load_seconds = time.perf_counter() - started
             stages.stage("analysing: groups, diag(G), path count")
             report = analysis_report(analyse(loaded, device=device))
+        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
+                             "total": round(time.perf_counter() - started, 6)}
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
 
 

@@ -29,6 +29,7 @@ DEFAULT_SOLVER = "lbfgs"
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_ITER = 1000
 MIN_STEP = 1e-10
+MAX_FIRST_STEP = 20.0
 
 ProgressCallback = Callable[[int, float, float], None]
 
@@ -95,11 +96,11 @@ def _report(progress: ProgressCallback | None, iteration: int, ev: Evaluation) -
         progress(iteration, ev.value, ev.kkt_residual)
 
 
-def _block(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress):
+def _block(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress, history=None, iterations=0):
     colours = objective.groups.colours
     num_colours = objective.groups.num_colours
-    history = [current.value]
-    iterations = 0
+    history = history if history is not None else [current.value]
+    max_iter += iterations
     while current.kkt_residual > tol and iterations < max_iter:
         for colour in range(num_colours):
             if colour:
@@ -117,8 +118,10 @@ def _block(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
 def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress, memory: int = 20):
     """L-BFGS (two-loop recursion) with a backtracking Armijo line search on F.
 
-    Stops, unconverged, when the line search cannot decrease F any more (the tolerance asked
-    for is below what F's float64 value can resolve).
+    A step never raises F and never moves any u_h by more than 20 (e^20 per neuron) at once.
+    When the line search cannot decrease F any more (far from a quadratic region, or a
+    tolerance below what F's float64 value resolves), the block solver, monotone by
+    construction, takes over from the same point.
     """
     steps: list[tuple[torch.Tensor, torch.Tensor, float]] = []
     history = [current.value]
@@ -130,12 +133,14 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
         if slope >= 0:
             steps.clear()
             direction, slope = -current.gradient, -float(current.gradient @ current.gradient)
-        t = 1.0
+        t = min(1.0, MAX_FIRST_STEP / max(float(direction.abs().max()), 1e-300))
         while True:
             candidate = objective.evaluate(u + t * direction, frozen)
-            if candidate.value <= current.value + 1e-4 * t * slope or t < MIN_STEP:
+            if candidate.value <= current.value + 1e-4 * t * slope:
                 break
             t *= 0.5
+            if t < MIN_STEP:
+                return _block(objective, u, frozen, current, tol, max_iter - iterations, progress, history, iterations)
         step = t * direction
         change = candidate.gradient - current.gradient
         curvature = float(change @ step)
@@ -146,8 +151,6 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
         iterations += 1
         history.append(current.value)
         _report(progress, iterations, current)
-        if t < MIN_STEP:
-            break
     return u, history, current, iterations
 
 

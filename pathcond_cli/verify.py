@@ -64,6 +64,8 @@ def compare(
             before = forward(graph, original, inputs, train=train)
             after = forward(graph, rescaled, inputs, train=train)
         for name in graph.outputs:
+            if not (bool(torch.isfinite(before[name]).all()) and bool(torch.isfinite(after[name]).all())):
+                return Verification(math.inf, math.inf, tolerance_for(rescaled, graph.parameter_keys()), modes)
             diff = float((before[name] - after[name]).abs().max())
             scale = float(before[name].abs().max())
             max_abs = max(max_abs, diff)

@@ -1,0 +1,247 @@
+"""Helpers shared by the command-line tests (test_cli, test_faults, test_fuzz).
+
+Tiny models are built on the fly (a few dozen parameters, so a full rescale takes well under
+a second in-process); the sample models live in ``sample_models/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import safetensors.torch
+import torch
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+from typer.testing import CliRunner
+
+from pathcond_cli.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLES = ROOT / "sample_models"
+TMP_MARK = ".pathcond-tmp"
+DOCUMENTED_ERRORS = {3, 4, 5, 6, 7}
+
+# Environment for subprocesses: no forced colours or terminal, whatever the caller's shell says.
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "CLICOLOR_FORCE", "PATHCOND_DEBUG")}
+
+
+def invoke(*args: object, input: bytes | None = None):
+    """Run the CLI in-process; ``result.stdout``/``result.stderr`` are kept apart."""
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def module_command(*args: object) -> list[str]:
+    return [sys.executable, "-m", "pathcond_cli.cli", *map(str, args)]
+
+
+def assert_clean_exit(result, code: int, *needles: str) -> str:
+    """Exit ``code`` through the CLI's own handling (no escaped exception, no traceback);
+    returns stderr. Each of ``needles`` must appear in it (case-insensitive)."""
+    escaped = result.exception if not isinstance(result.exception, SystemExit) else None
+    assert escaped is None, f"exception escaped the CLI: {escaped!r}\nstderr: {result.stderr}"
+    assert result.exit_code == code, f"exit {result.exit_code}, expected {code}\nstderr: {result.stderr}\nstdout: {result.stdout[:2000]}"
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    if code != 0:
+        assert result.stderr.strip(), "a failure must say why on stderr"
+        assert result.stdout == "", "nothing goes to stdout on failure"
+    lowered = result.stderr.lower()
+    for needle in needles:
+        assert needle.lower() in lowered, f"{needle!r} not in stderr:\n{result.stderr}"
+    return result.stderr
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """Relative path → sha256 of every file (hidden ones included) and every directory."""
+    found = {}
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(root, name), directory) + "/"] = "dir"
+        for name in files:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, directory)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return found
+
+
+def leftovers(directory: Path) -> list[str]:
+    """Temporary files or directories pathcond might have left anywhere under ``directory``."""
+    return sorted(name for name in snapshot(directory) if TMP_MARK in name)
+
+
+def assert_unchanged(directory: Path, before: Mapping[str, str]) -> None:
+    """No file added, removed or modified under ``directory`` since ``before``."""
+    after = snapshot(directory)
+    assert after == dict(before), (
+        f"added: {sorted(set(after) - set(before))}, removed: {sorted(set(before) - set(after))}, "
+        f"changed: {sorted(k for k in set(after) & set(before) if after[k] != before[k])}"
+    )
+
+
+# -- tiny models -------------------------------------------------------------------------------
+
+
+def mlp_tensors(dims: Sequence[int] = (6, 8, 5, 3), *, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, (fan_in, fan_out) in enumerate(zip(dims[:-1], dims[1:]), start=1):
+        tensors[f"fc{i}.weight"] = torch.randn(fan_out, fan_in, generator=generator, dtype=torch.float64).to(dtype)
+        tensors[f"fc{i}.bias"] = (0.1 * torch.randn(fan_out, generator=generator, dtype=torch.float64)).to(dtype)
+    return tensors
+
+
+def mlp_spec(dims: Sequence[int] = (6, 8, 5, 3)) -> dict:
+    layers: list[dict] = [{"name": "x", "type": "input", "shape": [dims[0]]}]
+    for i in range(1, len(dims)):
+        if i > 1:
+            layers.append({"name": f"relu{i - 1}", "type": "relu"})
+        layers.append({"name": f"fc{i}", "type": "linear"})
+    return {"layers": layers}
+
+
+def write_mlp(
+    directory: Path,
+    name: str = "tiny",
+    *,
+    dims: Sequence[int] = (6, 8, 5, 3),
+    tensors: Mapping[str, torch.Tensor] | None = None,
+    spec: dict | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[Path, Path]:
+    """``<name>.safetensors`` and its spec ``<name>.arch.yaml`` (not a sidecar name: pass --arch)."""
+    checkpoint = directory / f"{name}.safetensors"
+    spec_path = directory / f"{name}.arch.yaml"
+    safetensors.torch.save_file(dict(tensors if tensors is not None else mlp_tensors(dims)), str(checkpoint),
+                                metadata=dict(metadata) if metadata else None)
+    spec_path.write_text(yaml.safe_dump(spec if spec is not None else mlp_spec(dims)))
+    return checkpoint, spec_path
+
+
+def onnx_mlp_model(
+    dims: Sequence[int] = (6, 8, 5, 3),
+    *,
+    seed: int = 0,
+    metadata: Mapping[str, str] | None = None,
+    transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
+) -> onnx.ModelProto:
+    """A Gemm/Relu MLP with a symbolic batch, producer, doc string and metadata."""
+    rng = np.random.default_rng(seed)
+    initializers, nodes = [], []
+    value = "x"
+    for i, (fan_in, fan_out) in enumerate(zip(dims[:-1], dims[1:]), start=1):
+        weight = rng.standard_normal((fan_out, fan_in)).astype(np.float32)
+        bias = (0.1 * rng.standard_normal(fan_out)).astype(np.float32)
+        if transform is not None:
+            weight, bias = transform(f"fc{i}.weight", weight), transform(f"fc{i}.bias", bias)
+        initializers += [numpy_helper.from_array(weight, f"fc{i}.weight"), numpy_helper.from_array(bias, f"fc{i}.bias")]
+        out = "y" if i == len(dims) - 1 else f"h{i}"
+        nodes.append(helper.make_node("Gemm", [value, f"fc{i}.weight", f"fc{i}.bias"], [out], name=f"fc{i}", transB=1))
+        value = out
+        if i < len(dims) - 1:
+            nodes.append(helper.make_node("Relu", [value], [f"r{i}"], name=f"relu{i}"))
+            value = f"r{i}"
+    graph = helper.make_graph(
+        nodes, "tiny_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", dims[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", dims[-1]])],
+        initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="pathcond-cli-tests",
+                              producer_version="1.0", doc_string="a tiny ReLU MLP for the CLI tests")
+    model.ir_version = 8
+    for key, text in (metadata if metadata is not None else {"author": "cli tests", "license": "MIT"}).items():
+        model.metadata_props.add(key=key, value=text)
+    onnx.checker.check_model(model)
+    return model
+
+
+def write_onnx_mlp(path: Path, **options) -> Path:
+    onnx.save_model(onnx_mlp_model(**options), str(path))
+    return path
+
+
+# -- reports -----------------------------------------------------------------------------------
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_report(report: dict, *, rescale: bool) -> None:
+    """Every key the README documents, with its type (and a few invariants)."""
+    assert report["schema"] == 1
+    assert isinstance(report["pathcond_version"], str)
+    assert isinstance(report["model"], str)
+    assert report["format"] in ("onnx", "safetensors")
+    for key in ("parameters", "dag_parameters", "hidden_units"):
+        assert _is_int(report[key]) and report[key] >= 0, key
+    groups = report["groups"]
+    for key in ("free", "fixed", "degenerate", "colours"):
+        assert _is_int(groups[key]) and groups[key] >= 0, key
+    paths = report["paths"]
+    assert isinstance(paths["log10"], float)
+    assert paths["exact"] is None or _is_int(paths["exact"])
+    if paths["exact"] is not None:
+        assert paths["exact"] < 2**53
+        assert abs(np.log10(paths["exact"]) - paths["log10"]) < 1e-6
+    diag = report["diag_g"]
+    for key in ("min", "max", "log10_min", "log10_max", "log10_spread"):
+        assert diag[key] is None or isinstance(diag[key], float), key
+    assert _is_int(diag["zeros"])
+    assert isinstance(diag["per_layer"], list) and diag["per_layer"]
+    for layer in diag["per_layer"]:
+        assert isinstance(layer["layer"], str)
+        assert _is_int(layer["parameters"]) and _is_int(layer["zeros"])
+        for key in ("log10_min", "log10_max"):
+            assert layer[key] is None or isinstance(layer[key], float)
+    assert sum(layer["parameters"] for layer in diag["per_layer"]) == report["dag_parameters"]
+    assert isinstance(diag["histogram"], list)
+    for bin_ in diag["histogram"]:
+        assert _is_number(bin_["log10_low"]) and _is_number(bin_["log10_high"]) and _is_int(bin_["count"])
+    assert isinstance(report["warnings"], list) and all(isinstance(w, str) for w in report["warnings"])
+    seconds = report["seconds"]
+    assert all(_is_number(v) and v >= 0 for v in seconds.values())
+    assert "total" in seconds and "load" in seconds
+    if not rescale:
+        return
+    solver = report["solver"]
+    assert isinstance(solver["name"], str)
+    assert _is_int(solver["iterations"]) and _is_number(solver["passes"])
+    objective = solver["objective"]
+    assert isinstance(objective, list) and objective and all(isinstance(v, float) for v in objective)
+    assert objective[0] == solver["objective_initial"]
+    assert objective[-1] == solver["objective_final"]
+    assert objective[0] >= solver["objective_final"]
+    assert isinstance(solver["objective_final"], float)
+    assert _is_number(solver["decrease"]) and solver["decrease"] >= 0
+    assert isinstance(solver["kkt_residual"], float)
+    assert isinstance(solver["converged"], bool)
+    assert isinstance(report["u_inf"], float) and report["u_inf"] >= 0
+    assert isinstance(report["degenerate_groups"], list) and all(isinstance(g, str) for g in report["degenerate_groups"])
+    verification = report["verification"]
+    for key in ("max_abs_error", "max_rel_error", "tolerance"):
+        assert isinstance(verification[key], float), key
+    assert verification["passed"] is True
+    assert verification["max_rel_error"] <= verification["tolerance"]
+    assert "eval" in verification["modes"]
+    assert isinstance(report["output"], str)
+    for stage in ("load", "groups", "diag_g", "path_count", "solve", "apply", "write", "verify_written", "total"):
+        assert stage in seconds, stage
+
+
+def parse_single_json(text: str) -> dict:
+    """``text`` is exactly one JSON document (json.loads rejects anything around it)."""
+    assert text.strip(), "stdout is empty"
+    document = json.loads(text)
+    assert isinstance(document, dict)
+    return document
