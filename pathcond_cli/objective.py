@@ -173,9 +173,10 @@ def block_step(log_a: torch.Tensor, log_c: torch.Tensor, k: torch.Tensor) -> tor
     return 0.5 * log_positive_root(log_c, k, torch.log(k.abs()), log_a)
 
 
-def paper_step(log_A: torch.Tensor, log_C: torch.Tensor, log_E: torch.Tensor, k: float, p: int) -> float:
+def paper_step(log_A, log_C, log_E, k: float, p: int) -> float:
     """The paper's exact coordinate update (Lemma 4.1): z = e^{2δ} solves
-    (p + k) C z² + k E z + (k − p) A = 0, with A, C, E given as logs."""
+    (p + k) C z² + k E z + (k − p) A = 0, with A, C, E given as logs (floats or 0-d tensors)."""
+    log_A, log_C, log_E = (torch.as_tensor(v, dtype=torch.float64) for v in (log_A, log_C, log_E))
     k_tensor = torch.tensor(float(k), dtype=torch.float64)
     log_quadratic = math.log(p + k) + log_C
     log_linear_abs = torch.log(k_tensor.abs()) + log_E

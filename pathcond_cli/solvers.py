@@ -30,6 +30,7 @@ DEFAULT_TOL = 1e-6
 DEFAULT_MAX_ITER = 1000
 MIN_STEP = 1e-10
 MAX_FIRST_STEP = 20.0
+FLAT_ITERATIONS = 3
 
 ProgressCallback = Callable[[int, float, float], None]
 
@@ -119,14 +120,17 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
     """L-BFGS (two-loop recursion) with a backtracking Armijo line search on F.
 
     A step never raises F and never moves any u_h by more than 20 (e^20 per neuron) at once.
-    When the line search cannot decrease F any more (far from a quadratic region, or a
-    tolerance below what F's float64 value resolves), the block solver, monotone by
-    construction, takes over from the same point.
+    When the line search cannot decrease F any more, or F stops decreasing for a few
+    iterations (a tolerance below what F's float64 value resolves), the block solver, whose
+    updates need no comparison of F values, takes over from the same point.
     """
     steps: list[tuple[torch.Tensor, torch.Tensor, float]] = []
     history = [current.value]
     iterations = 0
+    flat = 0
     while current.kkt_residual > tol and iterations < max_iter:
+        if flat >= FLAT_ITERATIONS:
+            return _block(objective, u, frozen, current, tol, max_iter - iterations, progress, history, iterations)
         curvature_diagonal = 4 * (current.a + current.c)
         direction = -_inverse_hessian_times(steps, current.gradient, curvature_diagonal)
         slope = float(current.gradient @ direction)
@@ -147,6 +151,7 @@ def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, 
         if curvature > 1e-12 * float(step @ step) ** 0.5 * float(change @ change) ** 0.5:
             steps.append((step, change, 1.0 / curvature))
             del steps[:-memory]
+        flat = flat + 1 if candidate.value > current.value - 1e-13 * abs(current.value) else 0
         u, current = u + step, candidate
         iterations += 1
         history.append(current.value)

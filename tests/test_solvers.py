@@ -97,7 +97,7 @@ def _quadratic_root(qa: float, qb: float, qc: float) -> float:
 
 @pytest.mark.parametrize("arch", ["mlp", "residual", "conv_bn", "bottleneck"])
 def test_paper_step_is_exact_coordinate_minimiser(nets, arch):
-    """δ = paper_step(A, C, E, k, p) zeroes ∂F/∂u_h of the oracle's F at u + δ e_h (Lemma 4.1)."""
+    """δ = paper_step(ln A, ln C, ln E, k, p) zeroes ∂F/∂u_h of the oracle's F at u + δ e_h (Lemma 4.1)."""
     *_, groups, diag, ob, u_star, f_star = setup(nets, arch)
     rng = np.random.default_rng(0)
     u = rng.normal(scale=0.7, size=groups.num_free)
@@ -106,7 +106,7 @@ def test_paper_step_is_exact_coordinate_minimiser(nets, arch):
         A, C, S = ob.incidence(u)
         k = int(n_in[h] - n_out[h])
         E = S - A[h] - C[h]
-        delta = paper_step(float(A[h]), float(C[h]), float(E), k, ob.p)
+        delta = paper_step(math.log(A[h]), math.log(C[h]), math.log(E), k, ob.p)
         z_exact = _quadratic_root((ob.p + k) * C[h], k * E, (k - ob.p) * A[h])
         assert delta == pytest.approx(0.5 * math.log(z_exact), abs=1e-12)
         moved = u.copy()
@@ -118,14 +118,14 @@ def test_paper_step_is_exact_coordinate_minimiser(nets, arch):
 
 @pytest.mark.parametrize("arch", ["mlp", "conv_residual", "bottleneck"])
 def test_block_step_minimises_at_fixed_lambda(nets, arch):
-    """δ_h = block_step(a, c, k) solves λ(A e^{−2δ} − C e^{2δ}) = k at λ = p/S, per group."""
+    """δ_h = block_step(ln a, ln c, k) solves λ(A e^{−2δ} − C e^{2δ}) = k at λ = p/S, per group."""
     *_, groups, diag, ob, u_star, f_star = setup(nets, arch)
     rng = np.random.default_rng(1)
     u = rng.normal(scale=0.7, size=groups.num_free)
     A, C, S = ob.incidence(u)
     k = (ob.B > 0).sum(0) - (ob.B < 0).sum(0)
     lam = ob.p / S
-    step = block_step(torch.tensor(lam * A), torch.tensor(lam * C), torch.tensor(k, dtype=torch.float64)).numpy()
+    step = block_step(torch.log(torch.tensor(lam * A)), torch.log(torch.tensor(lam * C)), torch.tensor(k, dtype=torch.float64)).numpy()
     z = np.exp(2 * step)
     assert np.allclose(lam * (A / z - C * z), k, rtol=1e-12, atol=1e-10)
 
@@ -139,7 +139,7 @@ def test_block_step_minimises_at_fixed_lambda(nets, arch):
     (1e8, 1e-8, 1.0, -2, 1000),
 ])
 def test_paper_step_cancellation_free(A, C, E, k, p):
-    delta = paper_step(A, C, E, k, p)
+    delta = paper_step(*(math.log(x) if x > 0 else -math.inf for x in (A, C, E)), k, p)
     assert math.isfinite(delta)
     z = _quadratic_root((p + k) * C, k * E, (k - p) * A)
     assert delta == pytest.approx(0.5 * math.log(z), rel=1e-12, abs=1e-13)
