@@ -34,10 +34,6 @@ class DiagG:
 
     log_g: list[torch.Tensor]
 
-    def values(self) -> list[torch.Tensor]:
-        """g itself; entries beyond float64's range become 0 or inf, so prefer :attr:`log_g`."""
-        return [lg.exp() for lg in self.log_g]
-
 
 @dataclass
 class PathCount:
@@ -268,8 +264,7 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     u = torch.zeros(H + 1, dtype=torch.float64)
     assigned = torch.zeros(H + 1, dtype=torch.bool)
     assigned[H] = True
-    for layer, params in _layer_tensors(groups, [dp.value for dp in groups.dag_params]).items():
-        dps = [dp for dp in groups.dag_params if dp.layer == layer]
+    for dps in _layer_tensors(groups, groups.dag_params).values():
         weight_dp = dps[0]
         w4 = weight_dp.value.reshape(weight_dp.view)
         log_sq = 2 * torch.log(w4.abs()) - 2 * u[weight_dp.src][:, None, :, None]

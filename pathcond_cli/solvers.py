@@ -13,7 +13,6 @@ u_h; they are frozen at u_h = 0 and reported.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
