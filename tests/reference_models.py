@@ -22,6 +22,10 @@ Paper models:
   as used by ENorm (Stock et al., 2019) and PathCond (see its docstring),
 - ``mlp(depth)``: the CIFAR-10 MLPs 3072 -> 500 x depth -> 10.
 
+Inverted-residual and Inception models (torchvision layouts, ReLU throughout):
+``mnasnet`` (alpha 0.5 = ``mnasnet0_5``) and ``inception_v3`` (no auxiliary head), with
+``small_mnasnet`` / ``small_inception_v3`` versions for fast tests.
+
 Small models (< 100k parameters) for fast tests: ``small_resnet``,
 ``small_bottleneck_resnet``, ``small_vgg``, ``small_densenet``,
 ``small_inception``, ``grouped_conv_net``, ``conv1d_net``. Their BatchNorm
@@ -62,12 +66,19 @@ __all__ = [
     "small_inception",
     "grouped_conv_net",
     "conv1d_net",
+    "MNASNet",
+    "mnasnet",
+    "small_mnasnet",
+    "InceptionV3",
+    "inception_v3",
+    "small_inception_v3",
     "randomize_batchnorm",
     "hidden_units",
     "count_parameters",
     "REFERENCE_MODELS",
     "SMALL_MODELS",
     "TABLE1",
+    "TORCHVISION_COUNTS",
 ]
 
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -746,6 +757,264 @@ def conv1d_net(in_channels: int = 3, num_classes: int = 10, random_bn: bool = Tr
 
 
 # --------------------------------------------------------------------------
+# MnasNet (torchvision layout: ReLU inverted residuals, linear bottlenecks)
+# --------------------------------------------------------------------------
+
+_MNASNET_BN_MOMENTUM = 1 - 0.9997
+
+
+def _round_to_multiple_of(value: float, divisor: int, round_up_bias: float = 0.9) -> int:
+    rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
+    return rounded if rounded >= round_up_bias * value else rounded + divisor
+
+
+class _InvertedResidual(nn.Module):
+    """1x1 expand-BN-ReLU, depthwise kxk-BN-ReLU, 1x1 project-BN (linear bottleneck), plus
+    the input when shapes allow (stride 1, same width)."""
+
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, stride: int, expansion: int) -> None:
+        super().__init__()
+        mid = in_ch * expansion
+        self.apply_residual = in_ch == out_ch and stride == 1
+        momentum = _MNASNET_BN_MOMENTUM
+        self.layers = nn.Sequential(
+            nn.Conv2d(in_ch, mid, 1, bias=False), nn.BatchNorm2d(mid, momentum=momentum), nn.ReLU(inplace=True),
+            nn.Conv2d(mid, mid, kernel_size, padding=kernel_size // 2, stride=stride, groups=mid, bias=False),
+            nn.BatchNorm2d(mid, momentum=momentum), nn.ReLU(inplace=True),
+            nn.Conv2d(mid, out_ch, 1, bias=False), nn.BatchNorm2d(out_ch, momentum=momentum))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.apply_residual:
+            return self.layers(x) + x
+        return self.layers(x)
+
+
+def _inverted_stack(in_ch: int, out_ch: int, kernel_size: int, stride: int, expansion: int,
+                    repeats: int) -> nn.Sequential:
+    first = _InvertedResidual(in_ch, out_ch, kernel_size, stride, expansion)
+    rest = [_InvertedResidual(out_ch, out_ch, kernel_size, 1, expansion) for _ in range(1, repeats)]
+    return nn.Sequential(first, *rest)
+
+
+class MNASNet(nn.Module):
+    """torchvision's MNASNet (B1): every activation is a ReLU, so it is a ReLU DAG.
+
+    ``alpha`` is the width multiplier (0.5 gives 2,218,512 parameters, as
+    torchvision's ``mnasnet0_5``). ``mean_pool`` pools with ``x.mean([2, 3])`` as
+    torchvision does; ``False`` uses ``AdaptiveAvgPool2d(1)`` + flatten (same function).
+    """
+
+    def __init__(self, alpha: float, num_classes: int = 1000, in_channels: int = 3,
+                 last_width: int = 1280, mean_pool: bool = True) -> None:
+        super().__init__()
+        depths = [_round_to_multiple_of(d * alpha, 8) for d in (32, 16, 24, 40, 80, 96, 192, 320)]
+        momentum = _MNASNET_BN_MOMENTUM
+        self.layers = nn.Sequential(
+            nn.Conv2d(in_channels, depths[0], 3, padding=1, stride=2, bias=False),
+            nn.BatchNorm2d(depths[0], momentum=momentum), nn.ReLU(inplace=True),
+            nn.Conv2d(depths[0], depths[0], 3, padding=1, groups=depths[0], bias=False),
+            nn.BatchNorm2d(depths[0], momentum=momentum), nn.ReLU(inplace=True),
+            nn.Conv2d(depths[0], depths[1], 1, bias=False), nn.BatchNorm2d(depths[1], momentum=momentum),
+            _inverted_stack(depths[1], depths[2], 3, 2, 3, 3),
+            _inverted_stack(depths[2], depths[3], 5, 2, 3, 3),
+            _inverted_stack(depths[3], depths[4], 5, 2, 6, 3),
+            _inverted_stack(depths[4], depths[5], 3, 1, 6, 2),
+            _inverted_stack(depths[5], depths[6], 5, 2, 6, 4),
+            _inverted_stack(depths[6], depths[7], 3, 1, 6, 1),
+            nn.Conv2d(depths[7], last_width, 1, bias=False), nn.BatchNorm2d(last_width, momentum=momentum),
+            nn.ReLU(inplace=True),
+        )
+        self.mean_pool = mean_pool
+        self.pool = nn.Identity() if mean_pool else nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1))
+        self.classifier = nn.Sequential(nn.Dropout(p=0.2), nn.Linear(last_width, num_classes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.layers(x)
+        x = x.mean([2, 3]) if self.mean_pool else self.pool(x)
+        return self.classifier(x)
+
+
+def mnasnet(alpha: float = 0.5, num_classes: int = 1000, mean_pool: bool = True,
+            random_bn: bool = False) -> nn.Module:
+    """MnasNet-style inverted residuals with ReLU (torchvision ``mnasnet0_5`` at alpha=0.5)."""
+    return _finish(MNASNet(alpha, num_classes, mean_pool=mean_pool), random_bn)
+
+
+def small_mnasnet(num_classes: int = 10, mean_pool: bool = True, random_bn: bool = True) -> nn.Module:
+    """MnasNet at alpha 0.25 with a 64-wide head, for 32x32 inputs in fast tests."""
+    return _finish(MNASNet(0.25, num_classes, last_width=64, mean_pool=mean_pool), random_bn)
+
+
+# --------------------------------------------------------------------------
+# Inception-v3 (torchvision layout, without the auxiliary classifier)
+# --------------------------------------------------------------------------
+
+
+class _BasicConv2d(nn.Module):
+    """conv (no bias) - BN(eps 1e-3) - ReLU, as torchvision's BasicConv2d."""
+
+    def __init__(self, in_channels: int, out_channels: int, **conv: object) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, bias=False, **conv)
+        self.bn = nn.BatchNorm2d(out_channels, eps=0.001)
+        self.out_channels = out_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class _InceptionA(nn.Module):
+    def __init__(self, in_channels: int, pool_features: int, w: Callable[[int], int]) -> None:
+        super().__init__()
+        self.branch1x1 = _BasicConv2d(in_channels, w(64), kernel_size=1)
+        self.branch5x5_1 = _BasicConv2d(in_channels, w(48), kernel_size=1)
+        self.branch5x5_2 = _BasicConv2d(w(48), w(64), kernel_size=5, padding=2)
+        self.branch3x3dbl_1 = _BasicConv2d(in_channels, w(64), kernel_size=1)
+        self.branch3x3dbl_2 = _BasicConv2d(w(64), w(96), kernel_size=3, padding=1)
+        self.branch3x3dbl_3 = _BasicConv2d(w(96), w(96), kernel_size=3, padding=1)
+        self.branch_pool = _BasicConv2d(in_channels, w(pool_features), kernel_size=1)
+        self.out_channels = w(64) + w(64) + w(96) + w(pool_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        branch5x5 = self.branch5x5_2(self.branch5x5_1(x))
+        branch3x3dbl = self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x)))
+        branch_pool = self.branch_pool(nn.functional.avg_pool2d(x, kernel_size=3, stride=1, padding=1))
+        return torch.cat([self.branch1x1(x), branch5x5, branch3x3dbl, branch_pool], 1)
+
+
+class _InceptionB(nn.Module):
+    def __init__(self, in_channels: int, w: Callable[[int], int]) -> None:
+        super().__init__()
+        self.branch3x3 = _BasicConv2d(in_channels, w(384), kernel_size=3, stride=2)
+        self.branch3x3dbl_1 = _BasicConv2d(in_channels, w(64), kernel_size=1)
+        self.branch3x3dbl_2 = _BasicConv2d(w(64), w(96), kernel_size=3, padding=1)
+        self.branch3x3dbl_3 = _BasicConv2d(w(96), w(96), kernel_size=3, stride=2)
+        self.out_channels = w(384) + w(96) + in_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        branch3x3dbl = self.branch3x3dbl_3(self.branch3x3dbl_2(self.branch3x3dbl_1(x)))
+        branch_pool = nn.functional.max_pool2d(x, kernel_size=3, stride=2)
+        return torch.cat([self.branch3x3(x), branch3x3dbl, branch_pool], 1)
+
+
+class _InceptionC(nn.Module):
+    def __init__(self, in_channels: int, channels_7x7: int, w: Callable[[int], int]) -> None:
+        super().__init__()
+        c7 = w(channels_7x7)
+        self.branch1x1 = _BasicConv2d(in_channels, w(192), kernel_size=1)
+        self.branch7x7_1 = _BasicConv2d(in_channels, c7, kernel_size=1)
+        self.branch7x7_2 = _BasicConv2d(c7, c7, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7_3 = _BasicConv2d(c7, w(192), kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_1 = _BasicConv2d(in_channels, c7, kernel_size=1)
+        self.branch7x7dbl_2 = _BasicConv2d(c7, c7, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_3 = _BasicConv2d(c7, c7, kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7dbl_4 = _BasicConv2d(c7, c7, kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7dbl_5 = _BasicConv2d(c7, w(192), kernel_size=(1, 7), padding=(0, 3))
+        self.branch_pool = _BasicConv2d(in_channels, w(192), kernel_size=1)
+        self.out_channels = 4 * w(192)
+
+    def forward(self, x: Tensor) -> Tensor:
+        branch7x7 = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
+        dbl = self.branch7x7dbl_2(self.branch7x7dbl_1(x))
+        dbl = self.branch7x7dbl_5(self.branch7x7dbl_4(self.branch7x7dbl_3(dbl)))
+        branch_pool = self.branch_pool(nn.functional.avg_pool2d(x, kernel_size=3, stride=1, padding=1))
+        return torch.cat([self.branch1x1(x), branch7x7, dbl, branch_pool], 1)
+
+
+class _InceptionD(nn.Module):
+    def __init__(self, in_channels: int, w: Callable[[int], int]) -> None:
+        super().__init__()
+        self.branch3x3_1 = _BasicConv2d(in_channels, w(192), kernel_size=1)
+        self.branch3x3_2 = _BasicConv2d(w(192), w(320), kernel_size=3, stride=2)
+        self.branch7x7x3_1 = _BasicConv2d(in_channels, w(192), kernel_size=1)
+        self.branch7x7x3_2 = _BasicConv2d(w(192), w(192), kernel_size=(1, 7), padding=(0, 3))
+        self.branch7x7x3_3 = _BasicConv2d(w(192), w(192), kernel_size=(7, 1), padding=(3, 0))
+        self.branch7x7x3_4 = _BasicConv2d(w(192), w(192), kernel_size=3, stride=2)
+        self.out_channels = w(320) + w(192) + in_channels
+
+    def forward(self, x: Tensor) -> Tensor:
+        branch3x3 = self.branch3x3_2(self.branch3x3_1(x))
+        branch7x7x3 = self.branch7x7x3_2(self.branch7x7x3_1(x))
+        branch7x7x3 = self.branch7x7x3_4(self.branch7x7x3_3(branch7x7x3))
+        branch_pool = nn.functional.max_pool2d(x, kernel_size=3, stride=2)
+        return torch.cat([branch3x3, branch7x7x3, branch_pool], 1)
+
+
+class _InceptionE(nn.Module):
+    def __init__(self, in_channels: int, w: Callable[[int], int]) -> None:
+        super().__init__()
+        self.branch1x1 = _BasicConv2d(in_channels, w(320), kernel_size=1)
+        self.branch3x3_1 = _BasicConv2d(in_channels, w(384), kernel_size=1)
+        self.branch3x3_2a = _BasicConv2d(w(384), w(384), kernel_size=(1, 3), padding=(0, 1))
+        self.branch3x3_2b = _BasicConv2d(w(384), w(384), kernel_size=(3, 1), padding=(1, 0))
+        self.branch3x3dbl_1 = _BasicConv2d(in_channels, w(448), kernel_size=1)
+        self.branch3x3dbl_2 = _BasicConv2d(w(448), w(384), kernel_size=3, padding=1)
+        self.branch3x3dbl_3a = _BasicConv2d(w(384), w(384), kernel_size=(1, 3), padding=(0, 1))
+        self.branch3x3dbl_3b = _BasicConv2d(w(384), w(384), kernel_size=(3, 1), padding=(1, 0))
+        self.branch_pool = _BasicConv2d(in_channels, w(192), kernel_size=1)
+        self.out_channels = w(320) + 4 * w(384) + w(192)
+
+    def forward(self, x: Tensor) -> Tensor:
+        branch3x3 = self.branch3x3_1(x)
+        branch3x3 = torch.cat([self.branch3x3_2a(branch3x3), self.branch3x3_2b(branch3x3)], 1)
+        dbl = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
+        dbl = torch.cat([self.branch3x3dbl_3a(dbl), self.branch3x3dbl_3b(dbl)], 1)
+        branch_pool = self.branch_pool(nn.functional.avg_pool2d(x, kernel_size=3, stride=1, padding=1))
+        return torch.cat([self.branch1x1(x), branch3x3, dbl, branch_pool], 1)
+
+
+class InceptionV3(nn.Module):
+    """torchvision's Inception3 without AuxLogits; ``width`` scales every branch's channels
+    (1.0 is torchvision's layout: 23,834,568 parameters, input 3x299x299)."""
+
+    def __init__(self, num_classes: int = 1000, width: float = 1.0, in_channels: int = 3) -> None:
+        super().__init__()
+
+        def w(channels: int) -> int:
+            return max(1, round(channels * width))
+
+        self.Conv2d_1a_3x3 = _BasicConv2d(in_channels, w(32), kernel_size=3, stride=2)
+        self.Conv2d_2a_3x3 = _BasicConv2d(w(32), w(32), kernel_size=3)
+        self.Conv2d_2b_3x3 = _BasicConv2d(w(32), w(64), kernel_size=3, padding=1)
+        self.maxpool1 = nn.MaxPool2d(kernel_size=3, stride=2)
+        self.Conv2d_3b_1x1 = _BasicConv2d(w(64), w(80), kernel_size=1)
+        self.Conv2d_4a_3x3 = _BasicConv2d(w(80), w(192), kernel_size=3)
+        self.maxpool2 = nn.MaxPool2d(kernel_size=3, stride=2)
+        self.Mixed_5b = _InceptionA(w(192), 32, w)
+        self.Mixed_5c = _InceptionA(self.Mixed_5b.out_channels, 64, w)
+        self.Mixed_5d = _InceptionA(self.Mixed_5c.out_channels, 64, w)
+        self.Mixed_6a = _InceptionB(self.Mixed_5d.out_channels, w)
+        self.Mixed_6b = _InceptionC(self.Mixed_6a.out_channels, 128, w)
+        self.Mixed_6c = _InceptionC(self.Mixed_6b.out_channels, 160, w)
+        self.Mixed_6d = _InceptionC(self.Mixed_6c.out_channels, 160, w)
+        self.Mixed_6e = _InceptionC(self.Mixed_6d.out_channels, 192, w)
+        self.Mixed_7a = _InceptionD(self.Mixed_6e.out_channels, w)
+        self.Mixed_7b = _InceptionE(self.Mixed_7a.out_channels, w)
+        self.Mixed_7c = _InceptionE(self.Mixed_7b.out_channels, w)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.dropout = nn.Dropout(p=0.5)
+        self.fc = nn.Linear(self.Mixed_7c.out_channels, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool1(self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x))))
+        x = self.maxpool2(self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x)))
+        x = self.Mixed_5d(self.Mixed_5c(self.Mixed_5b(x)))
+        x = self.Mixed_6e(self.Mixed_6d(self.Mixed_6c(self.Mixed_6b(self.Mixed_6a(x)))))
+        x = self.Mixed_7c(self.Mixed_7b(self.Mixed_7a(x)))
+        return self.fc(self.dropout(torch.flatten(self.avgpool(x), 1)))
+
+
+def inception_v3(num_classes: int = 1000, width: float = 1.0, random_bn: bool = False) -> nn.Module:
+    """Inception-v3 (torchvision layout without the auxiliary head); input 3x299x299."""
+    return _finish(InceptionV3(num_classes, width), random_bn)
+
+
+def small_inception_v3(num_classes: int = 10, random_bn: bool = True) -> nn.Module:
+    """Inception-v3 at 1/16 width (input 3x75x75, the smallest its strides accept)."""
+    return _finish(InceptionV3(num_classes, width=1 / 16), random_bn)
+
+
+# --------------------------------------------------------------------------
 # registry
 # --------------------------------------------------------------------------
 
@@ -759,6 +1028,13 @@ TABLE1: Dict[str, Tuple[int, int]] = {
     "alexnet": (61_100_840, 9_344),
     "vgg16": (138_357_544, 12_416),
     "cifar_nv": (2_616_576, 1_792),
+}
+
+#: torchvision's parameter counts (``mnasnet0_5``; ``inception_v3`` without AuxLogits) and
+#: the Table-1 hidden-unit definition applied to them.
+TORCHVISION_COUNTS: Dict[str, Tuple[int, int]] = {
+    "mnasnet0_5": (2_218_512, 10_312),
+    "inception_v3": (23_834_568, 17_216),
 }
 
 _IMAGENET = (3, 224, 224)
@@ -785,6 +1061,10 @@ REFERENCE_MODELS: Dict[str, Entry] = {
     "small_inception": (small_inception, _CIFAR, None, None),
     "grouped_conv_net": (grouped_conv_net, _CIFAR, None, None),
     "conv1d_net": (conv1d_net, (3, 64), None, None),
+    "mnasnet0_5": (mnasnet, _IMAGENET, *TORCHVISION_COUNTS["mnasnet0_5"]),
+    "inception_v3": (inception_v3, (3, 299, 299), *TORCHVISION_COUNTS["inception_v3"]),
+    "small_mnasnet": (small_mnasnet, _CIFAR, None, None),
+    "small_inception_v3": (small_inception_v3, (3, 75, 75), None, None),
 }
 
 #: names of the fast (< 100k parameters) models

@@ -64,6 +64,29 @@ def test_table1_counts_and_trace(name):
     _check_trace(model)
 
 
+@pytest.mark.parametrize("name", tuple(rm.TORCHVISION_COUNTS))
+def test_torchvision_counts_and_trace(name):
+    factory, shape, params, hidden = rm.REFERENCE_MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    assert (params, hidden) == rm.TORCHVISION_COUNTS[name]
+    assert rm.count_parameters(model) == params
+    assert rm.hidden_units(model) == hidden
+    _check_trace(model)
+
+
+@pytest.mark.parametrize("name", ("small_mnasnet", "small_inception_v3"))
+def test_small_torchvision_style_models(name):
+    factory, shape, _, _ = rm.REFERENCE_MODELS[name]
+    torch.manual_seed(0)
+    model = factory()
+    gm = _check_trace(model)
+    x = torch.randn(2, *shape)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x))
+        assert model(x).shape == (2, 10)
+
+
 def test_table1_values_are_the_papers():
     assert rm.TABLE1 == {
         "resnet18": (11_689_512, 4_800),
@@ -299,8 +322,12 @@ def test_hidden_units_helper():
 def test_registry_shapes():
     for name, (factory, shape, params, hidden) in rm.REFERENCE_MODELS.items():
         assert callable(factory)
-        if name in IMAGENET:
+        if name in IMAGENET or name == "mnasnet0_5":
             assert shape == (3, 224, 224)
+        elif name == "inception_v3":
+            assert shape == (3, 299, 299)
+        elif name == "small_inception_v3":
+            assert shape == (3, 75, 75)
         elif name != "conv1d_net":
             assert shape == (3, 32, 32)
         assert (params is None) == (hidden is None)
