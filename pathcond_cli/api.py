@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,89 @@ class LayerSpread:
 
 
 @dataclass
+class Conditioning:
+    """The invariant conditioning measure of SPEC §4 for one diag(G).
+
+    ``value`` is D = p · ln(mean g / geomean g), the mean and geometric mean taken over the
+    ``counted`` parameters with g > 0, and p every DAG parameter (as in F). Parameters with
+    g = 0 lie on no path of non-zero weight; no rescaling changes that (g e^{−2(Bu)} stays 0),
+    so they are left out of both means and counted in ``zeros``, and D compares like with
+    like before and after. ``per_parameter`` = ln(mean g / geomean g) = D / p compares
+    networks of different sizes. D ≥ 0, and D = 0 iff diag(G) is constant on g > 0.
+    """
+
+    value: float
+    per_parameter: float
+    counted: int
+    zeros: int
+
+
+def _zeros(lg: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """The mask of g = 0 (log g = −inf) and its count; the mask is None when there is none.
+
+    log g is never NaN or +inf (diag_g guarantees it), so whole-tensor reductions need no
+    mask in the common case of no zeros: boolean indexing costs more than the reductions.
+    """
+    mask = torch.isneginf(lg)
+    count = int(mask.sum())
+    return (mask if count else None), count
+
+
+def conditioning(log_g: list[torch.Tensor], p: int) -> Conditioning:
+    """D from log diag(G) (−inf where g = 0), tensor by tensor in the log domain."""
+    log_sums, log_totals, counted, zeros = [], 0.0, 0, 0
+    for lg in log_g:
+        mask, count = _zeros(lg)
+        zeros += count
+        if count < lg.numel():
+            log_sums.append(torch.logsumexp(lg.reshape(-1), dim=0))
+            log_totals += float((lg if mask is None else lg.masked_fill(mask, 0.0)).sum())
+            counted += lg.numel() - count
+    if not counted:
+        return Conditioning(0.0, 0.0, 0, zeros)
+    log_mean = float(torch.logsumexp(torch.stack(log_sums), dim=0)) - math.log(counted)
+    # AM ≥ GM: a negative difference is round-off.
+    per_parameter = max(log_mean - log_totals / counted, 0.0)
+    return Conditioning(p * per_parameter, per_parameter, counted, zeros)
+
+
+def layer_spreads(groups: RescalingGroups, log_g: list[torch.Tensor]) -> list[LayerSpread]:
+    """log10 diag(G) range and zero count per layer, in network order."""
+    spreads: dict[str, LayerSpread] = {}
+    for dp, lg in zip(groups.dag_params, log_g):
+        mask, count = _zeros(lg)
+        entry = spreads.setdefault(dp.layer, LayerSpread(dp.layer, 0, 0, None, None))
+        entry.parameters += lg.numel()
+        entry.zeros += count
+        if count < lg.numel():
+            smallest = lg.min() if mask is None else lg.masked_fill(mask, torch.inf).min()
+            low, high = float(smallest) * LOG10_E, float(lg.max()) * LOG10_E
+            entry.log10_min = low if entry.log10_min is None else min(entry.log10_min, low)
+            entry.log10_max = high if entry.log10_max is None else max(entry.log10_max, high)
+    return list(spreads.values())
+
+
+def log10_range(spreads: list[LayerSpread]) -> tuple[float | None, float | None]:
+    """Smallest and largest log10 g over g > 0 (None when every g is 0)."""
+    lows = [s.log10_min for s in spreads if s.log10_min is not None]
+    highs = [s.log10_max for s in spreads if s.log10_max is not None]
+    return (min(lows), max(highs)) if lows else (None, None)
+
+
+def histogram(log_g: list[torch.Tensor], low: float | None, high: float | None, bins: int = 12) -> list[tuple[float, float, int]]:
+    """Counts of log10 g over ``bins`` equal-width bins spanning [low, high] (g = 0 excluded)."""
+    if low is None or high is None:
+        return []
+    high = high if high > low else low + 1.0
+    counts = torch.zeros(bins, dtype=torch.long)
+    for lg in log_g:
+        # histc leaves out values below its range, so g = 0 (log10 g = −inf) is not counted.
+        counts += torch.histc(lg * LOG10_E, bins=bins, min=low, max=high).to("cpu", torch.long)
+    width = (high - low) / bins
+    return [(low + i * width, low + (i + 1) * width, int(counts[i])) for i in range(bins)]
+
+
+@dataclass
 class Analysis:
     """Everything ``inspect`` reports: counts, groups, path count and the diag(G) spread."""
 
@@ -61,42 +145,31 @@ class Analysis:
     diag: DiagG
     paths: PathCount
     seconds: dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
 
     @property
     def log10_min(self) -> float | None:
-        values = [s.log10_min for s in self.per_layer() if s.log10_min is not None]
-        return min(values) if values else None
+        return log10_range(self.per_layer())[0]
 
     @property
     def log10_max(self) -> float | None:
-        values = [s.log10_max for s in self.per_layer() if s.log10_max is not None]
-        return max(values) if values else None
+        return log10_range(self.per_layer())[1]
 
     def per_layer(self) -> list[LayerSpread]:
-        spreads: dict[str, LayerSpread] = {}
-        for dp, lg in zip(self.groups.dag_params, self.diag.log_g):
-            finite = lg[torch.isfinite(lg)]
-            entry = spreads.setdefault(dp.layer, LayerSpread(dp.layer, 0, 0, None, None))
-            entry.parameters += lg.numel()
-            entry.zeros += lg.numel() - finite.numel()
-            if finite.numel():
-                low, high = float(finite.min()) * LOG10_E, float(finite.max()) * LOG10_E
-                entry.log10_min = low if entry.log10_min is None else min(entry.log10_min, low)
-                entry.log10_max = high if entry.log10_max is None else max(entry.log10_max, high)
-        return list(spreads.values())
+        return self._spreads
+
+    @cached_property
+    def _spreads(self) -> list[LayerSpread]:
+        return layer_spreads(self.groups, self.diag.log_g)
 
     def histogram(self, bins: int = 12) -> list[tuple[float, float, int]]:
         """Counts of log10 g over equal-width bins (g = 0 excluded)."""
-        low, high = self.log10_min, self.log10_max
-        if low is None or high is None:
-            return []
-        high = high if high > low else low + 1.0
-        counts = torch.zeros(bins, dtype=torch.long)
-        for lg in self.diag.log_g:
-            finite = lg[torch.isfinite(lg)].to("cpu") * LOG10_E
-            counts += torch.histc(finite, bins=bins, min=low, max=high).to(torch.long)
-        width = (high - low) / bins
-        return [(low + i * width, low + (i + 1) * width, int(counts[i])) for i in range(bins)]
+        return histogram(self.diag.log_g, *log10_range(self.per_layer()), bins)
+
+    @cached_property
+    def conditioning(self) -> Conditioning:
+        """D(θ) of the model as loaded."""
+        return conditioning(self.diag.log_g, self.groups.p)
 
 
 @dataclass
@@ -108,11 +181,33 @@ class RescaleResult:
     changed: dict[str, torch.Tensor]
     verification: Verification | None
     seconds: dict[str, float] = field(default_factory=dict)
+    tol: float = DEFAULT_TOL
+    max_iter: int = DEFAULT_MAX_ITER
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
         """All checkpoint tensors after rescaling (unchanged ones are the original objects)."""
         return {**self.analysis.model.params, **self.changed}
+
+    @cached_property
+    def diag_after(self) -> DiagG:
+        """log diag(G) of the rescaled parameters, log g_i − 2(Bu)_i (SPEC §4): no second pass."""
+        groups = self.analysis.groups
+        u_ext = groups.extend(self.solve.u.to("cpu", torch.float64))
+        return DiagG([
+            lg - 2 * dp.exponent(u_ext).expand(dp.view).reshape(lg.shape).to(lg.device)
+            for dp, lg in zip(groups.dag_params, self.analysis.diag.log_g)
+        ])
+
+    @cached_property
+    def spreads_after(self) -> list[LayerSpread]:
+        """Per-layer log10 diag(G) after rescaling."""
+        return layer_spreads(self.analysis.groups, self.diag_after.log_g)
+
+    @cached_property
+    def conditioning_after(self) -> Conditioning:
+        """D(θ_u) of the rescaled model."""
+        return conditioning(self.diag_after.log_g, self.analysis.groups.p)
 
 
 class _Stopwatch:
@@ -134,7 +229,7 @@ def analyse(model: LoadedModel, *, device: str | torch.device = "auto") -> Analy
     groups = timed("groups", lambda: build_groups(model.graph, model.params))
     diag = timed("diag_g", lambda: diag_g(groups, device=device))
     paths = timed("path_count", lambda: path_count(groups, device=device))
-    return Analysis(model, groups, diag, paths, seconds)
+    return Analysis(model, groups, diag, paths, seconds, str(device))
 
 
 def rescale(
@@ -167,7 +262,7 @@ def rescale(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
-    return RescaleResult(analysis, result, changed, verification, seconds)
+    return RescaleResult(analysis, result, changed, verification, seconds, tol, max_iter)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
@@ -176,7 +271,7 @@ def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name:
 
     source = name or type(module).__name__
     graph, params = graph_from_module(module, tuple(input_shape), source=source)
-    return LoadedModel(graph, params, "module", source, payload=module)
+    return LoadedModel(graph, params, "module", source, payload=module, arch_source="module")
 
 
 def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:
