@@ -172,6 +172,15 @@ class Analysis:
         return conditioning(self.diag.log_g, self.groups.p)
 
 
+def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:
+    """diag(G) of the parameters rescaled by ``u``: log g_i − 2(Bu)_i, since g(θ_u)_i = g_i e^{−2(Bu)_i}."""
+    u_ext = groups.extend(u.to("cpu", torch.float64))
+    return DiagG([
+        lg - 2 * dp.exponent(u_ext).expand(dp.view).reshape(lg.shape).to(lg.device)
+        for dp, lg in zip(groups.dag_params, diag.log_g)
+    ])
+
+
 @dataclass
 class RescaleResult:
     """A finished rescaling: the solve, the changed tensors and the measured preservation."""
@@ -192,12 +201,7 @@ class RescaleResult:
     @cached_property
     def diag_after(self) -> DiagG:
         """log diag(G) of the rescaled parameters, log g_i − 2(Bu)_i (SPEC §4): no second pass."""
-        groups = self.analysis.groups
-        u_ext = groups.extend(self.solve.u.to("cpu", torch.float64))
-        return DiagG([
-            lg - 2 * dp.exponent(u_ext).expand(dp.view).reshape(lg.shape).to(lg.device)
-            for dp, lg in zip(groups.dag_params, self.analysis.diag.log_g)
-        ])
+        return rescaled_diag(self.analysis.groups, self.analysis.diag, self.solve.u)
 
     @cached_property
     def spreads_after(self) -> list[LayerSpread]:

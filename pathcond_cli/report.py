@@ -177,13 +177,16 @@ def _spread_text(diag: dict[str, Any]) -> str:
 
 def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) -> None:
     """Rich tables for people (the console writes to stderr); warnings last."""
-    summary = Table(title=f"pathcond {report['command']} · {report['model']}", show_header=False, title_justify="left")
+    console.print(f"pathcond {report['command']} · {report['model']}", style="bold", highlight=False, markup=False,
+                  soft_wrap=True)
+    summary = Table(show_header=False)
     summary.add_column("", style="bold")
     summary.add_column("")
     groups, paths, diag = report["groups"], report["paths"], report["diag_g"]
     after = report.get("diag_g_after")
     conditioning = report["conditioning"]
-    summary.add_row("format", f"{report['format']} · architecture from {report['arch_source']}")
+    summary.add_row("format", report["format"])
+    summary.add_row("architecture from", report["arch_source"])
     summary.add_row("device", report["device"])
     summary.add_row("parameters", _fmt(report["parameters"]))
     summary.add_row("DAG parameters (p)", _fmt(report["dag_parameters"]))
