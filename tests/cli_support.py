@@ -201,6 +201,8 @@ def check_report(report: dict, *, rescale: bool) -> None:
         assert paths["exact"] < 2**53
         assert abs(np.log10(paths["exact"]) - paths["log10"]) < 1e-6
     _check_diag(report["diag_g"], report["dag_parameters"])
+    histogram_total = sum(b["count"] for b in report["diag_g"]["histogram"])
+    assert histogram_total == report["conditioning"]["before"]["parameters_counted"], "every g > 0 is in one bin"
     assert isinstance(report["warnings"], list) and all(isinstance(w, str) for w in report["warnings"])
     seconds = report["seconds"]
     assert all(_is_number(v) and v >= 0 for v in seconds.values())
