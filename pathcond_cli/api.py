@@ -71,69 +71,95 @@ class Conditioning:
     zeros: int
 
 
-def _zeros(lg: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-    """The mask of g = 0 (log g = −inf) and its count; the mask is None when there is none.
+@dataclass
+class _TensorStats:
+    """One pass of reductions over one log g tensor (natural log; g = 0 is −inf)."""
 
-    log g is never NaN or +inf (diag_g guarantees it), so whole-tensor reductions need no
-    mask in the common case of no zeros: boolean indexing costs more than the reductions.
-    """
-    mask = torch.isneginf(lg)
-    count = int(mask.sum())
-    return (mask if count else None), count
+    zeros: int
+    low: float
+    high: float
+    log_sum_exp: float
+    log_total: float
+
+
+def _tensor_stats(lg: torch.Tensor) -> _TensorStats:
+    # log g is never NaN or +inf (diag_g guarantees it), and its minimum is −inf exactly when
+    # some g = 0: tensors without zeros, the usual case, need no mask at all.
+    low, high = float(lg.min()), float(lg.max())
+    if high == -math.inf:
+        return _TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
+    log_sum_exp = float(torch.logsumexp(lg.reshape(-1), dim=0))
+    if low > -math.inf:
+        return _TensorStats(0, low, high, log_sum_exp, float(lg.sum()))
+    zeros = torch.isneginf(lg)
+    return _TensorStats(int(zeros.sum()), float(lg.masked_fill(zeros, math.inf).min()), high, log_sum_exp,
+                        float(lg.masked_fill(zeros, 0.0).sum()))
+
+
+def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Conditioning:
+    zeros = sum(s.zeros for s in stats)
+    counted = sum(sizes) - zeros
+    if not counted:
+        return Conditioning(0.0, 0.0, 0, zeros)
+    log_mean = float(torch.logsumexp(torch.tensor([s.log_sum_exp for s in stats], dtype=torch.float64), 0))
+    log_mean -= math.log(counted)
+    # AM ≥ GM: a negative difference is round-off.
+    per_parameter = max(log_mean - sum(s.log_total for s in stats) / counted, 0.0)
+    return Conditioning(p * per_parameter, per_parameter, counted, zeros)
 
 
 def conditioning(log_g: list[torch.Tensor], p: int) -> Conditioning:
     """D from log diag(G) (−inf where g = 0), tensor by tensor in the log domain."""
-    log_sums, log_totals, counted, zeros = [], 0.0, 0, 0
-    for lg in log_g:
-        mask, count = _zeros(lg)
-        zeros += count
-        if count < lg.numel():
-            log_sums.append(torch.logsumexp(lg.reshape(-1), dim=0))
-            log_totals += float((lg if mask is None else lg.masked_fill(mask, 0.0)).sum())
-            counted += lg.numel() - count
-    if not counted:
-        return Conditioning(0.0, 0.0, 0, zeros)
-    log_mean = float(torch.logsumexp(torch.stack(log_sums), dim=0)) - math.log(counted)
-    # AM ≥ GM: a negative difference is round-off.
-    per_parameter = max(log_mean - log_totals / counted, 0.0)
-    return Conditioning(p * per_parameter, per_parameter, counted, zeros)
+    return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g], p)
 
 
-def layer_spreads(groups: RescalingGroups, log_g: list[torch.Tensor]) -> list[LayerSpread]:
-    """log10 diag(G) range and zero count per layer, in network order."""
+@dataclass
+class DiagSummary:
+    """What the reports read from one diag(G), from a single pass of reductions per tensor:
+    per-layer spreads (network order), D, and the natural-log range of g > 0 (None if all 0)."""
+
+    layers: list[LayerSpread]
+    conditioning: Conditioning
+    ln_low: float | None
+    ln_high: float | None
+
+
+def summarise(groups: RescalingGroups, log_g: list[torch.Tensor]) -> DiagSummary:
+    stats = [_tensor_stats(lg) for lg in log_g]
     spreads: dict[str, LayerSpread] = {}
-    for dp, lg in zip(groups.dag_params, log_g):
-        mask, count = _zeros(lg)
+    lows: dict[str, float] = {}
+    highs: dict[str, float] = {}
+    for dp, lg, st in zip(groups.dag_params, log_g, stats):
         entry = spreads.setdefault(dp.layer, LayerSpread(dp.layer, 0, 0, None, None))
         entry.parameters += lg.numel()
-        entry.zeros += count
-        if count < lg.numel():
-            smallest = lg.min() if mask is None else lg.masked_fill(mask, torch.inf).min()
-            low, high = float(smallest) * LOG10_E, float(lg.max()) * LOG10_E
-            entry.log10_min = low if entry.log10_min is None else min(entry.log10_min, low)
-            entry.log10_max = high if entry.log10_max is None else max(entry.log10_max, high)
-    return list(spreads.values())
+        entry.zeros += st.zeros
+        lows[dp.layer] = min(lows.get(dp.layer, math.inf), st.low)
+        highs[dp.layer] = max(highs.get(dp.layer, -math.inf), st.high)
+    for layer, entry in spreads.items():
+        if highs[layer] > -math.inf:
+            entry.log10_min, entry.log10_max = lows[layer] * LOG10_E, highs[layer] * LOG10_E
+    low, high = min(lows.values(), default=math.inf), max(highs.values(), default=-math.inf)
+    return DiagSummary(
+        list(spreads.values()),
+        _conditioning(stats, [lg.numel() for lg in log_g], groups.p),
+        low if high > -math.inf else None,
+        high if high > -math.inf else None,
+    )
 
 
-def log10_range(spreads: list[LayerSpread]) -> tuple[float | None, float | None]:
-    """Smallest and largest log10 g over g > 0 (None when every g is 0)."""
-    lows = [s.log10_min for s in spreads if s.log10_min is not None]
-    highs = [s.log10_max for s in spreads if s.log10_max is not None]
-    return (min(lows), max(highs)) if lows else (None, None)
-
-
-def histogram(log_g: list[torch.Tensor], low: float | None, high: float | None, bins: int = 12) -> list[tuple[float, float, int]]:
-    """Counts of log10 g over ``bins`` equal-width bins spanning [low, high] (g = 0 excluded)."""
-    if low is None or high is None:
+def histogram(log_g: list[torch.Tensor], ln_low: float | None, ln_high: float | None,
+              bins: int = 12) -> list[tuple[float, float, int]]:
+    """Counts of g > 0 over ``bins`` equal-width bins of ln g spanning [ln_low, ln_high] (the
+    exact extremes, so every g > 0 is counted), with the edges given as log10."""
+    if ln_low is None or ln_high is None:
         return []
-    high = high if high > low else low + 1.0
+    ln_high = ln_high if ln_high > ln_low else ln_low + 1.0
     counts = torch.zeros(bins, dtype=torch.long)
     for lg in log_g:
-        # histc leaves out values below its range, so g = 0 (log10 g = −inf) is not counted.
-        counts += torch.histc(lg * LOG10_E, bins=bins, min=low, max=high).to("cpu", torch.long)
-    width = (high - low) / bins
-    return [(low + i * width, low + (i + 1) * width, int(counts[i])) for i in range(bins)]
+        # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
+        counts += torch.histc(lg, bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
+    width = (ln_high - ln_low) / bins
+    return [((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E, int(counts[i])) for i in range(bins)]
 
 
 @dataclass
@@ -147,36 +173,37 @@ class Analysis:
     seconds: dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
 
+    @cached_property
+    def summary(self) -> DiagSummary:
+        return summarise(self.groups, self.diag.log_g)
+
     @property
     def log10_min(self) -> float | None:
-        return log10_range(self.per_layer())[0]
+        return None if self.summary.ln_low is None else self.summary.ln_low * LOG10_E
 
     @property
     def log10_max(self) -> float | None:
-        return log10_range(self.per_layer())[1]
+        return None if self.summary.ln_high is None else self.summary.ln_high * LOG10_E
 
     def per_layer(self) -> list[LayerSpread]:
-        return self._spreads
-
-    @cached_property
-    def _spreads(self) -> list[LayerSpread]:
-        return layer_spreads(self.groups, self.diag.log_g)
+        return self.summary.layers
 
     def histogram(self, bins: int = 12) -> list[tuple[float, float, int]]:
         """Counts of log10 g over equal-width bins (g = 0 excluded)."""
-        return histogram(self.diag.log_g, *log10_range(self.per_layer()), bins)
+        return histogram(self.diag.log_g, self.summary.ln_low, self.summary.ln_high, bins)
 
-    @cached_property
+    @property
     def conditioning(self) -> Conditioning:
         """D(θ) of the model as loaded."""
-        return conditioning(self.diag.log_g, self.groups.p)
+        return self.summary.conditioning
 
 
 def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:
     """diag(G) of the parameters rescaled by ``u``: log g_i − 2(Bu)_i, since g(θ_u)_i = g_i e^{−2(Bu)_i}."""
     u_ext = groups.extend(u.to("cpu", torch.float64))
+    # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
     return DiagG([
-        lg - 2 * dp.exponent(u_ext).expand(dp.view).reshape(lg.shape).to(lg.device)
+        torch.add(lg.reshape(dp.view), dp.exponent(u_ext).to(lg.device), alpha=-2.0).reshape(lg.shape)
         for dp, lg in zip(groups.dag_params, diag.log_g)
     ])
 
@@ -204,14 +231,14 @@ class RescaleResult:
         return rescaled_diag(self.analysis.groups, self.analysis.diag, self.solve.u)
 
     @cached_property
-    def spreads_after(self) -> list[LayerSpread]:
-        """Per-layer log10 diag(G) after rescaling."""
-        return layer_spreads(self.analysis.groups, self.diag_after.log_g)
+    def summary_after(self) -> DiagSummary:
+        """Per-layer spreads, D and range of diag(G) after rescaling."""
+        return summarise(self.analysis.groups, self.diag_after.log_g)
 
-    @cached_property
+    @property
     def conditioning_after(self) -> Conditioning:
         """D(θ_u) of the rescaled model."""
-        return conditioning(self.diag_after.log_g, self.analysis.groups.p)
+        return self.summary_after.conditioning
 
 
 class _Stopwatch:

@@ -88,7 +88,9 @@ def _draw_layers(axes, layers: list[str], before: dict, after: dict | None, repo
                  whiskerprops={"color": colour, "linewidth": 1.2}, capprops={"color": colour, "linewidth": 1.2})
         axes.plot([], [], color=colour, linewidth=8, label=label)
     axes.set_xticks(positions)
-    rotation = 0 if len(layers) <= 8 and max(len(short_label(layer)) for layer in layers) <= 10 else 90
+    # Horizontal labels while they fit side by side (about 12 characters per inch at this size).
+    longest = max(len(short_label(layer)) for layer in layers)
+    rotation = 0 if longest * len(layers) <= 12 * axes.figure.get_figwidth() else 90
     axes.set_xticklabels([short_label(layer) for layer in layers], rotation=rotation,
                          fontsize=9 if len(layers) <= 30 else 7)
     axes.set_xlim(-0.6, len(layers) - 0.4)

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .api import Analysis, Conditioning, LayerSpread, RescaleResult, histogram, log10_range
+from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
 from .objective import degenerate_mask
 
 SCHEMA_VERSION = 2
@@ -34,10 +34,11 @@ def _power_of_ten(log10: float | None) -> float | None:
         return None
 
 
-def _diag_section(layers: list[LayerSpread], log_g: list[torch.Tensor],
-                  bounds: tuple[float | None, float | None]) -> dict[str, Any]:
-    """``diag_g`` (or ``diag_g_after``): spread, per-layer table and a histogram over ``bounds``."""
-    low, high = log10_range(layers)
+def _diag_section(summary: DiagSummary, log_g: list[torch.Tensor],
+                  ln_bounds: tuple[float | None, float | None]) -> dict[str, Any]:
+    """``diag_g`` (or ``diag_g_after``): spread, per-layer table and a histogram of ln g over ``ln_bounds``."""
+    low, high = (None if v is None else v * LOG10_E for v in (summary.ln_low, summary.ln_high))
+    layers = summary.layers
     return {
         "min": _power_of_ten(low),
         "max": _power_of_ten(high),
@@ -57,7 +58,7 @@ def _diag_section(layers: list[LayerSpread], log_g: list[torch.Tensor],
         ],
         "histogram": [
             {"log10_low": low_edge, "log10_high": high_edge, "count": count}
-            for low_edge, high_edge, count in histogram(log_g, *bounds)
+            for low_edge, high_edge, count in histogram(log_g, *ln_bounds)
         ],
     }
 
@@ -71,10 +72,17 @@ def _conditioning(measure: Conditioning) -> dict[str, Any]:
     }
 
 
-def analysis_report(analysis: Analysis, *, bounds: tuple[float | None, float | None] | None = None) -> dict[str, Any]:
-    """The ``inspect`` report; ``bounds`` fixes the histogram's log10 range (default: diag(G)'s)."""
-    model, groups = analysis.model, analysis.groups
-    degenerate = degenerate_mask(groups, analysis.diag)
+def analysis_report(
+    analysis: Analysis,
+    *,
+    ln_bounds: tuple[float | None, float | None] | None = None,
+    degenerate: int | None = None,
+) -> dict[str, Any]:
+    """The ``inspect`` report. ``ln_bounds`` fixes the histogram's range of ln g (default:
+    diag(G)'s own); ``degenerate`` is the solver's count of frozen groups when known."""
+    model, groups, summary = analysis.model, analysis.groups, analysis.summary
+    if degenerate is None:
+        degenerate = int(degenerate_mask(groups, analysis.diag).sum())
     return {
         "schema": SCHEMA_VERSION,
         "pathcond_version": __version__,
@@ -89,12 +97,12 @@ def analysis_report(analysis: Analysis, *, bounds: tuple[float | None, float | N
         "groups": {
             "free": groups.num_free,
             "fixed": groups.num_fixed,
-            "degenerate": int(degenerate.sum()),
+            "degenerate": degenerate,
             "colours": groups.num_colours,
         },
         "paths": {"log10": _finite(analysis.paths.log10), "exact": analysis.paths.exact},
         "conditioning": {"before": _conditioning(analysis.conditioning)},
-        "diag_g": _diag_section(analysis.per_layer(), analysis.diag.log_g, bounds or log10_range(analysis.per_layer())),
+        "diag_g": _diag_section(summary, analysis.diag.log_g, ln_bounds or (summary.ln_low, summary.ln_high)),
         "warnings": list(model.warnings),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
     }
@@ -104,21 +112,19 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
     analysis = result.analysis
     solve, verification = result.solve, result.verification
     # One set of histogram bins for before and after, so the two read side by side.
-    before_range = log10_range(analysis.per_layer())
-    after_range = log10_range(result.spreads_after)
-    ends = [v for v in (*before_range, *after_range) if v is not None]
-    bounds = (min(ends), max(ends)) if ends else (None, None)
-    report = analysis_report(analysis, bounds=bounds)
+    before, after = analysis.summary, result.summary_after
+    ends = [v for v in (before.ln_low, before.ln_high, after.ln_low, after.ln_high) if v is not None]
+    ln_bounds = (min(ends), max(ends)) if ends else (None, None)
+    report = analysis_report(analysis, ln_bounds=ln_bounds, degenerate=len(solve.degenerate))
     report["command"] = "rescale"
-    before, after = analysis.conditioning, result.conditioning_after
-    decrease = before.value - after.value
+    decrease = before.conditioning.value - after.conditioning.value
     report["conditioning"] = {
-        "before": _conditioning(before),
-        "after": _conditioning(after),
+        "before": _conditioning(before.conditioning),
+        "after": _conditioning(after.conditioning),
         "decrease": _finite(decrease),
-        "fraction_of_gap_closed": _finite(decrease / before.value) if before.value > 0 else None,
+        "fraction_of_gap_closed": _finite(decrease / before.conditioning.value) if before.conditioning.value > 0 else None,
     }
-    report["diag_g_after"] = _diag_section(result.spreads_after, result.diag_after.log_g, bounds)
+    report["diag_g_after"] = _diag_section(after, result.diag_after.log_g, ln_bounds)
     if not solve.converged:
         report["warnings"].append(
             f"not converged: the solver stopped after {solve.iterations} iterations (--max-iter {result.max_iter}) "
@@ -126,7 +132,6 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
             "computes the same function but is not the PathCond optimum (raise --max-iter)."
         )
     labels = analysis.groups.labels
-    report["groups"]["degenerate"] = len(solve.degenerate)
     report.update({
         "solver": {
             "name": solve.method,
