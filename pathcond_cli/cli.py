@@ -93,7 +93,7 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def _check_plot(path: Path | None) -> None:
-    """Usage errors for --plot are raised before any work is done."""
+    """--plot's usage errors and an unwritable destination, before any work is done."""
     if path is None:
         return
     if path.suffix.lower() not in PLOT_SUFFIXES:
@@ -102,6 +102,7 @@ def _check_plot(path: Path | None) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise typer.BadParameter("drawing a plot needs matplotlib, which is not installed: "
                                  "pip install 'pathcond[plot]'", param_hint="--plot")
+    check_destination(path)
 
 
 def _parse_shape(text: str | None) -> tuple[int, ...] | None:
@@ -260,10 +261,17 @@ def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, qu
 
 
 def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> None:
-    if plot is not None:
-        from .plot import draw
+    """Drawn after the report is out, so a plot that cannot be written costs nothing else."""
+    if plot is None:
+        return
+    from .plot import draw
 
+    try:
         atomic_write(plot, lambda tmp: draw(report, analysis, result, tmp, plot.suffix.lower().lstrip(".")))
+    except OutputError as exc:
+        done = (f"the rescaled checkpoint '{report['output']}' was written and verified" if "output" in report
+                else "the report is complete")
+        raise OutputError(f"{exc} Only the plot is missing: {done}.") from None
 
 
 @app.command(epilog=EXIT_HELP)
@@ -301,11 +309,11 @@ def rescale(
         raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file", param_hint="--report")
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
-    _check_plot(plot)
     with _errors_to_exit_codes():
+        _check_plot(plot)
         report, result = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
-        _draw(plot, report, result.analysis, result)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
+        _draw(plot, report, result.analysis, result)
 
 
 def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet):
@@ -376,8 +384,8 @@ def inspect(
     """
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
-    _check_plot(plot)
     with _errors_to_exit_codes():
+        _check_plot(plot)
         from .api import analyse
         from .formats import load_model
         from .report import analysis_report
@@ -393,8 +401,8 @@ def inspect(
             report = analysis_report(analysis)
         report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
                              "total": round(time.perf_counter() - started, 6)}
-        _draw(plot, report, analysis)
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
+        _draw(plot, report, analysis)
 
 
 @app.command()

@@ -106,6 +106,10 @@ def test_plot_usage_errors_come_before_any_work(tmp_path, monkeypatch):
     result = invoke("rescale", checkpoint, "--arch", spec, "--plot", tmp_path / "plot.png")
     assert_clean_exit(result, 2, "matplotlib", "pip install 'pathcond[plot]'")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([checkpoint.name, spec.name])
+    monkeypatch.undo()
+    result = invoke("rescale", checkpoint, "--arch", spec, "--plot", tmp_path / "no" / "plot.png")
+    assert_clean_exit(result, 6, "directory", "does not exist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([checkpoint.name, spec.name])
 
 
 # -- conventions --------------------------------------------------------------------------------
