@@ -65,7 +65,8 @@ def _root(
         "--version", "-V", callback=_print_version, is_eager=True, help="Print pathcond's version and exit.",
     )] = False,
 ) -> None:
-    """Rescale ReLU networks with PathCond: same function, better-conditioned path kernel."""
+    # Options of ``pathcond`` itself; the help text is the Typer's.
+    pass
 
 stderr = Console(stderr=True)
 
