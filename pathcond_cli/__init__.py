@@ -2,11 +2,37 @@
 
     import pathcond_cli as pathcond
     result = pathcond.rescale_module(model, input_shape=(3, 32, 32))
+
+The public names are imported on first use, so that ``pathcond --help`` and ``--version``
+start without loading torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .api import Analysis, RescaleResult, analyse, load, rescale, rescale_module, save  # noqa: E402
-from .errors import PathcondError  # noqa: E402
+_PUBLIC = {
+    "Analysis": "api", "RescaleResult": "api", "analyse": "api", "load": "api", "rescale": "api",
+    "rescale_module": "api", "save": "api", "PathcondError": "errors",
+}
 
-__all__ = ["Analysis", "PathcondError", "RescaleResult", "analyse", "load", "rescale", "rescale_module", "save", "__version__"]
+__all__ = [*sorted(_PUBLIC), "__version__"]
+
+if TYPE_CHECKING:
+    from .api import Analysis, RescaleResult, analyse, load, rescale, rescale_module, save
+    from .errors import PathcondError
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,117 @@ class LayerSpread:
 
 
 @dataclass
+class Conditioning:
+    """The invariant conditioning measure of SPEC §4 for one diag(G).
+
+    ``value`` is D = p · ln(mean g / geomean g), the mean and geometric mean taken over the
+    ``counted`` parameters with g > 0, and p every DAG parameter (as in F). Parameters with
+    g = 0 lie on no path of non-zero weight; no rescaling changes that (g e^{−2(Bu)} stays 0),
+    so they are left out of both means and counted in ``zeros``, and D compares like with
+    like before and after. ``per_parameter`` = ln(mean g / geomean g) = D / p compares
+    networks of different sizes. D ≥ 0, and D = 0 iff diag(G) is constant on g > 0.
+    """
+
+    value: float
+    per_parameter: float
+    counted: int
+    zeros: int
+
+
+@dataclass
+class _TensorStats:
+    """One pass of reductions over one log g tensor (natural log; g = 0 is −inf)."""
+
+    zeros: int
+    low: float
+    high: float
+    log_sum_exp: float
+    log_total: float
+
+
+def _tensor_stats(lg: torch.Tensor) -> _TensorStats:
+    # log g is never NaN or +inf (diag_g guarantees it), and its minimum is −inf exactly when
+    # some g = 0: tensors without zeros, the usual case, need no mask at all.
+    low, high = float(lg.min()), float(lg.max())
+    if high == -math.inf:
+        return _TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
+    # ln Σ g around the known maximum (the sum is ≥ 1); torch.logsumexp over a whole tensor
+    # takes about five times as long on the CPU.
+    log_sum_exp = high + math.log(float(torch.exp(lg - high).sum()))
+    if low > -math.inf:
+        return _TensorStats(0, low, high, log_sum_exp, float(lg.sum()))
+    zeros = torch.isneginf(lg)
+    return _TensorStats(int(zeros.sum()), float(lg.masked_fill(zeros, math.inf).min()), high, log_sum_exp,
+                        float(lg.masked_fill(zeros, 0.0).sum()))
+
+
+def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Conditioning:
+    zeros = sum(s.zeros for s in stats)
+    counted = sum(sizes) - zeros
+    if not counted:
+        return Conditioning(0.0, 0.0, 0, zeros)
+    log_mean = float(torch.logsumexp(torch.tensor([s.log_sum_exp for s in stats], dtype=torch.float64), 0))
+    log_mean -= math.log(counted)
+    # AM ≥ GM: a negative difference is round-off.
+    per_parameter = max(log_mean - sum(s.log_total for s in stats) / counted, 0.0)
+    return Conditioning(p * per_parameter, per_parameter, counted, zeros)
+
+
+def conditioning(log_g: list[torch.Tensor], p: int) -> Conditioning:
+    """D from log diag(G) (−inf where g = 0), tensor by tensor in the log domain."""
+    return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g], p)
+
+
+@dataclass
+class DiagSummary:
+    """What the reports read from one diag(G), from a single pass of reductions per tensor:
+    per-layer spreads (network order), D, and the natural-log range of g > 0 (None if all 0)."""
+
+    layers: list[LayerSpread]
+    conditioning: Conditioning
+    ln_low: float | None
+    ln_high: float | None
+
+
+def summarise(groups: RescalingGroups, log_g: list[torch.Tensor]) -> DiagSummary:
+    stats = [_tensor_stats(lg) for lg in log_g]
+    spreads: dict[str, LayerSpread] = {}
+    lows: dict[str, float] = {}
+    highs: dict[str, float] = {}
+    for dp, lg, st in zip(groups.dag_params, log_g, stats):
+        entry = spreads.setdefault(dp.layer, LayerSpread(dp.layer, 0, 0, None, None))
+        entry.parameters += lg.numel()
+        entry.zeros += st.zeros
+        lows[dp.layer] = min(lows.get(dp.layer, math.inf), st.low)
+        highs[dp.layer] = max(highs.get(dp.layer, -math.inf), st.high)
+    for layer, entry in spreads.items():
+        if highs[layer] > -math.inf:
+            entry.log10_min, entry.log10_max = lows[layer] * LOG10_E, highs[layer] * LOG10_E
+    low, high = min(lows.values(), default=math.inf), max(highs.values(), default=-math.inf)
+    return DiagSummary(
+        list(spreads.values()),
+        _conditioning(stats, [lg.numel() for lg in log_g], groups.p),
+        low if high > -math.inf else None,
+        high if high > -math.inf else None,
+    )
+
+
+def histogram(log_g: list[torch.Tensor], ln_low: float | None, ln_high: float | None,
+              bins: int = 12) -> list[tuple[float, float, int]]:
+    """Counts of g > 0 over ``bins`` equal-width bins of ln g spanning [ln_low, ln_high] (the
+    exact extremes, so every g > 0 is counted), with the edges given as log10."""
+    if ln_low is None or ln_high is None:
+        return []
+    ln_high = ln_high if ln_high > ln_low else ln_low + 1.0
+    counts = torch.zeros(bins, dtype=torch.long)
+    for lg in log_g:
+        # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
+        counts += torch.histc(lg, bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
+    width = (ln_high - ln_low) / bins
+    return [((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E, int(counts[i])) for i in range(bins)]
+
+
+@dataclass
 class Analysis:
     """Everything ``inspect`` reports: counts, groups, path count and the diag(G) spread."""
 
@@ -61,42 +173,41 @@ class Analysis:
     diag: DiagG
     paths: PathCount
     seconds: dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
+
+    @cached_property
+    def summary(self) -> DiagSummary:
+        return summarise(self.groups, self.diag.log_g)
 
     @property
     def log10_min(self) -> float | None:
-        values = [s.log10_min for s in self.per_layer() if s.log10_min is not None]
-        return min(values) if values else None
+        return None if self.summary.ln_low is None else self.summary.ln_low * LOG10_E
 
     @property
     def log10_max(self) -> float | None:
-        values = [s.log10_max for s in self.per_layer() if s.log10_max is not None]
-        return max(values) if values else None
+        return None if self.summary.ln_high is None else self.summary.ln_high * LOG10_E
 
     def per_layer(self) -> list[LayerSpread]:
-        spreads: dict[str, LayerSpread] = {}
-        for dp, lg in zip(self.groups.dag_params, self.diag.log_g):
-            finite = lg[torch.isfinite(lg)]
-            entry = spreads.setdefault(dp.layer, LayerSpread(dp.layer, 0, 0, None, None))
-            entry.parameters += lg.numel()
-            entry.zeros += lg.numel() - finite.numel()
-            if finite.numel():
-                low, high = float(finite.min()) * LOG10_E, float(finite.max()) * LOG10_E
-                entry.log10_min = low if entry.log10_min is None else min(entry.log10_min, low)
-                entry.log10_max = high if entry.log10_max is None else max(entry.log10_max, high)
-        return list(spreads.values())
+        return self.summary.layers
 
     def histogram(self, bins: int = 12) -> list[tuple[float, float, int]]:
         """Counts of log10 g over equal-width bins (g = 0 excluded)."""
-        low, high = self.log10_min, self.log10_max
-        if low is None or high is None:
-            return []
-        high = high if high > low else low + 1.0
-        counts = torch.zeros(bins, dtype=torch.long)
-        for lg in self.diag.log_g:
-            finite = lg[torch.isfinite(lg)].to("cpu") * LOG10_E
-            counts += torch.histc(finite, bins=bins, min=low, max=high).to(torch.long)
-        width = (high - low) / bins
-        return [(low + i * width, low + (i + 1) * width, int(counts[i])) for i in range(bins)]
+        return histogram(self.diag.log_g, self.summary.ln_low, self.summary.ln_high, bins)
+
+    @property
+    def conditioning(self) -> Conditioning:
+        """D(θ) of the model as loaded."""
+        return self.summary.conditioning
+
+
+def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:
+    """diag(G) of the parameters rescaled by ``u``: log g_i − 2(Bu)_i, since g(θ_u)_i = g_i e^{−2(Bu)_i}."""
+    u_ext = groups.extend(u.to("cpu", torch.float64))
+    # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
+    return DiagG([
+        torch.add(lg.reshape(dp.view), dp.exponent(u_ext).to(lg.device), alpha=-2.0).reshape(lg.shape)
+        for dp, lg in zip(groups.dag_params, diag.log_g)
+    ])
 
 
 @dataclass
@@ -108,11 +219,28 @@ class RescaleResult:
     changed: dict[str, torch.Tensor]
     verification: Verification | None
     seconds: dict[str, float] = field(default_factory=dict)
+    tol: float = DEFAULT_TOL
+    max_iter: int = DEFAULT_MAX_ITER
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
         """All checkpoint tensors after rescaling (unchanged ones are the original objects)."""
         return {**self.analysis.model.params, **self.changed}
+
+    @cached_property
+    def diag_after(self) -> DiagG:
+        """log diag(G) of the rescaled parameters, log g_i − 2(Bu)_i (SPEC §4): no second pass."""
+        return rescaled_diag(self.analysis.groups, self.analysis.diag, self.solve.u)
+
+    @cached_property
+    def summary_after(self) -> DiagSummary:
+        """Per-layer spreads, D and range of diag(G) after rescaling."""
+        return summarise(self.analysis.groups, self.diag_after.log_g)
+
+    @property
+    def conditioning_after(self) -> Conditioning:
+        """D(θ_u) of the rescaled model."""
+        return self.summary_after.conditioning
 
 
 class _Stopwatch:
@@ -134,7 +262,7 @@ def analyse(model: LoadedModel, *, device: str | torch.device = "auto") -> Analy
     groups = timed("groups", lambda: build_groups(model.graph, model.params))
     diag = timed("diag_g", lambda: diag_g(groups, device=device))
     paths = timed("path_count", lambda: path_count(groups, device=device))
-    return Analysis(model, groups, diag, paths, seconds)
+    return Analysis(model, groups, diag, paths, seconds, str(device))
 
 
 def rescale(
@@ -167,7 +295,7 @@ def rescale(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
-    return RescaleResult(analysis, result, changed, verification, seconds)
+    return RescaleResult(analysis, result, changed, verification, seconds, tol, max_iter)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
@@ -176,7 +304,7 @@ def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name:
 
     source = name or type(module).__name__
     graph, params = graph_from_module(module, tuple(input_shape), source=source)
-    return LoadedModel(graph, params, "module", source, payload=module)
+    return LoadedModel(graph, params, "module", source, payload=module, arch_source="module")
 
 
 def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:

@@ -1,8 +1,13 @@
-"""The ``pathcond`` command: parse, call the library, render the report. Nothing else."""
+"""The ``pathcond`` command: parse, call the library, render the report. Nothing else.
+
+torch, onnx and the library are imported inside the commands, never at module level, so that
+``pathcond --help``, ``--version`` and shell completion answer at once.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -20,12 +25,9 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import __version__
-from .api import analyse, rescale as rescale_model, save
+from .defaults import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 from .errors import EXIT_CODES, OutputError, PathcondError
 from .fileio import atomic_write, check_destination
-from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model
-from .report import analysis_report, render, rescale_report
-from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
@@ -44,10 +46,27 @@ app = typer.Typer(
         "checkpoint and verifies that it computes the same function.\n\n" + EXIT_HELP
     ),
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"pathcond {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", "-V", callback=_print_version, is_eager=True, help="Print pathcond's version and exit.",
+    )] = False,
+) -> None:
+    # Options of ``pathcond`` itself; the help text is the Typer's.
+    pass
 
 stderr = Console(stderr=True)
 
@@ -66,7 +85,25 @@ ShapeOpt = Annotated[Optional[str], typer.Option(
 )]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables and no progress on stderr.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
+PlotOpt = Annotated[Optional[Path], typer.Option(
+    "--plot", help="Also draw log10 diag(G) per layer (before and after) and F per iteration to FILE.png, .svg "
+    "or .pdf. Needs matplotlib: pip install 'pathcond[plot]'.",
+)]
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _check_plot(path: Path | None) -> None:
+    """--plot's usage errors and an unwritable destination, before any work is done."""
+    if path is None:
+        return
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise typer.BadParameter(f"'{path}': the plot is written as {', '.join(PLOT_SUFFIXES)}, chosen by the suffix",
+                                 param_hint="--plot")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise typer.BadParameter("drawing a plot needs matplotlib, which is not installed: "
+                                 "pip install 'pathcond[plot]'", param_hint="--plot")
+    check_destination(path)
 
 
 def _parse_shape(text: str | None) -> tuple[int, ...] | None:
@@ -165,6 +202,8 @@ class _Stages:
 
 
 def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
+    from .formats import check_readable
+
     if model == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is a terminal; pipe a file in", param_hint="MODEL")
@@ -196,20 +235,44 @@ def _same_path(a: Path, b: Path) -> bool:
 
 
 def _default_output(path: Path) -> Path:
+    from .formats import SHARD_INDEX_SUFFIX
+
     if path.name.endswith(SHARD_INDEX_SUFFIX):
         return path.with_name(path.name[: -len(SHARD_INDEX_SUFFIX)] + ".pathcond" + SHARD_INDEX_SUFFIX)
     return path.with_name(f"{path.stem}.pathcond{path.suffix}")
 
 
 def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, quiet: bool) -> None:
+    """JSON on stdout (--json) or tables on stderr; warnings and the summary line close stderr."""
+    from .report import render, render_warnings, summary_line
+
     text = json.dumps(report, indent=2, allow_nan=False)
     if report_file is not None:
         atomic_write(report_file, lambda tmp: tmp.write_text(text + "\n"))
     if as_json:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
-    elif not quiet:
+    if quiet:
+        return
+    if as_json:
+        render_warnings(report, stderr)
+    else:
         render(report, stderr)
+    stderr.print(summary_line(report), highlight=False, markup=False, soft_wrap=True)
+
+
+def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> None:
+    """Drawn after the report is out, so a plot that cannot be written costs nothing else."""
+    if plot is None:
+        return
+    from .plot import draw
+
+    try:
+        atomic_write(plot, lambda tmp: draw(report, analysis, result, tmp, plot.suffix.lower().lstrip(".")))
+    except OutputError as exc:
+        done = (f"the rescaled checkpoint '{report['output']}' was written and verified" if "output" in report
+                else "the report is complete")
+        raise OutputError(f"{exc} Only the plot is missing: {done}.") from None
 
 
 @app.command(epilog=EXIT_HELP)
@@ -228,6 +291,7 @@ def rescale(
     as_json: JsonOpt = False,
     report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
+    plot: PlotOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Rescale MODEL, write the result, verify it computes the same function, and report.
@@ -247,11 +311,17 @@ def rescale(
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     with _errors_to_exit_codes():
-        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
+        _check_plot(plot)
+        report, result = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
+        _draw(plot, report, result.analysis, result)
 
 
-def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet) -> dict[str, Any]:
+def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet):
+    from .api import rescale as rescale_model, save
+    from .formats import load_model
+    from .report import rescale_report
+
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
@@ -296,7 +366,7 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
                 with open(target, "rb") as handle:
                     shutil.copyfileobj(handle, sys.stdout.buffer)
                 sys.stdout.buffer.flush()
-    return report
+    return report, result
 
 
 @app.command(epilog=EXIT_HELP)
@@ -306,6 +376,7 @@ def inspect(
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
+    plot: PlotOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Summarise MODEL: parameters, hidden units, rescaling groups, path count, diag(G) spread.
@@ -315,6 +386,11 @@ def inspect(
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     with _errors_to_exit_codes():
+        _check_plot(plot)
+        from .api import analyse
+        from .formats import load_model
+        from .report import analysis_report
+
         started = time.perf_counter()
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             source, _, name = _read_source(model)
@@ -322,10 +398,12 @@ def inspect(
             loaded = load_model(source, arch=arch, input_shape=shape, name=name)
             load_seconds = time.perf_counter() - started
             stages.stage("analysing: groups, diag(G), path count")
-            report = analysis_report(analyse(loaded, device=device))
+            analysis = analyse(loaded, device=device)
+            report = analysis_report(analysis)
         report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
                              "total": round(time.perf_counter() - started, 6)}
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
+        _draw(plot, report, analysis)
 
 
 @app.command()

@@ -20,7 +20,9 @@ class LoadedModel:
     carried through unchanged). ``format`` is ``onnx``, ``safetensors`` or ``module``;
     ``payload`` is the format's own state needed to write the result back (the ONNX
     ``ModelProto``, safetensors metadata and shard layout, ...). ``warnings`` are shown to
-    the user but do not stop the run.
+    the user but do not stop the run. ``arch_source`` says where the architecture came from:
+    ``onnx graph``, ``module``, ``--arch FILE``, ``metadata`` (the spec pathcond embeds) or
+    ``sidecar FILE``.
     """
 
     graph: Graph
@@ -29,6 +31,7 @@ class LoadedModel:
     source: str
     payload: Any = None
     warnings: list[str] = field(default_factory=list)
+    arch_source: str = ""
 
     @property
     def parameter_count(self) -> int:

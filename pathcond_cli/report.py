@@ -9,14 +9,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from . import __version__
-from .api import Analysis, RescaleResult
+from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
 from .objective import degenerate_mask
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def _finite(value: float | None) -> float | None:
@@ -33,62 +34,110 @@ def _power_of_ten(log10: float | None) -> float | None:
         return None
 
 
-def analysis_report(analysis: Analysis) -> dict[str, Any]:
-    model, groups = analysis.model, analysis.groups
-    degenerate = degenerate_mask(groups, analysis.diag)
-    low, high = analysis.log10_min, analysis.log10_max
-    layers = analysis.per_layer()
+def _diag_section(summary: DiagSummary, log_g: list[torch.Tensor],
+                  ln_bounds: tuple[float | None, float | None]) -> dict[str, Any]:
+    """``diag_g`` (or ``diag_g_after``): spread, per-layer table and a histogram of ln g over ``ln_bounds``."""
+    low, high = (None if v is None else v * LOG10_E for v in (summary.ln_low, summary.ln_high))
+    layers = summary.layers
+    return {
+        "min": _power_of_ten(low),
+        "max": _power_of_ten(high),
+        "log10_min": _finite(low),
+        "log10_max": _finite(high),
+        "log10_spread": _finite(high - low) if low is not None and high is not None else None,
+        "zeros": sum(layer.zeros for layer in layers),
+        "per_layer": [
+            {
+                "layer": layer.layer,
+                "parameters": layer.parameters,
+                "zeros": layer.zeros,
+                "log10_min": _finite(layer.log10_min),
+                "log10_max": _finite(layer.log10_max),
+            }
+            for layer in layers
+        ],
+        "histogram": [
+            {"log10_low": low_edge, "log10_high": high_edge, "count": count}
+            for low_edge, high_edge, count in histogram(log_g, *ln_bounds)
+        ],
+    }
+
+
+def _conditioning(measure: Conditioning) -> dict[str, Any]:
+    return {
+        "D": _finite(measure.value),
+        "D_per_parameter": _finite(measure.per_parameter),
+        "parameters_counted": measure.counted,
+        "zeros": measure.zeros,
+    }
+
+
+def analysis_report(
+    analysis: Analysis,
+    *,
+    ln_bounds: tuple[float | None, float | None] | None = None,
+    degenerate: int | None = None,
+) -> dict[str, Any]:
+    """The ``inspect`` report. ``ln_bounds`` fixes the histogram's range of ln g (default:
+    diag(G)'s own); ``degenerate`` is the solver's count of frozen groups when known."""
+    model, groups, summary = analysis.model, analysis.groups, analysis.summary
+    if degenerate is None:
+        degenerate = int(degenerate_mask(groups, analysis.diag).sum())
     return {
         "schema": SCHEMA_VERSION,
         "pathcond_version": __version__,
+        "command": "inspect",
         "model": model.source,
         "format": model.format,
+        "arch_source": model.arch_source,
+        "device": analysis.device,
         "parameters": model.parameter_count,
         "dag_parameters": groups.p,
         "hidden_units": model.hidden_units,
         "groups": {
             "free": groups.num_free,
             "fixed": groups.num_fixed,
-            "degenerate": int(degenerate.sum()),
+            "degenerate": degenerate,
             "colours": groups.num_colours,
         },
         "paths": {"log10": _finite(analysis.paths.log10), "exact": analysis.paths.exact},
-        "diag_g": {
-            "min": _power_of_ten(low),
-            "max": _power_of_ten(high),
-            "log10_min": _finite(low),
-            "log10_max": _finite(high),
-            "log10_spread": _finite(high - low) if low is not None and high is not None else None,
-            "zeros": sum(layer.zeros for layer in layers),
-            "per_layer": [
-                {
-                    "layer": layer.layer,
-                    "parameters": layer.parameters,
-                    "zeros": layer.zeros,
-                    "log10_min": _finite(layer.log10_min),
-                    "log10_max": _finite(layer.log10_max),
-                }
-                for layer in layers
-            ],
-            "histogram": [
-                {"log10_low": low_edge, "log10_high": high_edge, "count": count}
-                for low_edge, high_edge, count in analysis.histogram()
-            ],
-        },
+        "conditioning": {"before": _conditioning(analysis.conditioning)},
+        "diag_g": _diag_section(summary, analysis.diag.log_g, ln_bounds or (summary.ln_low, summary.ln_high)),
         "warnings": list(model.warnings),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
     }
 
 
 def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]) -> dict[str, Any]:
-    report = analysis_report(result.analysis)
+    analysis = result.analysis
     solve, verification = result.solve, result.verification
-    labels = result.analysis.groups.labels
-    report["groups"]["degenerate"] = len(solve.degenerate)
+    # One set of histogram bins for before and after, so the two read side by side.
+    before, after = analysis.summary, result.summary_after
+    ends = [v for v in (before.ln_low, before.ln_high, after.ln_low, after.ln_high) if v is not None]
+    ln_bounds = (min(ends), max(ends)) if ends else (None, None)
+    report = analysis_report(analysis, ln_bounds=ln_bounds, degenerate=len(solve.degenerate))
+    report["command"] = "rescale"
+    decrease = before.conditioning.value - after.conditioning.value
+    report["conditioning"] = {
+        "before": _conditioning(before.conditioning),
+        "after": _conditioning(after.conditioning),
+        "decrease": _finite(decrease),
+        "fraction_of_gap_closed": _finite(decrease / before.conditioning.value) if before.conditioning.value > 0 else None,
+    }
+    report["diag_g_after"] = _diag_section(after, result.diag_after.log_g, ln_bounds)
+    if not solve.converged:
+        report["warnings"].append(
+            f"not converged: the solver stopped after {solve.iterations} iterations (--max-iter {result.max_iter}) "
+            f"with relative KKT residual {solve.kkt_residual:.3g} above the tolerance {result.tol:g}; the output "
+            "computes the same function but is not the PathCond optimum (raise --max-iter)."
+        )
+    labels = analysis.groups.labels
     report.update({
         "solver": {
             "name": solve.method,
             "iterations": solve.iterations,
+            "max_iter": result.max_iter,
+            "tolerance": result.tol,
             "passes": solve.passes,
             "objective": [_finite(v) for v in solve.objective],
             "objective_initial": _finite(solve.objective[0]),
@@ -122,13 +171,28 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _conditioning_text(measure: dict[str, Any]) -> str:
+    return f"D {_fmt(measure['D'], 6)} (ln mean/geomean g {_fmt(measure['D_per_parameter'])})"
+
+
+def _spread_text(diag: dict[str, Any]) -> str:
+    return (f"min {_fmt(diag['min'])} · max {_fmt(diag['max'])} · log10 spread {_fmt(diag['log10_spread'])} · "
+            f"zeros {_fmt(diag['zeros'])}")
+
+
 def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) -> None:
-    """Rich tables for people (the console writes to stderr)."""
-    summary = Table(title=f"pathcond · {report['model']}", show_header=False, title_justify="left")
+    """Rich tables for people (the console writes to stderr); warnings last."""
+    console.print(f"pathcond {report['command']} · {report['model']}", style="bold", highlight=False, markup=False,
+                  soft_wrap=True)
+    summary = Table(show_header=False)
     summary.add_column("", style="bold")
     summary.add_column("")
     groups, paths, diag = report["groups"], report["paths"], report["diag_g"]
+    after = report.get("diag_g_after")
+    conditioning = report["conditioning"]
     summary.add_row("format", report["format"])
+    summary.add_row("architecture from", report["arch_source"])
+    summary.add_row("device", report["device"])
     summary.add_row("parameters", _fmt(report["parameters"]))
     summary.add_row("DAG parameters (p)", _fmt(report["dag_parameters"]))
     summary.add_row("hidden units", _fmt(report["hidden_units"]))
@@ -136,16 +200,25 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
                     f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours")
     exact = f" ({_fmt(paths['exact'])})" if paths["exact"] is not None else ""
     summary.add_row("paths", f"10^{_fmt(paths['log10'], 6)}{exact}")
-    summary.add_row("diag(G)", f"min {_fmt(diag['min'])} · max {_fmt(diag['max'])} · "
-                    f"log10 spread {_fmt(diag['log10_spread'])} · zeros {_fmt(diag['zeros'])}")
+    if after is None:
+        summary.add_row("conditioning", _conditioning_text(conditioning["before"]))
+        summary.add_row("diag(G)", _spread_text(diag))
+    else:
+        closed = conditioning["fraction_of_gap_closed"]
+        summary.add_row("conditioning before", _conditioning_text(conditioning["before"]))
+        summary.add_row("conditioning after", f"{_conditioning_text(conditioning['after'])} · decrease "
+                        f"{_fmt(conditioning['decrease'], 6)}"
+                        + (f" ({100 * closed:.1f}% of the way to a constant diag(G))" if closed is not None else ""))
+        summary.add_row("diag(G) before", _spread_text(diag))
+        summary.add_row("diag(G) after", _spread_text(after))
     if "solver" in report:
         solver, verification = report["solver"], report["verification"]
-        state = "[green]converged[/]" if solver["converged"] else "[yellow]not converged[/]"
+        state = "[green]converged[/]" if solver["converged"] else "[yellow]NOT converged[/]"
         summary.add_row("solver", f"{solver['name']} · {solver['iterations']} iterations · "
                         f"{solver['passes']} passes · {state}")
         summary.add_row("objective", f"F(0) {_fmt(solver['objective_initial'], 10)} → F* "
                         f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})")
-        summary.add_row("KKT residual", _fmt(solver["kkt_residual"]))
+        summary.add_row("KKT residual", f"{_fmt(solver['kkt_residual'])} (tolerance {solver['tolerance']:g})")
         summary.add_row("‖u‖∞", _fmt(report["u_inf"]))
         check = "[green]passed[/]" if verification["passed"] else "[red]FAILED[/]"
         summary.add_row("verification", f"max abs {_fmt(verification['max_abs_error'])} · max rel "
@@ -155,27 +228,70 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
     console.print(summary)
     if per_layer and diag["per_layer"]:
-        layers = Table(title="diag(G) per layer (BatchNorm folded)", title_justify="left")
-        for column in ("layer", "parameters", "zeros", "log10 min", "log10 max"):
-            layers.add_column(column, justify="left" if column == "layer" else "right")
-        for row in diag["per_layer"]:
-            layers.add_row(row["layer"], _fmt(row["parameters"]), _fmt(row["zeros"]),
-                           _fmt(row["log10_min"]), _fmt(row["log10_max"]))
-        console.print(layers)
+        console.print(_layer_table(diag, after))
     if diag["histogram"]:
-        console.print(histogram_text(diag["histogram"]))
-    for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(histogram_text(diag["histogram"], after["histogram"] if after else None), highlight=False)
     if report.get("degenerate_groups"):
         shown = ", ".join(report["degenerate_groups"][:10])
         more = len(report["degenerate_groups"]) - 10
         console.print(f"[yellow]degenerate groups frozen at u = 0:[/] {shown}{f' (+{more} more)' if more > 0 else ''}")
+    render_warnings(report, console)
 
 
-def histogram_text(bins: list[dict[str, Any]], width: int = 40) -> str:
-    peak = max(b["count"] for b in bins) or 1
-    lines = ["log10 diag(G) histogram (g > 0)"]
-    for b in bins:
-        bar = "█" * round(width * b["count"] / peak)
-        lines.append(f"  [{b['log10_low']:8.2f}, {b['log10_high']:8.2f})  {bar} {b['count']:,}")
+def render_warnings(report: dict[str, Any], console: Console) -> None:
+    for warning in report["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+
+
+def _layer_table(diag: dict[str, Any], after: dict[str, Any] | None) -> Table:
+    title = "log10 diag(G) per layer (BatchNorm folded)" + (", before → after rescaling" if after else "")
+    layers = Table(title=title, title_justify="left")
+    columns = ["layer", "parameters", "zeros", "min", "max"] + (["min after", "max after"] if after else [])
+    for column in columns:
+        layers.add_column(column, justify="left" if column == "layer" else "right")
+    rows_after = after["per_layer"] if after else [None] * len(diag["per_layer"])
+    for row, row_after in zip(diag["per_layer"], rows_after):
+        cells = [row["layer"], _fmt(row["parameters"]), _fmt(row["zeros"]), _fmt(row["log10_min"]), _fmt(row["log10_max"])]
+        if row_after is not None:
+            cells += [_fmt(row_after["log10_min"]), _fmt(row_after["log10_max"])]
+        layers.add_row(*cells)
+    return layers
+
+
+def histogram_text(bins: list[dict[str, Any]], bins_after: list[dict[str, Any]] | None = None) -> str:
+    """log10 g histogram; with ``bins_after`` (the same bins), before and after side by side
+    (narrower bars, so that a line fits 80 columns)."""
+    width = 30 if bins_after is None else 14
+    peak = max(b["count"] for b in [*bins, *(bins_after or [])]) or 1
+
+    def bar(count: int) -> str:
+        return f"{'█' * round(width * count / peak):<{width}} {count:>10,}"
+
+    if bins_after is None:
+        lines = ["log10 diag(G) histogram (g > 0)"]
+        lines += [f"  [{b['log10_low']:8.2f}, {b['log10_high']:8.2f})  {bar(b['count'])}" for b in bins]
+        return "\n".join(lines)
+    lines = ["log10 diag(G) histogram (g > 0), same bins for both",
+             f"  {'log10 g':<20}  {'before':<{width + 11}}  after"]
+    for b, a in zip(bins, bins_after):
+        lines.append(f"  [{b['log10_low']:8.2f}, {b['log10_high']:8.2f})  {bar(b['count'])}  {bar(a['count'])}")
     return "\n".join(lines)
+
+
+def summary_line(report: dict[str, Any]) -> str:
+    """One line closing the run, printed last on stderr."""
+    parts = [f"pathcond {report['command']}: {report['model']}"]
+    conditioning = report["conditioning"]
+    if report["command"] == "rescale":
+        verification, solver = report["verification"], report["solver"]
+        parts[0] += f" → {report['output']}"
+        parts.append(f"verified (max rel error {_fmt(verification['max_rel_error'], 2)})" if verification["passed"]
+                     else "NOT verified")
+        parts.append(f"D {_fmt(conditioning['before']['D'], 5)} → {_fmt(conditioning['after']['D'], 5)}")
+        parts.append(f"‖u‖∞ {_fmt(report['u_inf'], 3)}")
+        parts.append("converged" if solver["converged"] else
+                     f"NOT converged (KKT {_fmt(solver['kkt_residual'], 2)} after {solver['iterations']} iterations)")
+    else:
+        parts.append(f"D {_fmt(conditioning['before']['D'], 5)}")
+    parts.append(f"{report['seconds']['total']:.2f} s")
+    return " · ".join(parts)

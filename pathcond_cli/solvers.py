@@ -21,12 +21,8 @@ import torch
 
 from .diag import DiagG
 from .groups import RescalingGroups
+from .defaults import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 from .objective import Evaluation, Objective, block_step, degenerate_mask, paper_step
-
-SOLVERS = ("block", "lbfgs", "sequential")
-DEFAULT_SOLVER = "lbfgs"
-DEFAULT_TOL = 1e-6
-DEFAULT_MAX_ITER = 1000
 MIN_STEP = 1e-10
 MAX_FIRST_STEP = 20.0
 FLAT_ITERATIONS = 3

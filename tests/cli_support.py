@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -179,10 +181,14 @@ def _is_int(value) -> bool:
 
 def check_report(report: dict, *, rescale: bool) -> None:
     """Every key the README documents, with its type (and a few invariants)."""
-    assert report["schema"] == 1
+    assert report["schema"] == 2
     assert isinstance(report["pathcond_version"], str)
+    assert report["command"] == ("rescale" if rescale else "inspect")
     assert isinstance(report["model"], str)
     assert report["format"] in ("onnx", "safetensors")
+    assert re.fullmatch(r"onnx graph|metadata|module|(--arch|sidecar) .+", report["arch_source"]), report["arch_source"]
+    assert isinstance(report["device"], str) and report["device"]
+    _check_conditioning(report["conditioning"]["before"], report["dag_parameters"])
     for key in ("parameters", "dag_parameters", "hidden_units"):
         assert _is_int(report[key]) and report[key] >= 0, key
     groups = report["groups"]
@@ -194,7 +200,42 @@ def check_report(report: dict, *, rescale: bool) -> None:
     if paths["exact"] is not None:
         assert paths["exact"] < 2**53
         assert abs(np.log10(paths["exact"]) - paths["log10"]) < 1e-6
-    diag = report["diag_g"]
+    _check_diag(report["diag_g"], report["dag_parameters"])
+    histogram_total = sum(b["count"] for b in report["diag_g"]["histogram"])
+    assert histogram_total == report["conditioning"]["before"]["parameters_counted"], "every g > 0 is in one bin"
+    assert isinstance(report["warnings"], list) and all(isinstance(w, str) for w in report["warnings"])
+    seconds = report["seconds"]
+    assert all(_is_number(v) and v >= 0 for v in seconds.values())
+    assert "total" in seconds and "load" in seconds
+    if not rescale:
+        assert "diag_g_after" not in report and set(report["conditioning"]) == {"before"}
+        return
+    conditioning = report["conditioning"]
+    _check_conditioning(conditioning["after"], report["dag_parameters"])
+    assert conditioning["after"]["zeros"] == conditioning["before"]["zeros"], "rescaling never changes which g are 0"
+    assert _is_number(conditioning["decrease"])
+    assert math.isclose(conditioning["decrease"], conditioning["before"]["D"] - conditioning["after"]["D"],
+                        rel_tol=1e-12, abs_tol=1e-9)
+    closed = conditioning["fraction_of_gap_closed"]
+    assert closed is None or (_is_number(closed) and closed <= 1 + 1e-12)
+    after = report["diag_g_after"]
+    _check_diag(after, report["dag_parameters"])
+    assert [row["layer"] for row in after["per_layer"]] == [row["layer"] for row in report["diag_g"]["per_layer"]]
+    assert [(b["log10_low"], b["log10_high"]) for b in after["histogram"]] == \
+        [(b["log10_low"], b["log10_high"]) for b in report["diag_g"]["histogram"]], "before and after share the bins"
+    assert sum(b["count"] for b in after["histogram"]) == sum(b["count"] for b in report["diag_g"]["histogram"])
+    _check_rescale(report, seconds)
+
+
+def _check_conditioning(measure: dict, p: int) -> None:
+    assert isinstance(measure["D"], float) and measure["D"] >= 0
+    assert isinstance(measure["D_per_parameter"], float) and measure["D_per_parameter"] >= 0
+    assert math.isclose(measure["D"], p * measure["D_per_parameter"], rel_tol=1e-12, abs_tol=1e-12)
+    assert _is_int(measure["parameters_counted"]) and _is_int(measure["zeros"])
+    assert measure["parameters_counted"] + measure["zeros"] == p
+
+
+def _check_diag(diag: dict, p: int) -> None:
     for key in ("min", "max", "log10_min", "log10_max", "log10_spread"):
         assert diag[key] is None or isinstance(diag[key], float), key
     assert _is_int(diag["zeros"])
@@ -204,16 +245,13 @@ def check_report(report: dict, *, rescale: bool) -> None:
         assert _is_int(layer["parameters"]) and _is_int(layer["zeros"])
         for key in ("log10_min", "log10_max"):
             assert layer[key] is None or isinstance(layer[key], float)
-    assert sum(layer["parameters"] for layer in diag["per_layer"]) == report["dag_parameters"]
+    assert sum(layer["parameters"] for layer in diag["per_layer"]) == p
     assert isinstance(diag["histogram"], list)
     for bin_ in diag["histogram"]:
         assert _is_number(bin_["log10_low"]) and _is_number(bin_["log10_high"]) and _is_int(bin_["count"])
-    assert isinstance(report["warnings"], list) and all(isinstance(w, str) for w in report["warnings"])
-    seconds = report["seconds"]
-    assert all(_is_number(v) and v >= 0 for v in seconds.values())
-    assert "total" in seconds and "load" in seconds
-    if not rescale:
-        return
+
+
+def _check_rescale(report: dict, seconds: dict) -> None:
     solver = report["solver"]
     assert isinstance(solver["name"], str)
     assert _is_int(solver["iterations"]) and _is_number(solver["passes"])
@@ -226,6 +264,8 @@ def check_report(report: dict, *, rescale: bool) -> None:
     assert _is_number(solver["decrease"]) and solver["decrease"] >= 0
     assert isinstance(solver["kkt_residual"], float)
     assert isinstance(solver["converged"], bool)
+    assert _is_int(solver["max_iter"]) and isinstance(solver["tolerance"], float)
+    assert solver["converged"] == (solver["kkt_residual"] <= solver["tolerance"])
     assert isinstance(report["u_inf"], float) and report["u_inf"] >= 0
     assert isinstance(report["degenerate_groups"], list) and all(isinstance(g, str) for g in report["degenerate_groups"])
     verification = report["verification"]

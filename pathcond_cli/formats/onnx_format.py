@@ -83,7 +83,7 @@ def load_onnx(
     graph = translation.translate(graph_input.name, shape)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
-    return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model)
+    return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model, arch_source="onnx graph")
 
 
 def _parse(source: str | Path | bytes, label: str) -> onnx.ModelProto:

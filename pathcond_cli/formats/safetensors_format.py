@@ -83,9 +83,10 @@ def load_safetensors(
         params, payload = _read_index(path, display)
     else:
         params, payload = _read_file(path, display)
-    graph = _architecture(arch, path, payload.metadata, input_shape, display)
+    graph, arch_source = _architecture(arch, path, payload.metadata, input_shape, display)
     _check_parameters(graph, params, display)
-    return LoadedModel(graph, params, "safetensors", display, payload, _unused_tensor_warnings(graph, params, display))
+    return LoadedModel(graph, params, "safetensors", display, payload, _unused_tensor_warnings(graph, params, display),
+                       arch_source=arch_source)
 
 
 def write_safetensors(
@@ -206,19 +207,20 @@ def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safe
 
 def _architecture(
     arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: Sequence[int] | None, display: str
-) -> Graph:
+) -> tuple[Graph, str]:
+    """The graph and where it came from (``--arch FILE``, ``metadata``, ``sidecar FILE``)."""
     if arch is not None:
-        return _graph_from_arch(arch, input_shape)
+        return _graph_from_arch(arch, input_shape), f"--arch {arch}"
     embedded = metadata.get(SPEC_METADATA_KEY)
     if embedded is not None:
         source = f"{display} (metadata '{SPEC_METADATA_KEY}')"
         if not isinstance(embedded, str):
             raise InputError(f"{source}: expected the spec as a JSON string")
-        return graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape)
+        return graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape), "metadata"
     candidates = sidecar_candidates(path) if path is not None else []
     for candidate in candidates:
         if candidate.is_file():
-            return graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
+            return graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape), f"sidecar {candidate}"
     raise InputError(_no_architecture_message(display, candidates))
 
 

@@ -1,0 +1,7 @@
+"""Solver names and defaults, kept free of heavy imports so that ``pathcond --help`` can show
+them without loading torch."""
+
+SOLVERS = ("block", "lbfgs", "sequential")
+DEFAULT_SOLVER = "lbfgs"
+DEFAULT_TOL = 1e-6
+DEFAULT_MAX_ITER = 1000
