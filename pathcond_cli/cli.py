@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import __version__
-from .api import analyse, rescale as rescale_model, save
+from .api import CRITERIA, DEFAULT_CRITERION, analyse, rescale as rescale_model, save
 from .errors import EXIT_CODES, OutputError, PathcondError
 from .fileio import atomic_write, check_destination
 from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model
@@ -222,7 +222,11 @@ def rescale(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
-    solver: Annotated[str, typer.Option("--solver", help=f"One of: {', '.join(SOLVERS)}.")] = DEFAULT_SOLVER,
+    solver: Annotated[str, typer.Option("--solver", help=f"PathCond minimiser, one of: {', '.join(SOLVERS)}.")] = DEFAULT_SOLVER,
+    criterion: Annotated[str, typer.Option(
+        "--criterion", help="pathcond (condition the path kernel) or enorm (equi-normalisation: minimise the sum of "
+        "squared weights on the same groups, with its own closed-form solver), to compare criteria.",
+    )] = DEFAULT_CRITERION,
     max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Most solver iterations.")] = DEFAULT_MAX_ITER,
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
     as_json: JsonOpt = False,
@@ -236,6 +240,11 @@ def rescale(
     """
     if solver not in SOLVERS:
         raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
+    if criterion not in CRITERIA:
+        raise typer.BadParameter(f"'{criterion}' is not one of {', '.join(CRITERIA)}", param_hint="--criterion")
+    if criterion == "enorm" and solver != DEFAULT_SOLVER:
+        raise typer.BadParameter("--solver chooses a PathCond minimiser; --criterion enorm has its own closed-form "
+                                 "solver", param_hint="--solver")
     if not math.isfinite(tol):
         raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
     if output == "-" and as_json:
@@ -247,11 +256,13 @@ def rescale(
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     with _errors_to_exit_codes():
-        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
+        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet,
+                             criterion)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
 
 
-def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet) -> dict[str, Any]:
+def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet,
+                criterion) -> dict[str, Any]:
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
@@ -279,7 +290,7 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
         load_seconds = time.perf_counter() - load_start
         stages.stage("analysing: groups, diag(G), path count")
         result = rescale_model(loaded, solver=solver, tol=tol, max_iter=max_iter, device=device,
-                               progress=stages.solver, verify=False)
+                               progress=stages.solver, verify=False, criterion=criterion)
         seconds = {"load": load_seconds, **result.seconds}
 
         stages.stage("writing and verifying the written file")
