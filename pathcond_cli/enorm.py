@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .groups import RescalingGroups
-from .objective import group_logsumexp
+from .objective import SAFE_RANGE, group_logsumexp
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_TOL, ProgressCallback, SolveResult
 
 METHOD = "enorm"
@@ -40,17 +40,57 @@ class EnormEvaluation:
 
 
 class EnormObjective:
-    """E for one network on one device; counts its passes over the parameters."""
+    """E for one network on one device; counts its passes over the parameters.
+
+    θ² is summed over kernel positions once (the factor e^{2(Bu)} does not depend on them),
+    giving per tensor a ``[G, O/G, I/G]`` matrix N. Because e^{2(Bu)} = e^{2u_dst} e^{−2u_src}
+    factorises, A' and C' of a tensor are N's row and column sums weighted by those vectors:
+    two batched mat-vecs. They run in linear scale when the tensor's dynamic range (of N and
+    of the two vectors) guarantees that no positive term underflows, and as exact logsumexp
+    reductions otherwise. Parameters whose two ends share a group (a zero row of B) keep
+    their θ² whatever u is: they are taken out of N once and added to E as a constant.
+    """
 
     def __init__(self, groups: RescalingGroups, *, device: torch.device | str = "cpu"):
         self.groups = groups.to(device)
         self.device = torch.device(device)
-        # θ² summed over kernel positions: the factor e^{2(Bu)} does not depend on them.
-        self.log_norms = [
-            torch.logsumexp(2 * torch.log(dp.value.to(self.device, torch.float64).abs()).reshape(dp.view), dim=3)
-            for dp in self.groups.dag_params
-        ]
+        self.log_norms: list[torch.Tensor] = []
+        self.norms: list[torch.Tensor | None] = []
+        self.shifts: list[float] = []
+        self.spreads: list[float] = []
+        constants = [torch.tensor(-torch.inf, dtype=torch.float64, device=self.device)]
+        for dp in self.groups.dag_params:
+            log_norm = torch.logsumexp(2 * torch.log(dp.value.to(self.device, torch.float64).abs()).reshape(dp.view), dim=3)
+            if dp.self_loops is not None:
+                loops = dp.self_loops[..., 0]
+                constants.append(torch.logsumexp(log_norm[loops], dim=0))
+                log_norm = log_norm.masked_fill(loops, -torch.inf)
+            finite = log_norm[torch.isfinite(log_norm)]
+            shift = float(finite.max()) if finite.numel() else 0.0
+            spread = shift - float(finite.min()) if finite.numel() else 0.0
+            self.log_norms.append(log_norm)
+            self.norms.append(torch.exp(log_norm - shift) if spread < SAFE_RANGE else None)
+            self.shifts.append(shift)
+            self.spreads.append(spread)
+        self.log_constant = torch.logsumexp(torch.stack(constants), dim=0)
         self.passes = 0
+
+    def _tensor_sums(self, t: int, u_ext: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log of the row sums ``[G, O/G]`` (into ``dst``) and column sums ``[G, I/G]`` (out of ``src``)."""
+        dp = self.groups.dag_params[t]
+        log_dst, log_src = 2 * u_ext[dp.dst], -2 * u_ext[dp.src]
+        top_dst, top_src = log_dst.max(), log_src.max()
+        norm = self.norms[t]
+        if norm is not None:
+            dst_range, src_range = float(top_dst - log_dst.min()), float(top_src - log_src.min())
+            if self.spreads[t] + max(dst_range, src_range) < SAFE_RANGE:
+                e_dst, e_src = torch.exp(log_dst - top_dst), torch.exp(log_src - top_src)
+                rows = e_dst * torch.bmm(norm, e_src[:, :, None])[:, :, 0]
+                cols = e_src * torch.bmm(e_dst[:, None, :], norm)[:, 0, :]
+                scale = self.shifts[t] + top_dst + top_src
+                return torch.log(rows) + scale, torch.log(cols) + scale
+        log_w = self.log_norms[t] + log_dst[:, :, None] + log_src[:, None, :]
+        return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
 
     def evaluate(self, u: torch.Tensor) -> EnormEvaluation:
         """ln E, ln A', ln C' and the relative KKT residual max_h |A'_h − C'_h| / (A'_h + C'_h)
@@ -58,18 +98,16 @@ class EnormObjective:
         self.passes += 1
         H = self.groups.num_free
         u_ext = self.groups.extend(u)
-        totals, rows, cols, dst_index, src_index = [], [], [], [], []
-        for dp, log_norm in zip(self.groups.dag_params, self.log_norms):
-            log_w = log_norm + 2 * u_ext[dp.dst][:, :, None] - 2 * u_ext[dp.src][:, None, :]
-            totals.append(torch.logsumexp(log_w.reshape(-1), dim=0))
-            # A parameter whose two ends share a group has a zero row of B: it counts in E only.
-            coupled = log_w if dp.self_loops is None else log_w.masked_fill(dp.self_loops[..., 0], -torch.inf)
-            rows.append(torch.logsumexp(coupled, dim=2).reshape(-1))
-            cols.append(torch.logsumexp(coupled, dim=1).reshape(-1))
+        rows, cols, dst_index, src_index = [], [], [], []
+        for t, dp in enumerate(self.groups.dag_params):
+            row_sums, col_sums = self._tensor_sums(t, u_ext)
+            rows.append(row_sums.reshape(-1))
+            cols.append(col_sums.reshape(-1))
             dst_index.append(dp.dst.reshape(-1))
             src_index.append(dp.src.reshape(-1))
-        log_total = float(torch.logsumexp(torch.stack(totals), dim=0))
-        log_in = group_logsumexp(torch.cat(dst_index), torch.cat(rows), H + 1)[:H]
+        rows_flat = torch.cat(rows)
+        log_total = float(torch.logaddexp(torch.logsumexp(rows_flat, dim=0), self.log_constant))
+        log_in = group_logsumexp(torch.cat(dst_index), rows_flat, H + 1)[:H]
         log_out = group_logsumexp(torch.cat(src_index), torch.cat(cols), H + 1)[:H]
         active = torch.isfinite(log_in) & torch.isfinite(log_out)
         # |A' − C'| / (A' + C') = |tanh((ln A' − ln C') / 2)|, finite whatever the scales.
