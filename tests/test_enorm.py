@@ -14,7 +14,7 @@ from scipy.optimize import minimize
 from scipy.special import logsumexp
 
 import pathcond_cli
-from cli_support import SAMPLES, assert_clean_exit, check_report, invoke, parse_single_json
+from cli_support import SAMPLES, assert_clean_exit, check_report, invoke, parse_single_json, write_mlp
 from oracle import build_neuron_dag
 from pathcond_cli.enorm import enorm
 from pathcond_cli.groups import build_groups
@@ -253,11 +253,14 @@ def test_cli_criterion_enorm_end_to_end(tmp_path):
 
 
 def test_cli_default_criterion_is_pathcond_and_recorded(tmp_path):
-    result = invoke("rescale", SAMPLES / "mlp.safetensors", "--arch", SAMPLES / "mlp.yaml", "-o",
-                    tmp_path / "out.safetensors", "--json", "--report", tmp_path / "r.json")
+    checkpoint, spec = write_mlp(tmp_path)
+    out = tmp_path / "out.safetensors"
+    result = invoke("rescale", checkpoint, "--arch", spec, "-o", out, "--json", "--report", tmp_path / "r.json")
     assert_clean_exit(result, 0)
     assert parse_single_json(result.stdout)["criterion"] == "pathcond"
     assert json.loads((tmp_path / "r.json").read_text())["criterion"] == "pathcond"
+    with safetensors.safe_open(str(out), framework="pt") as handle:
+        assert handle.metadata()["pathcond.criterion"] == "pathcond"
 
 
 @pytest.mark.parametrize("args,needle", [
