@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from . import __version__
+from .defaults import CRITERIA, DEFAULT_CRITERION
 from .diag import DiagG, PathCount, diag_g, path_count
 from .errors import PathcondError, VerificationError
 from .groups import RescalingGroups, build_groups
+from .enorm import enorm
 from .model import LoadedModel
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
 from .verify import Verification, compare
@@ -221,6 +223,7 @@ class RescaleResult:
     seconds: dict[str, float] = field(default_factory=dict)
     tol: float = DEFAULT_TOL
     max_iter: int = DEFAULT_MAX_ITER
+    criterion: str = DEFAULT_CRITERION
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -275,19 +278,30 @@ def rescale(
     progress: ProgressCallback | None = None,
     analysis: Analysis | None = None,
     verify: bool = True,
+    criterion: str = DEFAULT_CRITERION,
 ) -> RescaleResult:
     """Find the PathCond rescaling of ``model`` and apply it to its tensors (in memory).
 
+    ``criterion="enorm"`` minimises ENorm's Σθ² (SPEC §7) on the same groups instead, with
+    its closed-form block updates; ``solver`` chooses among PathCond's minimisers only.
     With ``verify`` (the default) the rescaled tensors are run against the original ones and
     :class:`VerificationError` is raised when they differ beyond the dtype's tolerance; the
     CLI instead verifies the file it wrote. ``result.verification`` is None when skipped.
     """
+    if criterion not in CRITERIA:
+        raise ValueError(f"unknown criterion '{criterion}'; choose one of {', '.join(CRITERIA)}")
+    if criterion == "enorm" and solver != DEFAULT_SOLVER:
+        raise ValueError(f"solver '{solver}' minimises PathCond; ENorm has its own closed-form block updates")
     device = resolve_device(device)
     analysis = analysis or analyse(model, device=device)
     seconds = dict(analysis.seconds)
     timed = _Stopwatch(seconds)
-    result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
-                                          max_iter=max_iter, device=device, progress=progress))
+    if criterion == "enorm":
+        result = timed("solve", lambda: enorm(analysis.groups, tol=tol, max_iter=max_iter, device=device,
+                                              progress=progress))
+    else:
+        result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
+                                              max_iter=max_iter, device=device, progress=progress))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
     verification = timed("verify", lambda: compare(model.graph, model.params, {**model.params, **changed})) if verify else None
     if verification is not None and not verification.passed:
@@ -295,7 +309,7 @@ def rescale(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
-    return RescaleResult(analysis, result, changed, verification, seconds, tol, max_iter)
+    return RescaleResult(analysis, result, changed, verification, seconds, tol, max_iter, criterion)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
@@ -310,7 +324,8 @@ def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name:
 def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:
     """Rescale ``module``'s parameters in place (function preserved, verified) and return the result.
 
-    ``options`` are those of :func:`rescale` (``solver``, ``tol``, ``max_iter``, ``device``).
+    ``options`` are those of :func:`rescale` (``criterion``, ``solver``, ``tol``, ``max_iter``,
+    ``device``).
     """
     model = module_model(module, input_shape)
     result = rescale(model, **options)
@@ -338,6 +353,7 @@ def run_metadata(result: RescaleResult) -> dict[str, str]:
     solve = result.solve
     return {
         "pathcond.version": __version__,
+        "pathcond.criterion": result.criterion,
         "pathcond.solver": solve.method,
         "pathcond.iterations": str(solve.iterations),
         "pathcond.converged": str(solve.converged).lower(),

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import __version__
-from .defaults import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
+from .defaults import CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 from .errors import EXIT_CODES, OutputError, PathcondError
 from .fileio import atomic_write, check_destination
 
@@ -285,7 +285,11 @@ def rescale(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
-    solver: Annotated[str, typer.Option("--solver", help=f"One of: {', '.join(SOLVERS)}.")] = DEFAULT_SOLVER,
+    solver: Annotated[str, typer.Option("--solver", help=f"PathCond minimiser, one of: {', '.join(SOLVERS)}.")] = DEFAULT_SOLVER,
+    criterion: Annotated[str, typer.Option(
+        "--criterion", help="pathcond (condition the path kernel) or enorm (equi-normalisation: minimise the sum of "
+        "squared weights on the same groups, with its own closed-form solver), to compare criteria.",
+    )] = DEFAULT_CRITERION,
     max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Most solver iterations.")] = DEFAULT_MAX_ITER,
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
     as_json: JsonOpt = False,
@@ -300,6 +304,11 @@ def rescale(
     """
     if solver not in SOLVERS:
         raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
+    if criterion not in CRITERIA:
+        raise typer.BadParameter(f"'{criterion}' is not one of {', '.join(CRITERIA)}", param_hint="--criterion")
+    if criterion == "enorm" and solver != DEFAULT_SOLVER:
+        raise typer.BadParameter("--solver chooses a PathCond minimiser; --criterion enorm has its own closed-form "
+                                 "solver", param_hint="--solver")
     if not math.isfinite(tol):
         raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
     if output == "-" and as_json:
@@ -312,12 +321,13 @@ def rescale(
     device = _parse_device(device)
     with _errors_to_exit_codes():
         _check_plot(plot)
-        report, result = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
+        report, result = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file,
+                                     quiet, criterion)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
         _draw(plot, report, result.analysis, result)
 
 
-def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet):
+def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet, criterion):
     from .api import rescale as rescale_model, save
     from .formats import load_model
     from .report import rescale_report
@@ -349,7 +359,7 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
         load_seconds = time.perf_counter() - load_start
         stages.stage("analysing: groups, diag(G), path count")
         result = rescale_model(loaded, solver=solver, tol=tol, max_iter=max_iter, device=device,
-                               progress=stages.solver, verify=False)
+                               progress=stages.solver, verify=False, criterion=criterion)
         seconds = {"load": load_seconds, **result.seconds}
 
         stages.stage("writing and verifying the written file")

@@ -1,7 +1,10 @@
-"""Solver names and defaults, kept free of heavy imports so that ``pathcond --help`` can show
+"""Criterion and solver names and defaults, kept free of heavy imports so that ``pathcond --help`` can show
 them without loading torch."""
 
 SOLVERS = ("block", "lbfgs", "sequential")
 DEFAULT_SOLVER = "lbfgs"
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_ITER = 1000
+
+CRITERIA = ("pathcond", "enorm")
+DEFAULT_CRITERION = "pathcond"

@@ -133,6 +133,7 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
         )
     labels = analysis.groups.labels
     report.update({
+        "criterion": result.criterion,
         "solver": {
             "name": solve.method,
             "iterations": solve.iterations,
@@ -214,9 +215,11 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     if "solver" in report:
         solver, verification = report["solver"], report["verification"]
         state = "[green]converged[/]" if solver["converged"] else "[yellow]NOT converged[/]"
+        summary.add_row("criterion", report["criterion"])
         summary.add_row("solver", f"{solver['name']} · {solver['iterations']} iterations · "
                         f"{solver['passes']} passes · {state}")
-        summary.add_row("objective", f"F(0) {_fmt(solver['objective_initial'], 10)} → F* "
+        name = "ln Σθ²" if report["criterion"] == "enorm" else "F"
+        summary.add_row("objective", f"{name}(0) {_fmt(solver['objective_initial'], 10)} → {name}* "
                         f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})")
         summary.add_row("KKT residual", f"{_fmt(solver['kkt_residual'])} (tolerance {solver['tolerance']:g})")
         summary.add_row("‖u‖∞", _fmt(report["u_inf"]))
