@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import rich.markup
 import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -22,8 +24,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from . import __version__
 from .api import analyse, rescale as rescale_model, save
 from .errors import EXIT_CODES, OutputError, PathcondError
-from .fileio import atomic_write, check_destination
-from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model
+from .fileio import atomic_write, check_destination, describe, resolve_destination, written_files
+from .formats import SHARD_INDEX_SUFFIX, check_readable, checkpoint_files, load_model, output_format_mismatch
 from .report import analysis_report, render, rescale_report
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 
@@ -34,6 +36,11 @@ EXIT_HELP = (
 )
 
 DEBUG_VARIABLE = "PATHCOND_DEBUG"
+
+# Whether bytes of the checkpoint went to stdout (``-o -``): an interrupt then leaves it incomplete.
+_stdout_started = False
+# Whether a command is running inside ``_errors_to_exit_codes`` (see ``_interrupted``).
+_guarded = False
 
 app = typer.Typer(
     name="pathcond",
@@ -67,6 +74,10 @@ ShapeOpt = Annotated[Optional[str], typer.Option(
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables and no progress on stderr.")]
+AllowUnusedOpt = Annotated[bool, typer.Option(
+    "--allow-unused", help="Carry checkpoint tensors the architecture does not read through unchanged (a warning), "
+    "instead of refusing the checkpoint (exit 3).",
+)]
 
 
 def _parse_shape(text: str | None) -> tuple[int, ...] | None:
@@ -107,13 +118,16 @@ def _parse_device(text: str) -> str:
 @contextlib.contextmanager
 def _errors_to_exit_codes() -> Iterator[None]:
     """One paragraph on stderr and a distinct exit code; never a traceback."""
+    global _guarded
+    _guarded = True
+    written_files.clear()
     try:
         yield
     except PathcondError as exc:
-        stderr.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        stderr.print(f"[bold red]error:[/] {_printable(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        stderr.print("[bold red]interrupted:[/] nothing was written.")
+        stderr.print(f"[bold red]interrupted:[/] {_what_is_on_disk()}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
     except BrokenPipeError:
         # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
@@ -131,12 +145,29 @@ def _errors_to_exit_codes() -> Iterator[None]:
         if os.environ.get(DEBUG_VARIABLE):
             raise
         stderr.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n"
+            f"[bold red]internal error:[/] {type(exc).__name__}: {_printable(str(exc))}\n"
             f"This is a bug in pathcond {__version__}; please report it with the command line. "
             f"Set {DEBUG_VARIABLE}=1 to see the traceback.",
             highlight=False, markup=True, soft_wrap=True,
         )
         raise typer.Exit(1) from None
+    finally:
+        _guarded = False
+
+
+def _printable(text: str) -> str:
+    """``text`` without rich markup and with undecodable file-name bytes shown as escapes."""
+    return rich.markup.escape(describe(text))
+
+
+def _what_is_on_disk() -> str:
+    """The truth about the files after an interrupt: which outputs were completely written."""
+    if written_files:
+        return ("the output was completely written and verified before the interrupt: "
+                + ", ".join(f"'{describe(path)}'" for path in written_files) + ".")
+    if _stdout_started:
+        return "the checkpoint sent to stdout is incomplete; no file was written."
+    return "nothing was written; the input is unchanged."
 
 
 class _Stages:
@@ -166,12 +197,19 @@ class _Stages:
 
 def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
     if model == "-":
-        if sys.stdin is None or sys.stdin.isatty():
+        if _closed(sys.stdin):
+            raise typer.BadParameter("'-' reads the model from stdin, but stdin is closed; pipe a file in", param_hint="MODEL")
+        if sys.stdin.isatty():
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is a terminal; pipe a file in", param_hint="MODEL")
         return sys.stdin.buffer.read(), None, "<stdin>"
     path = Path(model)
     check_readable(path)
-    return path, path, str(path)
+    return path, path, describe(path)
+
+
+def _closed(stream) -> bool:
+    """Whether a standard stream is missing (Python sets it to None when started with ``<&-``) or closed."""
+    return stream is None or bool(getattr(stream, "closed", False))
 
 
 @contextlib.contextmanager
@@ -186,6 +224,14 @@ def _scratch_directory() -> Iterator[Path]:
         ) from None
     with scratch as name:
         yield Path(name)
+
+
+def _input_files(source_path: Path | None, arch: str | None) -> list[Path]:
+    """Every file the run reads that is known before loading: checkpoint, shards, external data, spec."""
+    files = checkpoint_files(source_path) if source_path is not None else []
+    if arch is not None and arch.lower().endswith((".yaml", ".yml", ".json")):
+        files.append(Path(arch))
+    return files
 
 
 def _same_path(a: Path, b: Path) -> bool:
@@ -228,6 +274,7 @@ def rescale(
     as_json: JsonOpt = False,
     report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
+    allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Rescale MODEL, write the result, verify it computes the same function, and report.
@@ -242,19 +289,30 @@ def rescale(
         raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
     if model == "-" and output is None:
         raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
+    if output == "-" and not _closed(sys.stdout) and sys.stdout.isatty():
+        raise typer.BadParameter("-o - writes the binary checkpoint to stdout, but stdout is a terminal; "
+                                 "redirect it to a file or a pipe", param_hint="-o")
     if report_file is not None and output is not None and output != "-" and _same_path(report_file, Path(output)):
         raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file", param_hint="--report")
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     with _errors_to_exit_codes():
-        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
+        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet,
+                             allow_unused)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
 
 
-def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet) -> dict[str, Any]:
+def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet,
+                allow_unused) -> dict[str, Any]:
+    global _stdout_started
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
+        if output not in (None, "-"):
+            mismatch = output_format_mismatch(source, Path(output))
+            if mismatch:
+                raise typer.BadParameter(mismatch, param_hint="-o")
+        inputs = _input_files(source_path, arch)
         if output == "-":
             destination = None
         elif output is not None:
@@ -266,16 +324,17 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
         else:
             destination = _default_output(source_path)
         if destination is not None:
-            check_destination(destination, inputs=[source_path] if source_path else [], in_place=in_place)
+            destination = resolve_destination(destination)
+            check_destination(destination, inputs=inputs, in_place=in_place)
         if report_file is not None:
-            check_destination(report_file, inputs=[source_path] if source_path else [])
+            check_destination(report_file, inputs=inputs)
             if destination is not None and _same_path(report_file, destination):
                 raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file",
                                          param_hint="--report")
 
         stages.stage("loading")
         load_start = time.perf_counter()
-        loaded = load_model(source, arch=arch, input_shape=shape, name=name)
+        loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - load_start
         stages.stage("analysing: groups, diag(G), path count")
         result = rescale_model(loaded, solver=solver, tol=tol, max_iter=max_iter, device=device,
@@ -293,6 +352,7 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
                 save(result, target, input_shape=shape, seconds=seconds)
                 seconds["total"] = time.perf_counter() - started
                 report = rescale_report(result, "-", seconds)
+                _stdout_started = True
                 with open(target, "rb") as handle:
                     shutil.copyfileobj(handle, sys.stdout.buffer)
                 sys.stdout.buffer.flush()
@@ -306,6 +366,7 @@ def inspect(
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
+    allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Summarise MODEL: parameters, hidden units, rescaling groups, path count, diag(G) spread.
@@ -319,7 +380,7 @@ def inspect(
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             source, _, name = _read_source(model)
             stages.stage("loading")
-            loaded = load_model(source, arch=arch, input_shape=shape, name=name)
+            loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
             load_seconds = time.perf_counter() - started
             stages.stage("analysing: groups, diag(G), path count")
             report = analysis_report(analyse(loaded, device=device))
@@ -335,7 +396,19 @@ def version() -> None:
 
 
 def main() -> None:
+    """The ``pathcond`` command. Ctrl-C at any moment exits 130 with one line saying what is on disk."""
+    signal.signal(signal.SIGINT, _interrupted)
     app()
+
+
+def _interrupted(signum, frame) -> None:
+    """Inside a command, Ctrl-C unwinds (staging directories are removed) and is reported by
+    ``_errors_to_exit_codes``; outside one (start-up, option parsing) nothing is open, and click
+    would report it as 'Aborted!' with exit 1, so it ends the process here."""
+    if _guarded:
+        raise KeyboardInterrupt
+    os.write(2, f"interrupted: {_what_is_on_disk()}\n".encode("utf-8", "backslashreplace"))
+    os._exit(EXIT_CODES["interrupted"])
 
 
 if __name__ == "__main__":

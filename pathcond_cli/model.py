@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,7 +21,9 @@ class LoadedModel:
     carried through unchanged). ``format`` is ``onnx``, ``safetensors`` or ``module``;
     ``payload`` is the format's own state needed to write the result back (the ONNX
     ``ModelProto``, safetensors metadata and shard layout, ...). ``warnings`` are shown to
-    the user but do not stop the run.
+    the user but do not stop the run. ``files`` are the files the checkpoint was read from
+    (main file first, then shards, external data and the spec file), which a run without
+    ``--in-place`` never writes.
     """
 
     graph: Graph
@@ -29,6 +32,7 @@ class LoadedModel:
     source: str
     payload: Any = None
     warnings: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
 
     @property
     def parameter_count(self) -> int:
