@@ -35,7 +35,11 @@ _STALE = re.compile(r"^\..*\.pid(\d+)\.[^.]*" + re.escape(TMP_SUFFIX) + "$", re.
 
 def describe(path: os.PathLike | str) -> str:
     """A path as it can be printed on any terminal (undecodable bytes shown as escapes)."""
-    return os.fsdecode(path).encode("utf-8", "backslashreplace").decode("utf-8")
+    text = os.fsdecode(path)
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no file-name byte decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def resolve_destination(destination: Path) -> Path:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import InputError
+from ..fileio import describe
 from ..model import LoadedModel
 
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
@@ -95,7 +96,7 @@ _EXAMPLE_NAMES = {"onnx": "out.onnx", "safetensors": "out.safetensors",
 
 def shown(text: str, limit: int = SHOWN_CHARS) -> str:
     """``text`` cut to ``limit`` characters, printable on any terminal, for messages."""
-    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = describe(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -861,7 +861,8 @@ def write_onnx(
     _update_metadata(proto, metadata)
     if len(model.files) > 1:
         location = companion_name(f"{destination.name}.data")
-        external_data_helper.convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=location)
+        external_data_helper.convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=location,
+                                                            size_threshold=0)
         try:
             # onnx writes the data file beside the model it saves, named by the location itself.
             onnx.save_model(proto, str(destination))

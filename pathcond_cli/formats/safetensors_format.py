@@ -155,7 +155,18 @@ def _read_file(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safet
             metadata = _read_metadata(handle, os.fstat(handle.fileno()).st_size, display)
     except OSError as exc:
         raise InputError(f"{display}: cannot read the checkpoint: {exc.strerror or exc}") from None
-    return _load_tensors(lambda: safetensors.torch.load_file(path), display), SafetensorsPayload(metadata)
+    if _utf8_path(path):
+        return _load_tensors(lambda: safetensors.torch.load_file(path), display), SafetensorsPayload(metadata)
+    # safetensors takes paths as UTF-8 strings only: read a file with another name's bytes ourselves.
+    return _load_tensors(lambda: safetensors.torch.load(path.read_bytes()), display), SafetensorsPayload(metadata)
+
+
+def _utf8_path(path: Path) -> bool:
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _read_bytes(data: bytes, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
@@ -365,7 +376,10 @@ def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, 
 def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
     def save(tmp: Path) -> None:
         try:
-            safetensors.torch.save_file(dict(tensors), str(tmp), metadata=dict(metadata))
+            if _utf8_path(tmp):
+                safetensors.torch.save_file(dict(tensors), str(tmp), metadata=dict(metadata))
+            else:
+                tmp.write_bytes(safetensors.torch.save(dict(tensors), metadata=dict(metadata)))
         except safetensors.SafetensorError as exc:
             # The Rust writer reports I/O failures (a full disk) as SafetensorError, not OSError.
             raise _os_error(exc) from None
