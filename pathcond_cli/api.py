@@ -157,7 +157,7 @@ def rescale(
     seconds = dict(analysis.seconds)
     timed = _Stopwatch(seconds)
     if not any(bool(torch.isfinite(lg).any()) for lg in analysis.diag.log_g):
-        result = _nothing_to_rescale(model, analysis, solver)
+        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver))
     else:
         result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
                                               max_iter=max_iter, device=device, progress=progress))

@@ -6,12 +6,18 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
 from ..fileio import describe
 from ..model import LoadedModel
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..graph import Graph
 
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -205,6 +211,7 @@ def load_model(
             # onnx.load picks a text parser from extensions such as .textproto or .pbtxt.
             label = name or str(source)
             raise InputError(f"cannot read '{label}': it is not a valid ONNX model ({_one_line(exc)}).") from None
+        check_weight_types(model.graph, model.params, model.source)
     else:
         from .safetensors_format import load_safetensors
 
@@ -214,7 +221,6 @@ def load_model(
             elements = math.prod(node.shape)
             refuse_beyond_memory(8 * INPUT_COPIES * elements, model.source,
                                  f"input '{shown(node.name)}' has shape {shown(str(tuple(node.shape)))} per example")
-    check_weight_types(model)
     return model
 
 
@@ -222,12 +228,12 @@ def load_model(
 WEIGHT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
 
 
-def check_weight_types(model: LoadedModel) -> None:
+def check_weight_types(graph: Graph, params: Mapping[str, torch.Tensor], source: str) -> None:
     """Every tensor the network reads is a non-empty float16/bfloat16/float32/float64 tensor."""
     problems = []
-    for node in model.graph.nodes:
+    for node in graph.nodes:
         for role, key in node.parameter_keys().items():
-            tensor = model.params.get(key)
+            tensor = params.get(key)
             if tensor is None:
                 continue
             if str(tensor.dtype) not in WEIGHT_DTYPES:
@@ -242,7 +248,7 @@ def check_weight_types(model: LoadedModel) -> None:
                     "a layer with no units has nothing to rescale"
                 )
     if problems:
-        raise InputError(f"{model.source}: the network's tensors cannot be rescaled:\n"
+        raise InputError(f"{source}: the network's tensors cannot be rescaled:\n"
                          + "\n".join(f"  - {p}" for p in problems))
 
 

@@ -30,7 +30,7 @@ from ..errors import InputError, InvalidWeightsError, OutputError
 from ..fileio import atomic_write
 from ..graph import Conv, Graph, Linear
 from ..model import LoadedModel
-from . import contained_file, parse_json, shown
+from . import check_weight_types, contained_file, parse_json, shown
 from .fx_import import graph_from_module, load_factory
 from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
 
@@ -96,6 +96,7 @@ def load_safetensors(
     graph, spec_file = _architecture(arch, path, payload.metadata, input_shape, display)
     if spec_file is not None:
         files.append(spec_file)
+    check_weight_types(graph, params, display)
     _check_parameters(graph, params, display)
     unused = _unused_tensors(graph, params, display)
     if unused and not allow_unused:
