@@ -85,7 +85,7 @@ def test_yaml_alias_bomb_is_refused_quickly_with_a_short_message(tmp_path):
     assert len(YAML_BOMB) < 600
     stderr = _fails_cleanly(tmp_path, 3, ["rescale", checkpoint, "--arch", spec], "aliases")
     assert len(stderr) < 1000
-    # A plain anchor-free spec still reads; so does one with an (unused) anchor.
+    # The same spec without aliases reads.
     spec.write_text(yaml.safe_dump(mlp_spec()))
     assert_clean_exit(invoke("inspect", checkpoint, "--arch", spec, "-q"), 0)
 
