@@ -289,13 +289,17 @@ def rescale(
         raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
     if model == "-" and output is None:
         raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
-    if output == "-" and not _closed(sys.stdout) and sys.stdout.isatty():
+    if (output == "-" or as_json) and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but -o - or --json writes to it", param_hint="-o" if output == "-" else "--json")
+    if output == "-" and sys.stdout.isatty():
         raise typer.BadParameter("-o - writes the binary checkpoint to stdout, but stdout is a terminal; "
                                  "redirect it to a file or a pipe", param_hint="-o")
     if report_file is not None and output is not None and output != "-" and _same_path(report_file, Path(output)):
         raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file", param_hint="--report")
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
+    if report_file is not None:
+        report_file = resolve_destination(report_file)
     with _errors_to_exit_codes():
         report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet,
                              allow_unused)
@@ -375,6 +379,8 @@ def inspect(
     """
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
+    if as_json and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes():
         started = time.perf_counter()
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -225,7 +226,10 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
     """Read a spec file; JSON when its content starts with ``{``, YAML otherwise."""
     path = Path(path)
     try:
-        size = path.stat().st_size
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+            raise InputError(f"{path}: not a regular file (a FIFO, device or socket), not an architecture spec file")
+        size = info.st_size
         if size > MAX_SPEC_BYTES:
             raise InputError(f"{path}: an architecture spec of {size} bytes is refused (at most {MAX_SPEC_BYTES}).")
         text = path.read_text(encoding="utf-8")
