@@ -23,9 +23,11 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import __version__
 from .api import analyse, rescale as rescale_model, save
-from .errors import EXIT_CODES, OutputError, PathcondError
+from .errors import EXIT_CODES, InputError, OutputError, PathcondError
 from .fileio import atomic_write, check_destination, describe, resolve_destination, written_files
-from .formats import SHARD_INDEX_SUFFIX, check_readable, checkpoint_files, load_model, output_format_mismatch
+from .formats import (
+    SHARD_INDEX_SUFFIX, available_memory, check_readable, checkpoint_files, load_model, output_format_mismatch,
+)
 from .report import analysis_report, render, rescale_report
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 
@@ -118,8 +120,8 @@ def _parse_device(text: str) -> str:
 @contextlib.contextmanager
 def _errors_to_exit_codes() -> Iterator[None]:
     """One paragraph on stderr and a distinct exit code; never a traceback."""
-    global _guarded
-    _guarded = True
+    global _guarded, _stdout_started
+    _guarded, _stdout_started = True, False
     written_files.clear()
     try:
         yield
@@ -201,10 +203,21 @@ def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is closed; pipe a file in", param_hint="MODEL")
         if sys.stdin.isatty():
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is a terminal; pipe a file in", param_hint="MODEL")
-        return sys.stdin.buffer.read(), None, "<stdin>"
+        limit = _stdin_limit()
+        data = sys.stdin.buffer.read(limit + 1)
+        if len(data) > limit:
+            raise InputError(f"<stdin>: more than {limit} bytes arrived, over a quarter of the memory available; "
+                             "pass the checkpoint as a file instead.")
+        return data, None, "<stdin>"
     path = Path(model)
     check_readable(path)
     return path, path, describe(path)
+
+
+def _stdin_limit() -> int:
+    """Most bytes read from stdin: a quarter of the available memory (the model is held in memory)."""
+    available = available_memory()
+    return available // 4 if available is not None else 2**40
 
 
 def _closed(stream) -> bool:

@@ -112,6 +112,13 @@ def test_deeply_nested_documents_exit_3(tmp_path, where):
     _fails_cleanly(tmp_path, 3, args, "nest")
 
 
+def test_endless_stdin_is_cut_off_exit_3(tmp_path, monkeypatch):
+    import pathcond_cli.cli
+
+    monkeypatch.setattr(pathcond_cli.cli, "available_memory", lambda: 40_000)
+    _fails_cleanly(tmp_path, 3, ["inspect", "-"], "<stdin>", "more than 10000 bytes", input=b"\x00" * 50_000)
+
+
 def test_huge_embedded_values_are_not_echoed(tmp_path):
     spec = mlp_spec()
     spec["layers"][1]["stride"] = "x" * 1_000_000
