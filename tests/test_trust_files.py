@@ -498,6 +498,8 @@ def test_sigint_in_a_subprocess_exits_130_without_traceback(tmp_path):
         _, stderr = process.communicate(timeout=120)
         if process.returncode == 0:
             continue  # finished before the signal
+        if process.returncode == -signal.SIGINT and not stderr:
+            continue  # the interpreter itself was still starting: no Python code had run yet
         if not lazy and b"Traceback" in stderr and b"import" in stderr:
             continue  # interrupted while cli.py itself imported torch: only lazy imports can catch this
         assert process.returncode == 130, stderr
