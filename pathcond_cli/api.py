@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -16,13 +15,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import __version__
 from .defaults import CRITERIA, DEFAULT_CRITERION
 from .diag import DiagG, PathCount, diag_g, path_count
-from .errors import PathcondError, VerificationError
+from .errors import InputError, PathcondError, UnsupportedModelError, VerificationError
 from .groups import RescalingGroups, build_groups
 from .enorm import enorm
 from .model import LoadedModel
@@ -299,6 +297,8 @@ def rescale(
     if criterion == "enorm":
         result = timed("solve", lambda: enorm(analysis.groups, tol=tol, max_iter=max_iter, device=device,
                                               progress=progress))
+    elif not any(bool(torch.isfinite(lg).any()) for lg in analysis.diag.log_g):
+        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver))
     else:
         result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
                                               max_iter=max_iter, device=device, progress=progress))
@@ -310,6 +310,21 @@ def rescale(
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
     return RescaleResult(analysis, result, changed, verification, seconds, tol, max_iter, criterion)
+
+
+ZERO_FUNCTION_NOTE = (
+    "diag(G) is zero everywhere: no path of the network carries a nonzero product of weights (it computes "
+    "the zero function, or a constant). Nothing to rescale: u = 0 and the file is written unchanged; "
+    "the objective is undefined and reported as 0."
+)
+
+
+def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str) -> SolveResult:
+    """The trivial solve of a network whose path kernel is zero: every group stays at u = 0."""
+    if ZERO_FUNCTION_NOTE not in model.warnings:
+        model.warnings.append(ZERO_FUNCTION_NOTE)
+    u = torch.zeros(analysis.groups.num_free, dtype=torch.float64)
+    return SolveResult(solver, u, [0.0], 0.0, True, 0, 0)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
@@ -324,16 +339,54 @@ def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name:
 def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:
     """Rescale ``module``'s parameters in place (function preserved, verified) and return the result.
 
-    ``options`` are those of :func:`rescale` (``criterion``, ``solver``, ``tol``, ``max_iter``,
-    ``device``).
+    ``options`` are those of :func:`rescale` (``criterion``, ``solver``, ``tol``, ``max_iter``, ``device``).
+    The rescaling is verified on the module itself: a copy holding the rescaled tensors is run
+    against a copy of the original, in eval mode and, with BatchNorm, in train mode (the
+    module's own running statistics are never touched). Only then are its tensors changed;
+    on :class:`VerificationError` the module is left as it was. A module whose parameters are
+    shared between layers (tied weights) is refused with :class:`UnsupportedModelError`.
     """
+    from .verify import compare_modules
+
+    _check_module(module)
+    options.pop("verify", None)
     model = module_model(module, input_shape)
-    result = rescale(model, **options)
+    result = rescale(model, verify=False, **options)
+    verification = compare_modules(module, result.changed, tuple(input_shape))
+    if not verification.passed:
+        raise VerificationError(
+            f"{model.source}: the rescaled module differs from the original by a relative "
+            f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the module was not changed."
+        )
     state = module.state_dict()
     with torch.no_grad():
         for key, tensor in result.changed.items():
             state[key].copy_(tensor)
+    result.verification = verification
     return result
+
+
+def _check_module(module: torch.nn.Module) -> None:
+    """Refuse what ``rescale_module`` cannot rescale exactly: meta tensors and tied parameters."""
+    name = type(module).__name__
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    on_meta = [key for key, tensor in tensors if tensor.is_meta]
+    if on_meta:
+        raise InputError(
+            f"{name}: tensor(s) {', '.join(on_meta[:10])} are on the meta device and hold no values; "
+            "load the weights (e.g. module.to_empty(device='cpu') then load_state_dict) before rescaling."
+        )
+    owners: dict[tuple[int, int], list[str]] = {}
+    for key, tensor in tensors:
+        if tensor.numel():
+            owners.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset()), []).append(key)
+    tied = [keys for keys in owners.values() if len(keys) > 1]
+    if tied:
+        raise UnsupportedModelError(
+            f"{name}: parameters are shared between layers (tied weights); one rescaling per layer would change "
+            "the function, so pathcond does not rescale such a module:",
+            [" = ".join(keys) for keys in tied],
+        )
 
 
 def load(
@@ -341,11 +394,17 @@ def load(
     *,
     arch: str | None = None,
     input_shape: tuple[int, ...] | None = None,
+    allow_unused: bool = False,
 ) -> LoadedModel:
-    """Load an ONNX model or a safetensors checkpoint (``arch``: spec file or ``module:factory``)."""
+    """Load an ONNX model or a safetensors checkpoint (``arch``: spec file or ``module:factory``).
+
+    Checkpoint tensors the architecture does not read raise :class:`InputError` unless
+    ``allow_unused`` (then they are carried through and named in ``warnings``).
+    """
     from .formats import load_model
 
-    return load_model(Path(source) if isinstance(source, str) else source, arch=arch, input_shape=input_shape)
+    return load_model(Path(source) if isinstance(source, str) else source, arch=arch, input_shape=input_shape,
+                      allow_unused=allow_unused)
 
 
 def run_metadata(result: RescaleResult) -> dict[str, str]:
@@ -376,88 +435,63 @@ def save(
     """Write the rescaled model in its input format, reload it and verify it.
 
     The model is written into a hidden staging directory beside ``destination``, reloaded
-    from there and verified; only a file that computes the original function (and, for
-    ONNX, that onnx's ReferenceEvaluator agrees with) is renamed onto ``destination``.
-    Otherwise :class:`VerificationError` is raised and nothing is left behind, so
-    ``destination`` — the input itself with ``in_place`` — is untouched by a failed or
-    interrupted run. The verification is stored on ``result`` too.
+    from there and verified (for ONNX also by an independent runtime, onnxruntime or
+    onnx.reference, when one can evaluate it); only a file that computes the original function
+    is renamed onto ``destination``. Otherwise :class:`VerificationError` is raised and
+    nothing is left behind, so ``destination`` — the input itself with ``in_place`` — is
+    untouched by a failed or interrupted run. No file of the input (shards, external data,
+    spec) is written without ``in_place``; companion files are written under fresh names and
+    those of the replaced checkpoint are deleted after the swap. The verification is stored
+    on ``result`` too.
     """
-    from .fileio import check_destination, staged_output
-    from .formats import write_model
+    from .fileio import check_destination, resolve_destination, staged_output
+    from .formats import checkpoint_files, write_model
 
     model = result.analysis.model
-    destination = Path(destination)
-    source = Path(model.source)
-    check_destination(destination, inputs=[source] if source.exists() else [], in_place=in_place)
+    destination = resolve_destination(Path(destination))
+    check_destination(destination, inputs=model.files, in_place=in_place)
     not_finite = sorted(k for k, t in result.changed.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
     if not_finite:
         raise VerificationError(
             f"{model.source}: the rescaling produced NaN or Inf in tensor(s) {', '.join(map(repr, not_finite))} "
             f"(solver '{result.solve.method}', max |u| = {result.solve.u_inf:.3g}); nothing was written."
         )
+    replaced = checkpoint_files(destination)[1:] if destination.is_file() else []
     timings = seconds if seconds is not None else result.seconds
     timed = _Stopwatch(timings)
-    with staged_output(destination) as staged:
-        timed("write", lambda: write_model(model, result.changed, staged, run_metadata(result)))
+    with staged_output(destination) as stage:
+        timed("write", lambda: write_model(model, result.changed, stage.path, run_metadata(result),
+                                           companion_name=stage.companion_name))
         result.verification = timed(
-            "verify_written", lambda: _verify_written(model, staged, input_shape, name=str(destination))
+            "verify_written", lambda: _verify_written(model, stage.path, input_shape, name=str(destination))
         )
+        stage.obsolete = replaced
+        if not in_place:
+            stage.keep = list(model.files)
     return result.verification
 
 
 def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str | None = None) -> Verification:
-    """Reload what was written (its architecture is embedded) and compare it with the original;
-    remove it if it differs. ``name`` is how the file is called in messages (default: ``target``)."""
+    """Reload what was written (its architecture is embedded) and compare it with the original.
+    ``name`` is how the file is called in messages (default: ``target``)."""
     from .formats import load_model
+    from .verify import independent_check
 
     name = name or str(target)
     try:
-        try:
-            written = load_model(target, input_shape=input_shape, name=name)
-        except PathcondError as exc:
-            raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
-        verification = compare(model.graph, model.params, written.params)
-        if verification.passed and model.format == "onnx":
-            _check_onnx_reference(model, target, verification.tolerance, name=name)
-        if not verification.passed:
-            raise VerificationError(
-                f"'{name}': the written model differs from the original by a relative "
-                f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
-            )
-        return verification
-    except BaseException:
-        remove_written(target)
-        raise
-
-
-def remove_written(target: Path) -> None:
-    """Delete a written checkpoint, with its shards when it is a shard index."""
-    from .formats import SHARD_INDEX_SUFFIX
-
-    if target.name.endswith(SHARD_INDEX_SUFFIX) and target.is_file():
-        try:
-            weight_map = json.loads(target.read_text(encoding="utf-8")).get("weight_map", {})
-            shards = {shard for shard in weight_map.values() if isinstance(shard, str)}
-        except (OSError, ValueError, AttributeError):
-            shards = set()
-        for shard in shards:
-            (target.parent / shard).unlink(missing_ok=True)
-    target.unlink(missing_ok=True)
-
-
-def _check_onnx_reference(model: LoadedModel, target: Path, tolerance: float, *, name: str | None = None) -> None:
-    """Cross-check the written ONNX file with onnx's own ReferenceEvaluator."""
-    from .evaluate import forward
-    from .formats.onnx_format import reference_outputs
-
-    node = model.graph.inputs[0]
-    x = torch.randn((1, *node.shape), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    expected = forward(model.graph, model.params, x)[model.graph.outputs[0]].numpy()
-    got = reference_outputs(target, x.numpy().astype(np.float32))[0].astype(np.float64)
-    relative = float(np.abs(got - expected).max()) / max(float(np.abs(expected).max()), 1e-300)
-    tolerance = max(tolerance, 1e-4)
-    if relative > tolerance:
+        written = load_model(target, input_shape=input_shape, name=name, allow_unused=True)
+    except PathcondError as exc:
+        raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
+    verification = compare(model.graph, model.params, written.params)
+    if not verification.passed:
         raise VerificationError(
-            f"'{name or target}': onnx.reference.ReferenceEvaluator disagrees with the original network by a relative "
-            f"{relative:.3g} (tolerance {tolerance:g}); nothing was written."
+            f"'{name}': the written model differs from the original by a relative "
+            f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
+    verification.independent = independent_check(model, target, verification.tolerance)
+    if verification.independent["status"] == "failed":
+        raise VerificationError(
+            f"'{name}': {verification.independent['runtime']} disagrees with the original model: "
+            f"{verification.independent['detail']}; nothing was written."
+        )
+    return verification

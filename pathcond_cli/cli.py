@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -20,14 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
+import rich.markup
 import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from . import __version__
 from .defaults import CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
-from .errors import EXIT_CODES, OutputError, PathcondError
-from .fileio import atomic_write, check_destination
+from .errors import EXIT_CODES, InputError, OutputError, PathcondError
+from .fileio import atomic_write, check_destination, describe, resolve_destination, written_files
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
@@ -36,6 +38,11 @@ EXIT_HELP = (
 )
 
 DEBUG_VARIABLE = "PATHCOND_DEBUG"
+
+# Whether bytes of the checkpoint went to stdout (``-o -``): an interrupt then leaves it incomplete.
+_stdout_started = False
+# Whether a command is running inside ``_errors_to_exit_codes`` (see ``_interrupted``).
+_guarded = False
 
 app = typer.Typer(
     name="pathcond",
@@ -104,6 +111,10 @@ def _check_plot(path: Path | None) -> None:
         raise typer.BadParameter("drawing a plot needs matplotlib, which is not installed: "
                                  "pip install 'pathcond[plot]'", param_hint="--plot")
     check_destination(path)
+AllowUnusedOpt = Annotated[bool, typer.Option(
+    "--allow-unused", help="Carry checkpoint tensors the architecture does not read through unchanged (a warning), "
+    "instead of refusing the checkpoint (exit 3).",
+)]
 
 
 def _parse_shape(text: str | None) -> tuple[int, ...] | None:
@@ -144,13 +155,16 @@ def _parse_device(text: str) -> str:
 @contextlib.contextmanager
 def _errors_to_exit_codes() -> Iterator[None]:
     """One paragraph on stderr and a distinct exit code; never a traceback."""
+    global _guarded, _stdout_started
+    _guarded, _stdout_started = True, False
+    written_files.clear()
     try:
         yield
     except PathcondError as exc:
-        stderr.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+        stderr.print(f"[bold red]error:[/] {_printable(str(exc))}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        stderr.print("[bold red]interrupted:[/] nothing was written.")
+        stderr.print(f"[bold red]interrupted:[/] {_what_is_on_disk()}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
     except BrokenPipeError:
         # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
@@ -168,12 +182,29 @@ def _errors_to_exit_codes() -> Iterator[None]:
         if os.environ.get(DEBUG_VARIABLE):
             raise
         stderr.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {exc}\n"
+            f"[bold red]internal error:[/] {type(exc).__name__}: {_printable(str(exc))}\n"
             f"This is a bug in pathcond {__version__}; please report it with the command line. "
             f"Set {DEBUG_VARIABLE}=1 to see the traceback.",
             highlight=False, markup=True, soft_wrap=True,
         )
         raise typer.Exit(1) from None
+    finally:
+        _guarded = False
+
+
+def _printable(text: str) -> str:
+    """``text`` without rich markup and with undecodable file-name bytes shown as escapes."""
+    return rich.markup.escape(describe(text))
+
+
+def _what_is_on_disk() -> str:
+    """The truth about the files after an interrupt: which outputs were completely written."""
+    if written_files:
+        return ("the output was completely written and verified before the interrupt: "
+                + ", ".join(f"'{describe(path)}'" for path in written_files) + ".")
+    if _stdout_started:
+        return "the checkpoint sent to stdout is incomplete; no file was written."
+    return "nothing was written; the input is unchanged."
 
 
 class _Stages:
@@ -205,12 +236,32 @@ def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
     from .formats import check_readable
 
     if model == "-":
-        if sys.stdin is None or sys.stdin.isatty():
+        if _closed(sys.stdin):
+            raise typer.BadParameter("'-' reads the model from stdin, but stdin is closed; pipe a file in", param_hint="MODEL")
+        if sys.stdin.isatty():
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is a terminal; pipe a file in", param_hint="MODEL")
-        return sys.stdin.buffer.read(), None, "<stdin>"
+        limit = _stdin_limit()
+        data = sys.stdin.buffer.read(limit + 1)
+        if len(data) > limit:
+            raise InputError(f"<stdin>: more than {limit} bytes arrived, over a quarter of the memory available; "
+                             "pass the checkpoint as a file instead.")
+        return data, None, "<stdin>"
     path = Path(model)
     check_readable(path)
-    return path, path, str(path)
+    return path, path, describe(path)
+
+
+def _stdin_limit() -> int:
+    """Most bytes read from stdin: a quarter of the available memory (the model is held in memory)."""
+    from .formats import available_memory
+
+    available = available_memory()
+    return available // 4 if available is not None else 2**40
+
+
+def _closed(stream) -> bool:
+    """Whether a standard stream is missing (Python sets it to None when started with ``<&-``) or closed."""
+    return stream is None or bool(getattr(stream, "closed", False))
 
 
 @contextlib.contextmanager
@@ -225,6 +276,16 @@ def _scratch_directory() -> Iterator[Path]:
         ) from None
     with scratch as name:
         yield Path(name)
+
+
+def _input_files(source_path: Path | None, arch: str | None) -> list[Path]:
+    """Every file the run reads that is known before loading: checkpoint, shards, external data, spec."""
+    from .formats import checkpoint_files
+
+    files = checkpoint_files(source_path) if source_path is not None else []
+    if arch is not None and arch.lower().endswith((".yaml", ".yml", ".json")):
+        files.append(Path(arch))
+    return files
 
 
 def _same_path(a: Path, b: Path) -> bool:
@@ -296,6 +357,7 @@ def rescale(
     report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     plot: PlotOpt = None,
+    allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Rescale MODEL, write the result, verify it computes the same function, and report.
@@ -315,26 +377,40 @@ def rescale(
         raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
     if model == "-" and output is None:
         raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
+    if (output == "-" or as_json) and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but -o - or --json writes to it", param_hint="-o" if output == "-" else "--json")
+    if output == "-" and sys.stdout.isatty():
+        raise typer.BadParameter("-o - writes the binary checkpoint to stdout, but stdout is a terminal; "
+                                 "redirect it to a file or a pipe", param_hint="-o")
     if report_file is not None and output is not None and output != "-" and _same_path(report_file, Path(output)):
         raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file", param_hint="--report")
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
+    if report_file is not None:
+        report_file = resolve_destination(report_file)
     with _errors_to_exit_codes():
         _check_plot(plot)
         report, result = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file,
-                                     quiet, criterion)
+                                     quiet, criterion, allow_unused)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
         _draw(plot, report, result.analysis, result)
 
 
-def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet, criterion):
+def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet, criterion,
+                allow_unused):
     from .api import rescale as rescale_model, save
-    from .formats import load_model
+    from .formats import load_model, output_format_mismatch
     from .report import rescale_report
 
+    global _stdout_started
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
+        if output not in (None, "-"):
+            mismatch = output_format_mismatch(source, Path(output))
+            if mismatch:
+                raise typer.BadParameter(mismatch, param_hint="-o")
+        inputs = _input_files(source_path, arch)
         if output == "-":
             destination = None
         elif output is not None:
@@ -346,16 +422,17 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
         else:
             destination = _default_output(source_path)
         if destination is not None:
-            check_destination(destination, inputs=[source_path] if source_path else [], in_place=in_place)
+            destination = resolve_destination(destination)
+            check_destination(destination, inputs=inputs, in_place=in_place)
         if report_file is not None:
-            check_destination(report_file, inputs=[source_path] if source_path else [])
+            check_destination(report_file, inputs=inputs)
             if destination is not None and _same_path(report_file, destination):
                 raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file",
                                          param_hint="--report")
 
         stages.stage("loading")
         load_start = time.perf_counter()
-        loaded = load_model(source, arch=arch, input_shape=shape, name=name)
+        loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - load_start
         stages.stage("analysing: groups, diag(G), path count")
         result = rescale_model(loaded, solver=solver, tol=tol, max_iter=max_iter, device=device,
@@ -373,6 +450,7 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
                 save(result, target, input_shape=shape, seconds=seconds)
                 seconds["total"] = time.perf_counter() - started
                 report = rescale_report(result, "-", seconds)
+                _stdout_started = True
                 with open(target, "rb") as handle:
                     shutil.copyfileobj(handle, sys.stdout.buffer)
                 sys.stdout.buffer.flush()
@@ -387,6 +465,7 @@ def inspect(
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
+    allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Summarise MODEL: parameters, hidden units, rescaling groups, path count, diag(G) spread.
@@ -395,6 +474,8 @@ def inspect(
     """
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
+    if as_json and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes():
         _check_plot(plot)
         from .api import analyse
@@ -405,7 +486,7 @@ def inspect(
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             source, _, name = _read_source(model)
             stages.stage("loading")
-            loaded = load_model(source, arch=arch, input_shape=shape, name=name)
+            loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
             load_seconds = time.perf_counter() - started
             stages.stage("analysing: groups, diag(G), path count")
             analysis = analyse(loaded, device=device)
@@ -423,7 +504,24 @@ def version() -> None:
 
 
 def main() -> None:
-    app()
+    """The ``pathcond`` command. Ctrl-C at any moment exits 130 with one line saying what is on disk."""
+    signal.signal(signal.SIGINT, _interrupted)
+    try:
+        app()
+    finally:
+        # The command is over and its report printed: an interrupt during the interpreter's
+        # shutdown would kill it by signal, which would tell the caller a finished run failed.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _interrupted(signum, frame) -> None:
+    """Inside a command, Ctrl-C unwinds (staging directories are removed) and is reported by
+    ``_errors_to_exit_codes``; outside one (start-up, option parsing) nothing is open, and click
+    would report it as 'Aborted!' with exit 1, so it ends the process here."""
+    if _guarded:
+        raise KeyboardInterrupt
+    os.write(2, f"interrupted: {_what_is_on_disk()}\n".encode("utf-8", "backslashreplace"))
+    os._exit(EXIT_CODES["interrupted"])
 
 
 if __name__ == "__main__":

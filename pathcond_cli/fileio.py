@@ -1,36 +1,141 @@
-"""Atomic file writes: a temporary file beside the target, fsync, then rename."""
+"""Safe file writes: staged beside the target, fsynced, renamed into place only when verified.
+
+Every temporary file or directory pathcond creates carries its process id in its name
+(``.<name>.pid<PID>.<random>.pathcond-tmp``), so that one left behind by a killed process
+is recognised and removed by the next run in that directory, and only when that process is
+gone.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import re
+import secrets
 import shutil
+import signal
+import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import OutputError
 
 # Every temporary file or directory pathcond creates beside an output ends with this.
 TMP_SUFFIX = ".pathcond-tmp"
+# Most file systems limit one path component to 255 bytes.
+NAME_MAX = 255
+# The staging name repeats the target's name; cut it so the staging name stays under NAME_MAX.
+_STAGED_NAME_CHARS = 120
+# Files renamed into place by this process (the CLI says so when interrupted afterwards).
+written_files: list[Path] = []
+_STALE = re.compile(r"^\..*\.pid(\d+)\.[^.]*" + re.escape(TMP_SUFFIX) + "$", re.DOTALL)
 
 
-def check_destination(destination: Path, *, inputs: list[Path] = (), in_place: bool = False) -> None:
-    """Refuse before any work: a missing directory, an unwritable one, or the input itself."""
+def describe(path: os.PathLike | str) -> str:
+    """A path as it can be printed on any terminal (undecodable bytes shown as escapes)."""
+    text = os.fsdecode(path)
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that no file-name byte decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def resolve_destination(destination: Path) -> Path:
+    """Where writing ``destination`` really lands: a symlink to a regular file is written through."""
+    with contextlib.suppress(OSError):
+        if destination.is_symlink() and stat.S_ISREG(os.stat(destination).st_mode):
+            return Path(os.path.realpath(destination))
+    return destination
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file: the same resolved path or the same inode."""
+    try:
+        if os.path.realpath(a) == os.path.realpath(b):
+            return True
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_place: bool = False) -> None:
+    """Refuse before any work: a missing or unwritable directory, a name too long, something that
+    is not a regular file (directory, FIFO, device, socket, or a link to one), or an input file."""
+    shown = describe(destination)
+    if len(os.fsencode(destination.name)) > NAME_MAX:
+        raise OutputError(f"cannot write '{shown[:80]}...': the file name is longer than {NAME_MAX} bytes.")
     directory = destination.parent if str(destination.parent) else Path(".")
-    if not directory.is_dir():
-        raise OutputError(f"cannot write '{destination}': directory '{directory}' does not exist.")
-    if not os.access(directory, os.W_OK):
-        raise OutputError(f"cannot write '{destination}': no write permission in directory '{directory}'.")
-    if destination.is_dir():
-        raise OutputError(f"cannot write '{destination}': it is a directory.")
-    for source in inputs:
-        if not in_place and destination.exists() and source.exists() and destination.resolve() == source.resolve():
-            raise OutputError(
-                f"refusing to overwrite the input '{source}': choose another -o path, "
-                "or pass --in-place to replace the input deliberately."
-            )
+    try:
+        if not directory.is_dir():
+            raise OutputError(f"cannot write '{shown}': directory '{describe(directory)}' does not exist.")
+        if not os.access(directory, os.W_OK):
+            raise OutputError(f"cannot write '{shown}': no write permission in directory '{describe(directory)}'.")
+        kind = _non_regular_kind(destination)
+    except OSError as exc:
+        raise OutputError(f"cannot write '{shown}': {_reason(exc)}.") from None
+    if kind is not None:
+        raise OutputError(
+            f"cannot write '{shown}': it is {kind}, not a regular file; pathcond only replaces regular files. "
+            "Choose another -o path."
+        )
+    if not in_place:
+        for source in inputs:
+            if same_file(destination, source):
+                raise OutputError(
+                    f"refusing to overwrite '{describe(source)}', a file of the input: choose another -o path, "
+                    "or pass --in-place to replace the input deliberately."
+                )
+
+
+def _non_regular_kind(path: Path) -> str | None:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a dangling symbolic link" if os.path.islink(path) else None
+    if stat.S_ISREG(mode):
+        return None
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind + (" (through a symbolic link)" if os.path.islink(path) else "")
+    return "not a regular file"
+
+
+def remove_stale_staging(directory: Path) -> None:
+    """Delete pathcond staging files and directories in ``directory`` whose process is gone."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        match = _STALE.match(entry.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def _staging_prefix(destination: Path) -> str:
+    return f".{destination.name[:_STAGED_NAME_CHARS]}.pid{os.getpid()}."
 
 
 @contextlib.contextmanager
@@ -41,61 +146,132 @@ def atomic_path(destination: Path) -> Iterator[Path]:
     ``destination`` as it was.
     """
     destination = Path(destination)
+    directory = destination.parent if str(destination.parent) else Path(".")
+    remove_stale_staging(directory)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=TMP_SUFFIX, dir=destination.parent or ".")
+        fd, tmp_name = tempfile.mkstemp(prefix=_staging_prefix(destination), suffix=TMP_SUFFIX, dir=directory)
         os.close(fd)
     except OSError as exc:
-        raise OutputError(f"cannot write '{destination}': {_reason(exc)}. Nothing was written.") from None
+        raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
     tmp = Path(tmp_name)
     try:
         yield tmp
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        if destination.exists():
-            os.chmod(tmp, destination.stat().st_mode & 0o777)
-        else:
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, destination)
+        _fsync_file(tmp)
+        _set_mode(tmp, destination)
+        with _sigint_deferred():
+            os.replace(tmp, destination)
+            if not directory.name.endswith(TMP_SUFFIX):
+                written_files.append(destination)
+        _fsync_directory(directory)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write '{destination}': {_reason(exc)}. Nothing was written.") from None
+        raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
-@contextlib.contextmanager
-def staged_output(destination: Path) -> Iterator[Path]:
-    """Yield where to write ``destination`` inside a fresh hidden directory beside it.
+@dataclass
+class Stage:
+    """A hidden staging directory beside ``destination`` (see :func:`staged_output`).
 
-    The caller writes there (a format may add companion files, e.g. shards, next to it) and
-    checks what it wrote; only when the block succeeds is every staged file renamed into
-    ``destination``'s directory, companions first and ``destination`` last. On any failure
-    (an exception, a failed verification, Ctrl-C) the staging directory is deleted and
-    ``destination`` — which may be the input itself with ``--in-place`` — is left untouched.
+    ``path`` is where the main file is written. A format that writes companion files (shards,
+    ONNX external data) names them with :meth:`companion_name`, which never picks a name
+    already present in the destination's directory: companions never replace anything, so the
+    file on disk that names them (the index, the ``.onnx``) is the only thing swapped.
+    ``obsolete`` lists files to delete once the swap is done (the companions of the checkpoint
+    that was replaced).
+    """
+
+    destination: Path
+    directory: Path
+    path: Path
+    obsolete: list[Path] = field(default_factory=list)
+    keep: list[Path] = field(default_factory=list)
+    committed: bool = False
+
+    def companion_name(self, preferred: str) -> str:
+        taken = {p.name for p in self.path.parent.iterdir()}
+        if preferred not in taken and not os.path.lexists(self.directory / preferred):
+            return preferred
+        stem, dot, suffix = preferred.partition(".")
+        while True:
+            candidate = f"{stem}-{secrets.token_hex(4)}{dot}{suffix}"
+            if candidate not in taken and not os.path.lexists(self.directory / candidate):
+                return candidate
+
+
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C back while a file is renamed into place and recorded as written, so that an
+    interrupt never falls between the two and the report of what is on disk stays true."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def staged_output(destination: Path) -> Iterator[Stage]:
+    """Yield a :class:`Stage` for ``destination`` inside a fresh hidden directory beside it.
+
+    The caller writes ``stage.path`` (and companions) and checks what it wrote; only when the
+    block succeeds is every staged file fsynced and renamed into ``destination``'s directory,
+    companions first (under names no file has there) and ``destination`` last; then the files
+    in ``stage.obsolete`` are deleted. On any failure (an exception, a failed verification,
+    Ctrl-C) before the last rename, the staging directory and any companion already moved are
+    deleted and ``destination`` — which may be the input itself with ``--in-place`` — is left
+    untouched. At every instant, ``destination`` names a complete checkpoint.
     """
     destination = Path(destination)
     directory = destination.parent if str(destination.parent) else Path(".")
+    remove_stale_staging(directory)
     try:
-        stage = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=TMP_SUFFIX, dir=directory))
+        stage_dir = Path(tempfile.mkdtemp(prefix=_staging_prefix(destination), suffix=TMP_SUFFIX, dir=directory))
     except OSError as exc:
-        raise OutputError(f"cannot write '{destination}': {_reason(exc)}. Nothing was written.") from None
-    staged = stage / destination.name
+        raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
+    stage = Stage(destination, directory, stage_dir / destination.name)
+    moved: list[Path] = []
     try:
-        yield staged
-        companions = sorted(p for p in stage.iterdir() if p != staged and not p.name.endswith(TMP_SUFFIX))
+        yield stage
+        companions = sorted(p for p in stage_dir.iterdir() if p != stage.path and not p.name.endswith(TMP_SUFFIX))
         try:
-            for path in [*companions, staged]:
+            for path in [*companions, stage.path]:
+                _fsync_file(path)
+            for path in companions:
                 final = directory / path.name
-                os.chmod(path, final.stat().st_mode & 0o777 if final.is_file() else 0o666 & ~_umask())
+                if os.path.lexists(final):
+                    raise OSError(errno.EEXIST, f"'{describe(final)}' appeared while writing")
+                _set_mode(path, final)
                 os.replace(path, final)
+                moved.append(final)
+            _fsync_directory(directory)
+            _set_mode(stage.path, destination)
+            with _sigint_deferred():
+                os.replace(stage.path, destination)
+                stage.committed = True
+                written_files.append(destination)
+            _fsync_directory(directory)
         except OSError as exc:
-            raise OutputError(f"cannot write '{destination}': {_reason(exc)}.") from None
+            raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
+        keep = {os.path.realpath(p) for p in [*moved, destination, *stage.keep]}
+        for old in stage.obsolete:
+            if os.path.realpath(old) not in keep:
+                with contextlib.suppress(OSError):
+                    os.unlink(old)
     except OutputError as exc:
         # Name the file the user asked for, not the hidden staging directory.
-        raise OutputError(str(exc).replace(str(staged), str(destination))) from None
+        raise OutputError(str(exc).replace(str(stage.path), describe(destination))) from None
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        if not stage.committed:
+            for path in moved:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        shutil.rmtree(stage_dir, ignore_errors=True)
 
 
 def atomic_write(destination: Path, write: Callable[[Path], None]) -> None:
@@ -104,11 +280,46 @@ def atomic_write(destination: Path, write: Callable[[Path], None]) -> None:
         write(tmp)
 
 
+def output_error_from(exc: OSError, destination: Path) -> OutputError:
+    """An OSError met while writing ``destination``, as the exit-6 error users read."""
+    return OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.")
+
+
+def _set_mode(path: Path, final: Path) -> None:
+    """Keep an existing file's permissions; a new file gets the umask's."""
+    try:
+        mode = os.stat(final).st_mode & 0o777 if os.path.isfile(final) else 0o666 & ~_umask()
+    except OSError:
+        mode = 0o666 & ~_umask()
+    os.chmod(path, mode)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename durable; some file systems cannot fsync a directory, which is harmless."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _reason(exc: OSError) -> str:
     if exc.errno == errno.ENOSPC:
         return "the disk is full"
     if exc.errno in (errno.EACCES, errno.EPERM):
         return "permission denied"
+    if exc.errno == errno.ENAMETOOLONG:
+        return "the file name is too long"
     return exc.strerror or str(exc)
 
 

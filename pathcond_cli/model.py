@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ class LoadedModel:
     ``ModelProto``, safetensors metadata and shard layout, ...). ``warnings`` are shown to
     the user but do not stop the run. ``arch_source`` says where the architecture came from:
     ``onnx graph``, ``module``, ``--arch FILE``, ``metadata`` (the spec pathcond embeds) or
-    ``sidecar FILE``.
+    ``sidecar FILE``. ``files`` are the files the checkpoint was read from
+    (main file first, then shards, external data and the spec file), which a run without
+    ``--in-place`` never writes.
     """
 
     graph: Graph
@@ -31,6 +34,7 @@ class LoadedModel:
     source: str
     payload: Any = None
     warnings: list[str] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
     arch_source: str = ""
 
     @property

@@ -155,6 +155,7 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
             "tolerance": verification.tolerance,
             "modes": list(verification.modes),
             "passed": verification.passed,
+            "independent": verification.independent,
         },
         "output": output,
         "seconds": {stage: round(value, 6) for stage, value in seconds.items()},

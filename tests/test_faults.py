@@ -57,8 +57,8 @@ def _succeeds(tmp_path: Path, checkpoint: Path, *args) -> tuple[dict, Path]:
 
 
 def _same_function(original: Path, written: Path, **load_options) -> None:
-    before = pathcond_cli.load(original, **load_options)
-    after = pathcond_cli.load(written)
+    before = pathcond_cli.load(original, allow_unused=True, **load_options)
+    after = pathcond_cli.load(written, allow_unused=True)
     verification = compare(before.graph, before.params, after.params)
     assert verification.passed, verification
     for key in after.graph.parameter_keys():
@@ -267,7 +267,8 @@ def test_unused_tensors_warned_and_kept_bit_identical(tmp_path):
         "extra.flags": torch.tensor([True, False]),
     }
     checkpoint, spec = write_mlp(tmp_path, tensors={**tensors, **extras})
-    report, out = _succeeds(tmp_path, checkpoint, "--arch", spec)
+    _fails_cleanly(tmp_path, 3, ["rescale", checkpoint, "--arch", spec], "--allow-unused", "extra.half")
+    report, out = _succeeds(tmp_path, checkpoint, "--arch", spec, "--allow-unused")
     (warning,) = report["warnings"]
     for key in extras:
         assert key in warning
@@ -279,7 +280,7 @@ def test_unused_tensors_warned_and_kept_bit_identical(tmp_path):
             assert a.view(torch.uint8).numpy().tobytes() == b.view(torch.uint8).numpy().tobytes(), key
     _same_function(checkpoint, out, arch=str(spec))
     # Shown to people too.
-    result = invoke("rescale", checkpoint, "--arch", spec, "-o", tmp_path / "again.safetensors")
+    result = invoke("rescale", checkpoint, "--arch", spec, "-o", tmp_path / "again.safetensors", "--allow-unused")
     assert_clean_exit(result, 0, "warning", "extra.half")
 
 
@@ -711,9 +712,18 @@ def test_sharded_in_place_interrupted_while_verifying_keeps_every_file(tmp_path,
     _fails_cleanly(tmp_path, 130, ["rescale", index, "--arch", spec, "--in-place"], "interrupted")
     monkeypatch.undo()
     original = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    keep = tmp_path / "original"
+    keep.mkdir()
+    for name, data in original.items():
+        (keep / name).write_bytes(data)
     assert_clean_exit(invoke("rescale", index, "--arch", spec, "--in-place", "-q"), 0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(original)
-    assert all((tmp_path / name).read_bytes() != data for name, data in original.items() if name.startswith("model-0"))
+    # The new shards have fresh names (the index was swapped last); the old ones are gone.
+    weight_map = json.loads(index.read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert len(shards) == 2 and not set(shards) & set(original)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == sorted(
+        [index.name, spec.name, *shards])
+    _same_function(keep / index.name, index, arch=str(spec))
 
 
 @pytest.mark.parametrize("name", ["model.json", "model.textproto", "model.pbtxt"])

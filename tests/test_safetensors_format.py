@@ -162,12 +162,14 @@ def test_unused_tensors_are_named_in_a_warning_and_carried_through(tmp_path):
     tensors = checkpoint_tensors()
     tensors["head.extra"] = torch.arange(3.0)
     checkpoint = save(tmp_path / "model.safetensors", tensors)
-    model = load_safetensors(checkpoint, arch=str(write_spec(tmp_path / "arch.yaml")))
+    with pytest.raises(InputError, match="(?s)head.extra.*layer 'head'.*--allow-unused"):
+        load_safetensors(checkpoint, arch=str(write_spec(tmp_path / "arch.yaml")))
+    model = load_safetensors(checkpoint, arch=str(write_spec(tmp_path / "arch.yaml")), allow_unused=True)
     assert len(model.warnings) == 1
     assert "head.extra" in model.warnings[0] and "num_batches_tracked" not in model.warnings[0]
     out = tmp_path / "out.safetensors"
     write_safetensors(model, random_rescaling(model), out, {})
-    assert torch.equal(load_safetensors(out).params["head.extra"], torch.arange(3.0))
+    assert torch.equal(load_safetensors(out, allow_unused=True).params["head.extra"], torch.arange(3.0))
 
 
 def test_missing_bias_points_at_bias_null(tmp_path):

@@ -2,17 +2,50 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InputError
+from ..fileio import describe
 from ..model import LoadedModel
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..graph import Graph
 
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 
 
+TORCH_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
+# torch.save writes a zip archive (since 1.6) or a bare pickle (protocol 2 to 5) before that.
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_MAGIC = tuple(bytes([0x80, protocol]) for protocol in range(2, 6))
+# Names and keys quoted in messages are cut to this many characters.
+SHOWN_CHARS = 120
+# Index and spec JSON nested deeper than this is refused before parsing (Python's parser recurses).
+MAX_JSON_DEPTH = 64
+# Fraction of the available memory the passes may plan to use.
+MEMORY_SHARE = 0.8
+# float64 copies of a spec network's input the passes hold at least (a verification batch of 8, twice).
+INPUT_COPIES = 16
+
+
 def detect_format(source: Path | bytes) -> str:
-    """``onnx``, ``safetensors`` or ``safetensors-index``, from the name or the first bytes."""
+    """``onnx``, ``safetensors`` or ``safetensors-index``, from the name or the first bytes.
+
+    A torch pickle is refused here, before anything parses it: pathcond never unpickles.
+    """
     if isinstance(source, Path):
+        with open(source, "rb") as handle:
+            head = handle.read(9)
+        if source.suffix.lower() in TORCH_PICKLE_SUFFIXES or head.startswith((_ZIP_MAGIC, *_PICKLE_MAGIC)):
+            raise InputError(_torch_pickle_message(str(source)))
         # Any .json is read as a shard index (the safetensors reader takes any *.json index and
         # explains what it expected); onnx.load would otherwise parse it as a JSON ModelProto.
         if source.name.endswith(SHARD_INDEX_SUFFIX) or source.suffix.lower() == ".json":
@@ -21,23 +54,129 @@ def detect_format(source: Path | bytes) -> str:
             return "onnx"
         if source.suffix == ".safetensors":
             return "safetensors"
-        with open(source, "rb") as handle:
-            head = handle.read(9)
     else:
         head = source[:9]
+        if head.startswith((_ZIP_MAGIC, *_PICKLE_MAGIC)):
+            raise InputError(_torch_pickle_message("<stdin>"))
     return "safetensors" if len(head) == 9 and head[8:9] == b"{" else "onnx"
 
 
+def _torch_pickle_message(label: str) -> str:
+    return (
+        f"cannot read '{shown(label)}': it is a torch pickle (torch.save / a .pt, .pth or .bin checkpoint), and "
+        "pathcond never unpickles files, because unpickling runs code from the file. Convert it once, where you "
+        "trust it: safetensors.torch.save_file(model.state_dict(), \"model.safetensors\") plus an architecture "
+        "spec (--arch, see docs/spec-format.md), or torch.onnx.export(model, example_input, \"model.onnx\")."
+    )
+
+
+def output_format_mismatch(source: Path | bytes, destination: Path) -> str | None:
+    """Why ``destination``'s name does not fit the format ``source`` is written in, or None.
+
+    A suffix that names no checkpoint format is accepted (the format is the input's).
+    """
+    kind = detect_format(source)
+    name = destination.name.lower()
+    if name.endswith(".onnx"):
+        wanted = "onnx"
+    elif name.endswith(".json"):
+        wanted = "safetensors-index"
+    elif name.endswith(".safetensors"):
+        wanted = "safetensors"
+    elif destination.suffix.lower() in TORCH_PICKLE_SUFFIXES:
+        return f"pathcond writes the input's format ({_FORMAT_NAMES[kind]}), never a torch pickle"
+    else:
+        return None
+    if wanted == kind:
+        return None
+    return (f"the input is {_FORMAT_NAMES[kind]} and pathcond writes the input's format, but the output name "
+            f"'{shown(str(destination))}' says {_FORMAT_NAMES[wanted]}; name it like "
+            f"'{_EXAMPLE_NAMES[kind]}'")
+
+
+_FORMAT_NAMES = {"onnx": "an ONNX model", "safetensors": "a safetensors file",
+                 "safetensors-index": "a sharded safetensors checkpoint (an index .json and its shards)"}
+_EXAMPLE_NAMES = {"onnx": "out.onnx", "safetensors": "out.safetensors",
+                  "safetensors-index": "out.safetensors.index.json"}
+
+
+def shown(text: str, limit: int = SHOWN_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, printable on any terminal, for messages."""
+    text = describe(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def contained_file(folder: Path, name: object, label: str, what: str) -> Path:
+    """``folder / name`` when ``name`` is a relative path that stays inside ``folder``.
+
+    ``name`` comes from the file being read (a shard of an index, an ONNX external data
+    location): an absolute path, a ``..`` component or a symbolic link that leaves ``folder``
+    is refused before anything is opened, as is anything that is not a regular file.
+    """
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise InputError(f"{label}: {what} {shown(repr(name))} is not a file name.")
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts or "\\" in name:
+        raise InputError(
+            f"{label}: {what} '{shown(name)}' points outside the model's folder; pathcond only reads files "
+            f"inside '{shown(str(folder))}' (no absolute paths, no '..'). Nothing was read."
+        )
+    path = folder / relative
+    root = os.path.realpath(folder)
+    if os.path.commonpath([root, os.path.realpath(path)]) != root:
+        raise InputError(
+            f"{label}: {what} '{shown(name)}' is a symbolic link that leaves the model's folder "
+            f"'{shown(str(folder))}'; pathcond does not follow it. Nothing was read."
+        )
+    if not path.is_file():
+        problem = "does not exist" if not os.path.lexists(path) else "is not a regular file"
+        raise InputError(f"{label}: {what} '{shown(name)}' {problem}.")
+    return path
+
+
+def parse_json(text: str | bytes, label: str, what: str):
+    """``json.loads`` with nesting refused beyond :data:`MAX_JSON_DEPTH` (the parser recurses)."""
+    depth = _json_depth(text)
+    if depth > MAX_JSON_DEPTH:
+        raise InputError(f"{label}: {what} nests {depth} levels deep (at most {MAX_JSON_DEPTH} are accepted).")
+    return json.loads(text)
+
+
+def _json_depth(text: str | bytes) -> int:
+    """Deepest bracket nesting outside strings, counted without parsing."""
+    import numpy as np
+
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    data = _JSON_STRING.sub(b"", data)
+    codes = np.frombuffer(data, dtype=np.uint8)
+    steps = np.zeros(codes.shape, dtype=np.int64)
+    steps[(codes == 0x5B) | (codes == 0x7B)] = 1
+    steps[(codes == 0x5D) | (codes == 0x7D)] = -1
+    return int(np.cumsum(steps).max()) if steps.size else 0
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
 def check_readable(path: Path) -> None:
-    if not path.exists():
-        raise InputError(f"cannot read '{path}': no such file.")
-    if path.is_dir():
-        raise InputError(f"cannot read '{path}': it is a directory, not a checkpoint file.")
+    """A regular file that can be opened, or an InputError saying why not (exit 3)."""
+    label = shown(str(path), 300)
+    try:
+        is_dir = path.is_dir()
+        exists = is_dir or path.exists()
+    except OSError as exc:  # a name too long for the file system, a loop of links, ...
+        raise InputError(f"cannot read '{label}': {exc.strerror or exc}.") from None
+    if not exists:
+        raise InputError(f"cannot read '{label}': no such file.")
+    if is_dir:
+        raise InputError(f"cannot read '{label}': it is a directory, not a checkpoint file.")
+    if not path.is_file():
+        raise InputError(f"cannot read '{label}': it is not a regular file (a FIFO, device or socket).")
     try:
         with open(path, "rb"):
             pass
     except OSError as exc:
-        raise InputError(f"cannot read '{path}': {exc.strerror}.") from None
+        raise InputError(f"cannot read '{label}': {exc.strerror}.") from None
 
 
 def load_model(
@@ -46,11 +185,19 @@ def load_model(
     arch: str | None = None,
     input_shape: tuple[int, ...] | None = None,
     name: str | None = None,
+    allow_unused: bool = False,
 ) -> LoadedModel:
-    """Load an ONNX model or a safetensors checkpoint (with its architecture) from a path or bytes."""
+    """Load an ONNX model or a safetensors checkpoint (with its architecture) from a path or bytes.
+
+    Checkpoint tensors the architecture does not use are an error unless ``allow_unused``
+    (then they are carried through unchanged and named in ``warnings``).
+    """
     if isinstance(source, Path):
         check_readable(source)
-    kind = detect_format(source)
+    try:
+        kind = detect_format(source)
+    except OSError as exc:
+        raise InputError(f"cannot read '{shown(name or str(source))}': {exc.strerror or exc}.") from None
     if kind == "onnx":
         from google.protobuf import json_format, text_format
 
@@ -59,42 +206,109 @@ def load_model(
         if arch is not None:
             raise InputError(f"{name or source}: --arch applies to safetensors checkpoints; an ONNX model carries its graph.")
         try:
-            return load_onnx(source, input_shape=input_shape, name=name)
+            model = load_onnx(source, input_shape=input_shape, name=name)
         except (text_format.Error, json_format.Error) as exc:
             # onnx.load picks a text parser from extensions such as .textproto or .pbtxt.
             label = name or str(source)
             raise InputError(f"cannot read '{label}': it is not a valid ONNX model ({_one_line(exc)}).") from None
-        except (ValueError, TypeError) as exc:
-            # What the checker lets through but decoding trips on (a tensor whose raw data does
-            # not fit its dims or type, ...): the file is inconsistent, say which part.
-            raise InputError(_inconsistent_onnx_message(source, name, exc)) from None
-    from .safetensors_format import load_safetensors
+        check_weight_types(model.graph, model.params, model.source)
+    else:
+        from .safetensors_format import load_safetensors
 
-    return load_safetensors(source, arch=arch, input_shape=input_shape, name=name)
+        model = load_safetensors(source, arch=arch, input_shape=input_shape, name=name, allow_unused=allow_unused)
+        for node in model.graph.inputs:
+            # The spec's shapes are only known by running the network; its input bounds the cost.
+            elements = math.prod(node.shape)
+            refuse_beyond_memory(8 * INPUT_COPIES * elements, model.source,
+                                 f"input '{shown(node.name)}' has shape {shown(str(tuple(node.shape)))} per example")
+    return model
 
 
-def _inconsistent_onnx_message(source: Path | bytes, name: str | None, exc: Exception) -> str:
-    import onnx
-    from onnx import numpy_helper
+# Element types the passes compute with; anything else (fp8, integers) cannot be a weight.
+WEIGHT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
 
-    label = name or (str(source) if isinstance(source, Path) else "<stdin>")
-    detail = _one_line(exc)
+
+def check_weight_types(graph: Graph, params: Mapping[str, torch.Tensor], source: str) -> None:
+    """Every tensor the network reads is a non-empty float16/bfloat16/float32/float64 tensor."""
+    problems = []
+    for node in graph.nodes:
+        for role, key in node.parameter_keys().items():
+            tensor = params.get(key)
+            if tensor is None:
+                continue
+            if str(tensor.dtype) not in WEIGHT_DTYPES:
+                problems.append(
+                    f"tensor '{shown(key)}' ({role} of '{shown(node.name)}') has element type "
+                    f"{str(tensor.dtype).removeprefix('torch.')}; pathcond rescales float16, bfloat16, float32 "
+                    "and float64 weights (convert fp8 or quantised weights to one of them first)"
+                )
+            elif tensor.numel() == 0:
+                problems.append(
+                    f"tensor '{shown(key)}' ({role} of '{shown(node.name)}') is empty (shape {tuple(tensor.shape)}): "
+                    "a layer with no units has nothing to rescale"
+                )
+    if problems:
+        raise InputError(f"{source}: the network's tensors cannot be rescaled:\n"
+                         + "\n".join(f"  - {p}" for p in problems))
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The files a checkpoint on disk consists of (the file itself first), for replacing it.
+
+    Only files inside the checkpoint's folder are listed; an unreadable or foreign file is
+    just itself. Never raises.
+    """
+    from google.protobuf.message import DecodeError
+
+    files = [path]
     try:
-        model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(str(source), load_external_data=False)
-        tensors = [*model.graph.initializer,
-                   *(a.t for n in model.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value")]
-    except Exception:  # noqa: BLE001 - only used to improve the message
-        tensors = []
-    bad = []
-    for tensor in tensors:
-        try:
-            numpy_helper.to_array(tensor)
-        except Exception:  # noqa: BLE001
-            bad.append(tensor.name)
-    if bad:
-        return (f"cannot read '{label}': tensor(s) {', '.join(map(repr, bad))} hold data that does not match "
-                f"their declared shape or element type ({detail}).")
-    return f"cannot read '{label}': the ONNX model is inconsistent ({detail})."
+        if path.name.endswith(".json"):
+            from .safetensors_format import index_shards
+
+            files += index_shards(path)
+        elif path.suffix == ".onnx":
+            from .onnx_format import external_data_files
+
+            files += external_data_files(path)
+    except (InputError, OSError, ValueError, DecodeError):
+        pass  # not a checkpoint pathcond can read: it consists of itself
+    return files
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit; None if unknown."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            left = int(limit) - used
+            available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def refuse_beyond_memory(estimate: int, label: str, detail: str) -> None:
+    """InputError when ``estimate`` bytes exceed the memory available (unknown memory: no check)."""
+    available = available_memory()
+    if available is not None and estimate > MEMORY_SHARE * available:
+        raise InputError(
+            f"{label}: the passes over this network need about {_gib(estimate)} of memory, and "
+            f"{_gib(available)} is available; {detail}. Nothing was allocated. Check the input shape "
+            "(--input-shape), or run on a machine with more memory."
+        )
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.3g} GiB"
 
 
 def _one_line(exc: Exception) -> str:
@@ -102,15 +316,26 @@ def _one_line(exc: Exception) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def write_model(model: LoadedModel, changed: dict, destination: Path, metadata: dict[str, str]) -> None:
-    """Write ``model`` with ``changed`` tensors replaced, in its own format, atomically."""
+def write_model(
+    model: LoadedModel,
+    changed: dict,
+    destination: Path,
+    metadata: dict[str, str],
+    *,
+    companion_name: Callable[[str], str] = str,
+) -> None:
+    """Write ``model`` with ``changed`` tensors replaced, in its own format, atomically.
+
+    Companion files (shards, ONNX external data) are written beside ``destination`` under the
+    names ``companion_name`` returns for the names the format prefers.
+    """
     if model.format == "onnx":
         from .onnx_format import write_onnx
 
-        write_onnx(model, changed, destination, metadata)
+        write_onnx(model, changed, destination, metadata, companion_name=companion_name)
     elif model.format == "safetensors":
         from .safetensors_format import write_safetensors
 
-        write_safetensors(model, changed, destination, metadata)
+        write_safetensors(model, changed, destination, metadata, companion_name=companion_name)
     else:
         raise InputError(f"{model.source}: models of format '{model.format}' are written with torch, not by pathcond.")

@@ -21,10 +21,10 @@ import numpy as np
 import onnx
 import torch
 from google.protobuf.message import DecodeError
-from onnx import numpy_helper
+from onnx import external_data_helper, numpy_helper
 
 from ..errors import InputError, UnsupportedModelError
-from ..fileio import atomic_write
+from ..fileio import atomic_write, output_error_from
 from ..graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
     LeakyReLU, Linear, MaxPool, Node, ReLU,
@@ -41,6 +41,12 @@ _FLOAT_TYPES = {
     onnx.TensorProto.DOUBLE: torch.float64,
 }
 _ONNX_TYPE_OF = {dtype: onnx_type for onnx_type, dtype in _FLOAT_TYPES.items()}
+_FLOAT8_TYPES = {
+    onnx.TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
+    onnx.TensorProto.FLOAT8E4M3FNUZ: torch.float8_e4m3fnuz,
+    onnx.TensorProto.FLOAT8E5M2: torch.float8_e5m2,
+    onnx.TensorProto.FLOAT8E5M2FNUZ: torch.float8_e5m2fnuz,
+}
 
 # Ops whose output describes the activation's shape, not its values: shape arithmetic.
 _SHAPE_QUERIES = ("Shape", "Size")
@@ -73,25 +79,29 @@ def load_onnx(
     through ``Identity`` nodes, one copy per such Identity keyed by its output name.
     """
     label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
-    model = _parse(source, label)
+    model, external = _parse(source, label)
     _check(model, label)
     graph_input = _single_input(model, label)
     shape = _input_shape(graph_input, input_shape, label)
     inferred = _infer_shapes(model, graph_input.name, shape, label)
-    params = _read_tensors(model)
+    check_memory(_value_shapes(inferred), inferred, label)
+    params = _read_tensors(model, label)
     translation = _Translator(inferred, label)
     graph = translation.translate(graph_input.name, shape)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
-    return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model, arch_source="onnx graph")
+    files = [] if isinstance(source, bytes) else [Path(source), *external]
+    return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model, files=files,
+                       arch_source="onnx graph")
 
 
-def _parse(source: str | Path | bytes, label: str) -> onnx.ModelProto:
+def _parse(source: str | Path | bytes, label: str) -> tuple[onnx.ModelProto, list[Path]]:
+    """The model with its external data loaded, and the external data files it was read from."""
     try:
         if isinstance(source, bytes):
             model = onnx.load_from_string(source)
         else:
-            model = onnx.load(str(source))
+            model = onnx.load(str(source), load_external_data=False)
     except FileNotFoundError as exc:
         raise InputError(f"cannot read '{label}': {exc.strerror or exc} ({exc.filename}).") from None
     except IsADirectoryError:
@@ -105,12 +115,63 @@ def _parse(source: str | Path | bytes, label: str) -> onnx.ModelProto:
         ) from None
     if not model.HasField("graph") or model.ir_version == 0 or not model.opset_import:
         raise InputError(f"cannot read '{label}': it is not an ONNX model (no graph, IR version or opset).")
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer):
+    if not _external_tensors(model):
+        return model, []
+    if isinstance(source, bytes):
         raise InputError(
             f"cannot read '{label}': its tensors live in external data files, which can only be found "
             "from the model's path; pass the .onnx file itself rather than its bytes."
         )
-    return model
+    return model, _load_external_data(model, Path(source), label)
+
+
+def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return [t for t in external_data_helper._get_all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]
+
+
+def _external_location(tensor: onnx.TensorProto) -> str | None:
+    return next((entry.value for entry in tensor.external_data if entry.key == "location"), None)
+
+
+def _load_external_data(model: onnx.ModelProto, path: Path, label: str) -> list[Path]:
+    """Read every external tensor's bytes, each location checked to lie inside the model's folder
+    before anything is opened."""
+    from . import contained_file
+
+    folder = path.parent
+    tensors = _external_tensors(model)
+    files = {}
+    for tensor in tensors:
+        location = _external_location(tensor)
+        files[location] = contained_file(folder, location, label, f"the external data of tensor '{tensor.name[:120]}'")
+    for tensor in tensors:
+        info = external_data_helper.ExternalDataInfo(tensor)
+        size = files[info.location].stat().st_size
+        offset = info.offset or 0
+        length = info.length if info.length is not None else size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise InputError(
+                f"{label}: tensor '{tensor.name[:120]}' claims bytes {offset}..{offset + length} of its external data "
+                f"file '{info.location}', which has {size}: the file is truncated or belongs to another model."
+            )
+        try:
+            with open(files[info.location], "rb") as handle:
+                handle.seek(offset)
+                tensor.raw_data = handle.read(length)
+        except OSError as exc:
+            raise InputError(f"{label}: cannot read external data '{info.location}': {exc.strerror or exc}.") from None
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+    return list(dict.fromkeys(files.values()))
+
+
+def external_data_files(path: Path) -> list[Path]:
+    """The external data files an ONNX file on disk names (each inside its folder)."""
+    from . import contained_file
+
+    model = onnx.load(str(path), load_external_data=False)
+    locations = dict.fromkeys(_external_location(t) for t in _external_tensors(model))
+    return [contained_file(path.parent, location, str(path), "external data") for location in locations]
 
 
 def _check(model: onnx.ModelProto, label: str) -> None:
@@ -195,8 +256,39 @@ def _infer_shapes(model: onnx.ModelProto, input_name: str, shape: tuple[int, ...
         ) from None
 
 
-def _read_tensors(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
-    """Every initializer and every ``Constant`` tensor, bit-exact, keyed by its ONNX name."""
+def check_memory(shapes: dict[str, tuple[int | None, ...]], model: onnx.ModelProto, label: str) -> None:
+    """Refuse, before allocating anything, a model whose passes cannot fit in the memory available.
+
+    The estimate counts every activation the graph computes (float64, forward and backward
+    of the diag(G) pass) and every stored tensor (original, rescaled and squared copies).
+    """
+    from . import refuse_beyond_memory
+
+    stored = {t.name for t in model.graph.initializer}
+    producer = {out: node for node in model.graph.node for out in node.output}
+    activation_elements = 0
+    largest = ("", (), 0)
+    for value, shape in shapes.items():
+        if value in stored or not shape or any(d is None for d in shape):
+            continue
+        elements = math.prod(shape[1:]) if len(shape) > 1 else 1
+        activation_elements += elements
+        if elements > largest[2]:
+            node = producer.get(value)
+            largest = (_node_label(node) if node is not None else value, shape[1:], elements)
+    parameter_elements = sum(math.prod(t.dims) for t in model.graph.initializer)
+    estimate = 8 * (2 * activation_elements + 4 * parameter_elements)
+    node, shape, _ = largest
+    refuse_beyond_memory(estimate, label, f"the largest activation is the output of node '{node[:120]}', "
+                         f"of shape {tuple(shape)} per example")
+
+
+def _read_tensors(model: onnx.ModelProto, label: str) -> dict[str, torch.Tensor]:
+    """Every initializer and every ``Constant`` tensor, bit-exact, keyed by its ONNX name.
+
+    A tensor whose stored data does not fit its declared dims or element type is an input
+    error naming the tensor; only onnx's decoding is guarded, so a bug elsewhere stays a bug.
+    """
     tensors = {t.name: t for t in model.graph.initializer}
     for node in model.graph.node:
         value = _constant_tensor(node)
@@ -204,7 +296,14 @@ def _read_tensors(model: onnx.ModelProto) -> dict[str, torch.Tensor]:
             tensors[node.output[0]] = value
     params = {}
     for key, proto in tensors.items():
-        tensor = _to_torch(proto)
+        try:
+            array = numpy_helper.to_array(proto)
+        except (ValueError, TypeError) as exc:
+            raise InputError(
+                f"cannot read '{label}': tensor '{key[:120]}' holds data that does not match its declared shape "
+                f"{tuple(proto.dims)} or element type ({_one_line(exc)})."
+            ) from None
+        tensor = _to_torch(proto, array)
         if tensor is not None:
             params[key] = tensor
     return params
@@ -216,11 +315,13 @@ def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
     return next((a.t for a in node.attribute if a.name == "value"), None)
 
 
-def _to_torch(proto: onnx.TensorProto) -> torch.Tensor | None:
-    """The tensor as torch holds it, or None for element types torch lacks (strings, ...)."""
-    array = numpy_helper.to_array(proto)
+def _to_torch(proto: onnx.TensorProto, array: np.ndarray) -> torch.Tensor | None:
+    """The tensor as torch holds it, or None for element types torch lacks (strings, fp8, ...)."""
     if proto.data_type == onnx.TensorProto.BFLOAT16:
         return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    if proto.data_type in _FLOAT8_TYPES:
+        # Kept as torch's fp8 so that a weight stored this way is named in a clear refusal.
+        return torch.from_numpy(array.view(np.uint8).copy()).view(_FLOAT8_TYPES[proto.data_type])
     try:
         return torch.from_numpy(np.array(array))  # a copy: to_array may return a read-only view
     except TypeError:
@@ -739,17 +840,37 @@ def _unsupported_reason(node: onnx.NodeProto) -> str:
 # --------------------------------------------------------------------------- writing
 
 
-def write_onnx(model: LoadedModel, changed: dict[str, torch.Tensor], destination: Path, metadata: dict[str, str]) -> None:
+def write_onnx(
+    model: LoadedModel,
+    changed: dict[str, torch.Tensor],
+    destination: Path,
+    metadata: dict[str, str],
+    *,
+    companion_name: Callable[[str], str] = str,
+) -> None:
     """Write the loaded model with the tensors in ``changed`` replaced and ``metadata`` recorded.
 
     Every other part of the model — graph, opset, producer, doc strings, metadata already there,
-    and each tensor not in ``changed`` — is written back exactly as it was read.
+    and each tensor not in ``changed`` — is written back exactly as it was read. A model read
+    with external data is written with external data too: its tensors of 1 KiB or more go to
+    one file beside ``destination``, ``<name>.data`` or what ``companion_name`` makes of it.
     """
+    destination = Path(destination)
     proto = onnx.ModelProto()
     proto.CopyFrom(model.payload)
     _replace_tensors(proto.graph, _with_detached_aliases(proto.graph, changed, model.params))
     _update_metadata(proto, metadata)
-    atomic_write(Path(destination), lambda tmp: onnx.save_model(proto, str(tmp)))
+    if len(model.files) > 1:
+        location = companion_name(f"{destination.name}.data")
+        external_data_helper.convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=location,
+                                                            size_threshold=0)
+        try:
+            # onnx writes the data file beside the model it saves, named by the location itself.
+            onnx.save_model(proto, str(destination))
+        except OSError as exc:
+            raise output_error_from(exc, destination) from None
+    else:
+        atomic_write(destination, lambda tmp: onnx.save_model(proto, str(tmp)))
 
 
 def _with_detached_aliases(

@@ -11,9 +11,12 @@ Sharded checkpoints follow the Hugging Face layout: ``NAME.safetensors.index.jso
 
 from __future__ import annotations
 
+import difflib
+import errno
 import io
 import json
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from ..errors import InputError, InvalidWeightsError, OutputError
 from ..fileio import atomic_write
 from ..graph import Conv, Graph, Linear
 from ..model import LoadedModel
+from . import check_weight_types, contained_file, parse_json, shown
 from .fx_import import graph_from_module, load_factory
 from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
 
@@ -34,6 +38,7 @@ SPEC_METADATA_KEY = "pathcond.spec"
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 # safetensors itself refuses larger headers; a larger length field means corruption.
 MAX_HEADER_BYTES = 100_000_000
+MAX_INDEX_BYTES = 100_000_000
 # Longest first: what is left is the name sidecars and output shards are named after.
 _CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".index.json", ".safetensors", ".json")
 _UNUSED_SHOWN = 20
@@ -67,30 +72,47 @@ def load_safetensors(
     arch: str | None = None,
     input_shape: Sequence[int] | None = None,
     name: str | None = None,
+    allow_unused: bool = False,
 ) -> LoadedModel:
     """Read a safetensors checkpoint (file, index json or bytes) and resolve its architecture.
 
     ``arch`` is a spec file (.yaml/.yml/.json) or a factory ``module.path:callable``;
     ``input_shape`` is batch-free and overrides the spec's input shape; ``name`` is how the
     checkpoint is called in messages (default: its path, or ``<bytes>``). Tensors the
-    architecture does not use are kept and named in ``warnings``.
+    architecture does not use are an error (a spec that forgot a layer describes another
+    network) unless ``allow_unused``: then they are kept and named in ``warnings``.
     """
     path = None if isinstance(source, bytes) else Path(source)
     display = name or (str(path) if path is not None else "<bytes>")
+    files: list[Path] = []
     if path is None:
         params, payload = _read_bytes(source, display)
     elif path.name.endswith(".json"):
         params, payload = _read_index(path, display)
+        files = [path, *(path.parent / shard.file for shard in payload.shards)]
     else:
         params, payload = _read_file(path, display)
-    graph, arch_source = _architecture(arch, path, payload.metadata, input_shape, display)
+        files = [path]
+    graph, arch_source, spec_file = _architecture(arch, path, payload.metadata, input_shape, display)
+    if spec_file is not None:
+        files.append(spec_file)
+    check_weight_types(graph, params, display)
     _check_parameters(graph, params, display)
-    return LoadedModel(graph, params, "safetensors", display, payload, _unused_tensor_warnings(graph, params, display),
+    unused = _unused_tensors(graph, params, display)
+    if unused and not allow_unused:
+        raise InputError(unused + "\nA spec that leaves tensors unused describes another network than the checkpoint: "
+                         "add the missing layers, or pass --allow-unused to carry these tensors through unchanged.")
+    return LoadedModel(graph, params, "safetensors", display, payload, [unused] if unused else [], files,
                        arch_source=arch_source)
 
 
 def write_safetensors(
-    model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: Path, metadata: Mapping[str, str]
+    model: LoadedModel,
+    changed: Mapping[str, torch.Tensor],
+    destination: Path,
+    metadata: Mapping[str, str],
+    *,
+    companion_name: Callable[[str], str] = str,
 ) -> None:
     """Write ``model`` with ``changed`` tensors replaced, atomically.
 
@@ -98,14 +120,15 @@ def write_safetensors(
     original metadata is kept and extended with ``metadata`` and the graph's spec under
     ``pathcond.spec``, so the output reads back without ``--arch``. A sharded checkpoint is
     written shard by shard beside ``destination`` (the new index json, written last), shards
-    named ``<stem>-00001-of-0000N.safetensors`` after it.
+    named ``<stem>-00001-of-0000N.safetensors`` after it, or what ``companion_name`` makes of
+    that name.
     """
     destination = Path(destination)
     tensors = _tensors_to_write(model.params, changed)
     payload = model.payload if isinstance(model.payload, SafetensorsPayload) else SafetensorsPayload({})
     added = {**metadata, SPEC_METADATA_KEY: dump_spec(spec_from_graph(model.graph))}
     if payload.shards:
-        _write_sharded(tensors, payload, destination, added)
+        _write_sharded(tensors, payload, destination, added, companion_name)
     else:
         _write_file(destination, tensors, {**payload.metadata, **added})
 
@@ -134,7 +157,18 @@ def _read_file(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safet
             metadata = _read_metadata(handle, os.fstat(handle.fileno()).st_size, display)
     except OSError as exc:
         raise InputError(f"{display}: cannot read the checkpoint: {exc.strerror or exc}") from None
-    return _load_tensors(lambda: safetensors.torch.load_file(path), display), SafetensorsPayload(metadata)
+    if _utf8_path(path):
+        return _load_tensors(lambda: safetensors.torch.load_file(path), display), SafetensorsPayload(metadata)
+    # safetensors takes paths as UTF-8 strings only: read a file with another name's bytes ourselves.
+    return _load_tensors(lambda: safetensors.torch.load(path.read_bytes()), display), SafetensorsPayload(metadata)
+
+
+def _utf8_path(path: Path) -> bool:
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _read_bytes(data: bytes, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
@@ -165,7 +199,7 @@ def _read_metadata(stream: BinaryIO, size: int, display: str) -> dict[str, str]:
             f"but only {size - 8} follow"
         )
     try:
-        header = json.loads(stream.read(length))
+        header = parse_json(stream.read(length), display, "the safetensors header")
     except ValueError:  # JSONDecodeError and UnicodeDecodeError
         raise InputError(f"{display}: not a safetensors file: its header is not JSON") from None
     metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
@@ -175,12 +209,50 @@ def _read_metadata(stream: BinaryIO, size: int, display: str) -> dict[str, str]:
 
 
 def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+    weight_map, metadata = _index_entries(path, display)
+    shard_files = sorted(set(weight_map.values()))
+    # Every shard is checked before any is opened: an entry leaving the folder reads nothing.
+    shard_paths = {file: contained_file(path.parent, file, display, "shard") for file in shard_files}
+    params: dict[str, torch.Tensor] = {}
+    shards = []
+    for file in shard_files:
+        tensors, payload = _read_file(shard_paths[file], f"{display}: shard '{shown(file)}'")
+        listed = {key for key, shard_file in weight_map.items() if shard_file == file}
+        if set(tensors) != listed:
+            raise InputError(
+                f"{display}: the index and shard '{shown(file)}' disagree: listed but absent: "
+                f"{_some(listed - set(tensors))}; present but not listed: {_some(set(tensors) - listed)}"
+            )
+        params.update(tensors)
+        shards.append(Shard(file, tuple(sorted(tensors)), payload.metadata))
+    return params, SafetensorsPayload(metadata, tuple(shards))
+
+
+def index_shards(path: Path) -> list[Path]:
+    """The shard files an index names (each inside the index's folder)."""
+    weight_map, _ = _index_entries(path, str(path))
+    return [contained_file(path.parent, file, str(path), "shard") for file in sorted(set(weight_map.values()))]
+
+
+def _some(keys: set[str]) -> str:
+    listed = sorted(keys)
+    if not listed:
+        return "none"
+    text = ", ".join(shown(k) for k in listed[:_UNUSED_SHOWN])
+    return text + (f" and {len(listed) - _UNUSED_SHOWN} more" if len(listed) > _UNUSED_SHOWN else "")
+
+
+def _index_entries(path: Path, display: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """The ``weight_map`` and ``metadata`` of a shard index, validated."""
     try:
-        index = json.loads(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        if size > MAX_INDEX_BYTES:
+            raise InputError(f"{display}: a safetensors index of {size} bytes is refused (at most {MAX_INDEX_BYTES}).")
+        index = parse_json(path.read_bytes().decode("utf-8"), display, "the index")
     except OSError as exc:
         raise InputError(f"{display}: cannot read the checkpoint index: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise InputError(f"{display}: not a safetensors index: invalid JSON ({exc})") from None
+        raise InputError(f"{display}: not a safetensors index: invalid JSON ({shown(str(exc))})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     metadata = index.get("metadata", {}) if isinstance(index, dict) else None
     if (
@@ -190,37 +262,29 @@ def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safe
         raise InputError(
             f"{display}: not a safetensors index: expected {{\"metadata\": {{...}}, \"weight_map\": {{key: shard file}}}}"
         )
-    params: dict[str, torch.Tensor] = {}
-    shards = []
-    for file in sorted(set(weight_map.values())):
-        tensors, payload = _read_file(path.parent / file, f"{display}: shard '{file}'")
-        listed = {key for key, shard_file in weight_map.items() if shard_file == file}
-        if set(tensors) != listed:
-            raise InputError(
-                f"{display}: the index and shard '{file}' disagree: listed but absent: "
-                f"{sorted(listed - set(tensors)) or 'none'}; present but not listed: {sorted(set(tensors) - listed) or 'none'}"
-            )
-        params.update(tensors)
-        shards.append(Shard(file, tuple(sorted(tensors)), payload.metadata))
-    return params, SafetensorsPayload(metadata, tuple(shards))
+    return weight_map, metadata
 
 
 def _architecture(
     arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: Sequence[int] | None, display: str
-) -> tuple[Graph, str]:
-    """The graph and where it came from (``--arch FILE``, ``metadata``, ``sidecar FILE``)."""
+) -> tuple[Graph, str, Path | None]:
+    """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``) and the spec
+    file it was read from (None when embedded or a factory)."""
     if arch is not None:
-        return _graph_from_arch(arch, input_shape), f"--arch {arch}"
+        graph = _graph_from_arch(arch, input_shape)
+        return graph, f"--arch {arch}", Path(arch) if arch.lower().endswith(SPEC_SUFFIXES) else None
     embedded = metadata.get(SPEC_METADATA_KEY)
     if embedded is not None:
         source = f"{display} (metadata '{SPEC_METADATA_KEY}')"
         if not isinstance(embedded, str):
             raise InputError(f"{source}: expected the spec as a JSON string")
-        return graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape), "metadata"
+        graph = graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape)
+        return graph, "metadata", None
     candidates = sidecar_candidates(path) if path is not None else []
     for candidate in candidates:
         if candidate.is_file():
-            return graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape), f"sidecar {candidate}"
+            graph = graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
+            return graph, f"sidecar {candidate}", candidate
     raise InputError(_no_architecture_message(display, candidates))
 
 
@@ -273,16 +337,34 @@ def _check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display:
         raise InputError(f"{display}: {exc}{hint}") from None
 
 
-def _unused_tensor_warnings(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> list[str]:
+def _unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> str:
+    """A paragraph naming the checkpoint tensors the architecture does not read ('' if none),
+    grouped by the layer they most likely belong to."""
     used = set(graph.parameter_keys())
     # BatchNorm's num_batches_tracked only counts training steps: never part of the function.
     unused = sorted(k for k in params if k not in used and not k.endswith("num_batches_tracked"))
     if not unused:
-        return []
-    shown = ", ".join(unused[:_UNUSED_SHOWN])
-    if len(unused) > _UNUSED_SHOWN:
-        shown += f" and {len(unused) - _UNUSED_SHOWN} more"
-    return [f"{display}: {len(unused)} tensor(s) not used by the architecture are carried through unchanged: {shown}"]
+        return ""
+    by_layer: dict[str, list[str]] = {}
+    for key in unused:
+        by_layer.setdefault(key.rpartition(".")[0], []).append(key)
+    lines = []
+    for layer, keys in list(by_layer.items())[:_UNUSED_SHOWN]:
+        lines.append(f"  - {_some(set(keys))}: {_likely_owner(graph, layer, keys)}")
+    if len(by_layer) > _UNUSED_SHOWN:
+        lines.append(f"  - and the tensors of {len(by_layer) - _UNUSED_SHOWN} more layer(s)")
+    return f"{display}: {len(unused)} checkpoint tensor(s) are not used by the architecture:\n" + "\n".join(lines)
+
+
+def _likely_owner(graph: Graph, layer: str, keys: list[str]) -> str:
+    names = [node.name for node in graph.nodes]
+    if layer in names:
+        return f"layer '{shown(layer)}' ({graph[layer].op}) exists but does not read them"
+    roles = {key.rpartition(".")[2] for key in keys}
+    kind = "a batchnorm layer" if roles & {"running_mean", "running_var"} else "a layer"
+    close = difflib.get_close_matches(layer, names, n=1)
+    near = f"; the closest layer name is '{shown(close[0])}'" if close else ""
+    return f"probably {kind} '{shown(layer)}' that the architecture lacks{near}"
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -297,11 +379,32 @@ def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, 
 
 
 def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    atomic_write(destination, lambda tmp: safetensors.torch.save_file(dict(tensors), str(tmp), metadata=dict(metadata)))
+    def save(tmp: Path) -> None:
+        try:
+            if _utf8_path(tmp):
+                safetensors.torch.save_file(dict(tensors), str(tmp), metadata=dict(metadata))
+            else:
+                tmp.write_bytes(safetensors.torch.save(dict(tensors), metadata=dict(metadata)))
+        except safetensors.SafetensorError as exc:
+            # The Rust writer reports I/O failures (a full disk) as SafetensorError, not OSError.
+            raise _os_error(exc) from None
+
+    atomic_write(destination, save)
+
+
+def _os_error(exc: Exception) -> OSError:
+    text = str(exc)
+    code = re.search(r"code: (\d+)", text)
+    number = int(code.group(1)) if code else errno.EIO
+    return OSError(number, os.strerror(number) if code else shown(text))
 
 
 def _write_sharded(
-    tensors: Mapping[str, torch.Tensor], payload: SafetensorsPayload, destination: Path, added: Mapping[str, str]
+    tensors: Mapping[str, torch.Tensor],
+    payload: SafetensorsPayload,
+    destination: Path,
+    added: Mapping[str, str],
+    companion_name: Callable[[str], str],
 ) -> None:
     if not destination.name.endswith(".json"):
         raise OutputError(
@@ -311,7 +414,7 @@ def _write_sharded(
     stem = checkpoint_stem(destination.name)
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(payload.shards, start=1):
-        file = f"{stem}-{number:05d}-of-{len(payload.shards):05d}.safetensors"
+        file = companion_name(f"{stem}-{number:05d}-of-{len(payload.shards):05d}.safetensors")
         _write_file(destination.with_name(file), {key: tensors[key] for key in shard.keys}, shard.metadata)
         weight_map.update(dict.fromkeys(shard.keys, file))
     index = {"metadata": {**payload.metadata, **added}, "weight_map": dict(sorted(weight_map.items()))}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,6 +37,9 @@ from ..graph import (
 )
 
 FORMAT_VERSION = 1
+MAX_SPEC_BYTES = 10_000_000
+MAX_SPEC_DEPTH = 64
+_PROBLEMS_SHOWN = 40
 
 _REQUIRED = object()
 
@@ -222,6 +226,12 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
     """Read a spec file; JSON when its content starts with ``{``, YAML otherwise."""
     path = Path(path)
     try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+            raise InputError(f"{path}: not a regular file (a FIFO, device or socket), not an architecture spec file")
+        size = info.st_size
+        if size > MAX_SPEC_BYTES:
+            raise InputError(f"{path}: an architecture spec of {size} bytes is refused (at most {MAX_SPEC_BYTES}).")
         text = path.read_text(encoding="utf-8")
     except IsADirectoryError:
         raise InputError(f"{path}: is a directory, not an architecture spec file") from None
@@ -233,26 +243,66 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
 
 
 def parse_spec_text(text: str, *, source: str) -> dict[str, Any]:
-    """Parse spec text (JSON or YAML by content) into a mapping; ``source`` names it in errors."""
+    """Parse spec text (JSON or YAML by content) into a mapping; ``source`` names it in errors.
+
+    Limits keep a hostile spec cheap: at most :data:`MAX_SPEC_BYTES`, nesting at most
+    :data:`MAX_SPEC_DEPTH` levels, and no YAML aliases (``*name``), whose expansion can make a
+    500-byte file describe billions of elements.
+    """
+    from . import parse_json
+
+    if len(text) > MAX_SPEC_BYTES:
+        raise InputError(f"{source}: an architecture spec of {len(text)} characters is refused (at most {MAX_SPEC_BYTES}).")
     try:
         if text.lstrip().startswith("{"):
-            spec = json.loads(text)
+            spec = parse_json(text, source, "the architecture spec")
         else:
-            spec = yaml.safe_load(text)
+            spec = yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader without aliases
     except json.JSONDecodeError as exc:
-        raise InputError(f"{source}: invalid JSON in the architecture spec: {exc}") from None
+        raise InputError(f"{source}: invalid JSON in the architecture spec: {_brief(str(exc), 300)}") from None
     except yaml.YAMLError as exc:
-        raise InputError(f"{source}: invalid YAML in the architecture spec: {exc}") from None
+        raise InputError(f"{source}: invalid YAML in the architecture spec: {_brief(str(exc), 500)}") from None
     if not isinstance(spec, dict):
         raise InputError(f"{source}: an architecture spec must be a mapping with a 'layers' list")
     return spec
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing aliases and nesting deeper than :data:`MAX_SPEC_DEPTH`."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "YAML aliases (*name) are not allowed in an architecture spec; write the value out",
+                self.peek_event().start_mark,
+            )
+        self.depth += 1
+        try:
+            if self.depth > MAX_SPEC_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"the spec nests more than {MAX_SPEC_DEPTH} levels deep", self.peek_event().start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    """``repr`` of a value from the spec (a string as is), cut so a message stays one paragraph."""
+    text = value if isinstance(value, str) and limit > 80 else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _raise_if_any(problems: list[str], source: str) -> None:
     if problems:
+        shown = [_brief(p, 300) for p in problems[:_PROBLEMS_SHOWN]]
+        if len(problems) > _PROBLEMS_SHOWN:
+            shown.append(f"and {len(problems) - _PROBLEMS_SHOWN} more")
         raise InputError(
             f"{source}: the architecture spec has {len(problems)} problem(s):\n"
-            + "\n".join(f"  - {p}" for p in problems)
+            + "\n".join(f"  - {p}" for p in shown)
         )
 
 
@@ -265,7 +315,7 @@ def _top_level(spec: Any, problems: list[str]) -> list[Any]:
             problems.append(f"unknown top-level key '{key}' (allowed: {', '.join(_TOP_LEVEL_KEYS)})")
     version = spec.get("format_version", FORMAT_VERSION)
     if version != FORMAT_VERSION:
-        problems.append(f"format_version {version!r} is not supported (this pathcond reads version {FORMAT_VERSION})")
+        problems.append(f"format_version {_brief(version)} is not supported (this pathcond reads version {FORMAT_VERSION})")
     layers = spec.get("layers")
     if not isinstance(layers, list) or not layers:
         problems.append("'layers' must be a non-empty list of layers")
@@ -300,7 +350,7 @@ def _layer_name(layer: Any) -> str | None:
 def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[str]) -> Node | None:
     """The node for one layer entry, or None after recording why it cannot be built."""
     if not isinstance(layer, Mapping):
-        problems.append(f"layer #{index + 1} must be a mapping with 'name' and 'type', not {layer!r}")
+        problems.append(f"layer #{index + 1} must be a mapping with 'name' and 'type', not {_brief(layer)}")
         return None
     name = _layer_name(layer)
     label = f"layer '{name}'" if name else f"layer #{index + 1}"
@@ -309,7 +359,7 @@ def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[st
     kind = layer.get("type")
     layer_type = LAYER_TYPES.get(kind) if isinstance(kind, str) else None
     if layer_type is None:
-        problems.append(f"{label} has unknown type {kind!r} (known types: {', '.join(LAYER_TYPES)})")
+        problems.append(f"{label} has unknown type {_brief(kind)} (known types: {', '.join(LAYER_TYPES)})")
         return None
     label = f"{label} ({kind})"
     count_before = len(problems)
@@ -330,7 +380,7 @@ def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[st
         try:
             values[key] = spec_field.convert(layer[key])
         except ValueError as exc:
-            problems.append(f"{label}: '{key}' {exc}, got {layer[key]!r}")
+            problems.append(f"{label}: '{key}' {exc}, got {_brief(layer[key])}")
     for role in layer_type.keys:
         values[role] = _tensor_key(label, layer, role, role in layer_type.nullable_keys, problems)
     if values.get("stride", ()) is None:
@@ -354,7 +404,7 @@ def _layer_inputs(label: str, layer: Mapping[str, Any], layer_type: _LayerType, 
         return (previous,)
     names = _names(layer["inputs"])
     if not names:
-        problems.append(f"{label}: 'inputs' must be a layer name or a non-empty list of layer names, got {layer['inputs']!r}")
+        problems.append(f"{label}: 'inputs' must be a layer name or a non-empty list of layer names, got {_brief(layer['inputs'])}")
         return ()
     return names
 
@@ -367,7 +417,7 @@ def _tensor_key(label: str, layer: Mapping[str, Any], role: str, nullable: bool,
         return None
     if not (isinstance(key, str) and key):
         null_hint = " or null" if nullable else ""
-        problems.append(f"{label}: '{role}' must be a tensor key{null_hint}, got {key!r}")
+        problems.append(f"{label}: '{role}' must be a tensor key{null_hint}, got {_brief(key)}")
     return key
 
 
@@ -377,7 +427,7 @@ def _with_input_shape(nodes: list[Node], input_shape: Sequence[int] | None, prob
         try:
             shape = _ints(1)(input_shape)
         except ValueError as exc:
-            problems.append(f"the input shape {exc}, got {input_shape!r}")
+            problems.append(f"the input shape {exc}, got {_brief(input_shape)}")
             return nodes
         if len(inputs) != 1:
             problems.append(f"an input shape was given, but the spec has {len(inputs)} input layers")
