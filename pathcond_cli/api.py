@@ -20,6 +20,7 @@ import torch
 
 from . import __version__
 from .diag import DiagG, PathCount, diag_g, path_count
+from .dtype_limits import ensure_storable
 from .errors import PathcondError, VerificationError
 from .groups import RescalingGroups, build_groups
 from .model import LoadedModel
@@ -108,6 +109,7 @@ class RescaleResult:
     changed: dict[str, torch.Tensor]
     verification: Verification | None
     seconds: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -147,27 +149,34 @@ def rescale(
     progress: ProgressCallback | None = None,
     analysis: Analysis | None = None,
     verify: bool = True,
+    max_log_scale: float | None = None,
 ) -> RescaleResult:
     """Find the PathCond rescaling of ``model`` and apply it to its tensors (in memory).
 
     With ``verify`` (the default) the rescaled tensors are run against the original ones and
     :class:`VerificationError` is raised when they differ beyond the dtype's tolerance; the
     CLI instead verifies the file it wrote. ``result.verification`` is None when skipped.
+    ``max_iter`` is a safety cap (``result.solve.converged`` says whether the tolerance was
+    met); ``max_log_scale`` bounds every |u_h|. A rescaled tensor that would overflow or lose
+    its values in its dtype raises :class:`VerificationError`; a few values flushed below the
+    smallest normal are listed in ``result.warnings``.
     """
     device = resolve_device(device)
     analysis = analysis or analyse(model, device=device)
     seconds = dict(analysis.seconds)
     timed = _Stopwatch(seconds)
     result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
-                                          max_iter=max_iter, device=device, progress=progress))
+                                          max_iter=max_iter, device=device, progress=progress,
+                                          max_log_scale=max_log_scale))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
+    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
     verification = timed("verify", lambda: compare(model.graph, model.params, {**model.params, **changed})) if verify else None
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
-    return RescaleResult(analysis, result, changed, verification, seconds)
+    return RescaleResult(analysis, result, changed, verification, seconds, storage_warnings)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
@@ -182,7 +191,8 @@ def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name:
 def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:
     """Rescale ``module``'s parameters in place (function preserved, verified) and return the result.
 
-    ``options`` are those of :func:`rescale` (``solver``, ``tol``, ``max_iter``, ``device``).
+    ``options`` are those of :func:`rescale` (``solver``, ``tol``, ``max_iter``, ``device``,
+    ``max_log_scale``).
     """
     model = module_model(module, input_shape)
     result = rescale(model, **options)

@@ -25,7 +25,7 @@ from .errors import EXIT_CODES, OutputError, PathcondError
 from .fileio import atomic_write, check_destination
 from .formats import SHARD_INDEX_SUFFIX, check_readable, load_model
 from .report import analysis_report, render, rescale_report
-from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
+from .solvers import BOUNDED_SOLVERS, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
@@ -222,9 +222,16 @@ def rescale(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
-    solver: Annotated[str, typer.Option("--solver", help=f"One of: {', '.join(SOLVERS)}.")] = DEFAULT_SOLVER,
-    max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Most solver iterations.")] = DEFAULT_MAX_ITER,
+    solver: Annotated[str, typer.Option("--solver", help=f"One of: {', '.join(SOLVERS)} (default {DEFAULT_SOLVER}: "
+                                        "Newton's method, tens of passes on every network tried).")] = DEFAULT_SOLVER,
+    max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Safety cap on solver iterations, not a tuning "
+                                          "knob: the solver stops at --tol; a run that hits the cap is reported "
+                                          "as not converged.")] = DEFAULT_MAX_ITER,
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
+    max_log_scale: Annotated[Optional[float], typer.Option(
+        "--max-log-scale", min=0.0, help="Bound every neuron scale factor to e^±U (|u_h| ≤ U): the bounded "
+        f"optimum, for checkpoints whose dtype cannot hold the unbounded one ({', '.join(BOUNDED_SOLVERS)}).",
+    )] = None,
     as_json: JsonOpt = False,
     report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
@@ -238,6 +245,11 @@ def rescale(
         raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
     if not math.isfinite(tol):
         raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
+    if max_log_scale is not None and not math.isfinite(max_log_scale):
+        raise typer.BadParameter(f"{max_log_scale} is not a finite bound", param_hint="--max-log-scale")
+    if max_log_scale is not None and solver not in BOUNDED_SOLVERS:
+        raise typer.BadParameter(f"solver '{solver}' is unconstrained; with --max-log-scale use one of "
+                                 f"{', '.join(BOUNDED_SOLVERS)}", param_hint="--solver")
     if output == "-" and as_json:
         raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
     if model == "-" and output is None:
@@ -247,11 +259,13 @@ def rescale(
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     with _errors_to_exit_codes():
-        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet)
+        report = _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet,
+                             max_log_scale)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
 
 
-def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet) -> dict[str, Any]:
+def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_place, report_file, quiet,
+                max_log_scale=None) -> dict[str, Any]:
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
@@ -279,7 +293,7 @@ def _rescale_to(model, output, arch, shape, device, solver, max_iter, tol, in_pl
         load_seconds = time.perf_counter() - load_start
         stages.stage("analysing: groups, diag(G), path count")
         result = rescale_model(loaded, solver=solver, tol=tol, max_iter=max_iter, device=device,
-                               progress=stages.solver, verify=False)
+                               progress=stages.solver, verify=False, max_log_scale=max_log_scale)
         seconds = {"load": load_seconds, **result.seconds}
 
         stages.stage("writing and verifying the written file")

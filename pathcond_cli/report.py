@@ -96,9 +96,12 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
             "decrease": _finite(solve.decrease),
             "kkt_residual": _finite(solve.kkt_residual),
             "converged": solve.converged,
+            "max_log_scale": solve.max_log_scale,
+            "groups_at_bound": solve.groups_at_bound,
         },
         "u_inf": _finite(solve.u_inf),
         "degenerate_groups": [labels[h] for h in solve.degenerate],
+        "warnings": report["warnings"] + result.warnings,
         "verification": {
             "max_abs_error": _finite(verification.max_abs_error),
             "max_rel_error": _finite(verification.max_rel_error),
