@@ -42,8 +42,8 @@ DEFAULT_MAX_ITER = 1000
 MIN_STEP = 1e-10
 MAX_FIRST_STEP = 20.0
 FLAT_ITERATIONS = 3
-MAX_CG_STEPS = 40
 NEWTON_REACH = 10.0
+MAX_CG_STEPS = 40
 ARMIJO = 1e-4
 UNRESOLVED_CHANGE = 1e-9
 
@@ -166,8 +166,9 @@ def _project(objective: Objective, u: torch.Tensor) -> torch.Tensor:
 def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress):
     """Inexact (projected) Newton with an Armijo line search on F; F never increases.
 
-    CG is stopped at a relative residual of min(0.5, √KKT), so early steps are cheap and the
-    last ones nearly exact. The first trial step moves no u_h by more than 20. Differences of
+    CG is stopped at a relative residual of min(0.5, √KKT) (quadratic convergence; no tighter
+    than the tolerance needs) or after 40 products; each group's move is damped towards about
+    10 (:class:`ScaledHessian`) and the first trial step moves no u_h by more than 20. Differences of
     F too small for F's own rounding are computed accurately (:meth:`Objective.change`), so the
     line search keeps working down to the tolerance; if it still fails, the block solver, whose
     updates compare no F values, takes over from the same point.
@@ -179,7 +180,8 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
         active = ~frozen & ~pinned
         gradient = current.gradient * active
         hessian = ScaledHessian(objective, u, current, active, NEWTON_REACH)
-        direction = newton_direction(hessian, gradient, min(0.5, current.kkt_residual**0.5), MAX_CG_STEPS)
+        forcing = min(0.5, max(current.kkt_residual**0.5, 0.1 * tol / current.kkt_residual))
+        direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS)
         t = min(1.0, MAX_FIRST_STEP / max(float(direction.abs().max()), 1e-300))
         while True:
             target = _project(objective, u + t * direction)
