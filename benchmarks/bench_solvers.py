@@ -67,7 +67,7 @@ def run_one(name: str, args) -> dict:
            "groups": analysis.groups.num_free, "colours": analysis.groups.num_colours,
            "analysis_seconds": analysis.seconds, "setup_seconds": setup, "solvers": {}}
     for method in args.solvers:
-        budget = args.sequential_budget if method == "sequential" else float("inf")
+        budget = args.sequential_budget if method == "sequential" else args.budget
         row["solvers"][method] = _timed_solve(solve, analysis, method, args, budget)
     row["peak_rss_gib"] = peak_rss_gib()
     return row
@@ -121,6 +121,8 @@ def main() -> None:
     parser.add_argument("--tol", type=float, default=1e-6)
     parser.add_argument("--max-iter", type=int, default=100000)
     parser.add_argument("--sequential-budget", type=float, default=600.0, help="seconds before the baseline is cut")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds before any other solver is cut (default: none)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="append raw rows to this JSON-lines file")
@@ -135,7 +137,7 @@ def main() -> None:
         return
     for name in args.models:
         command = [sys.executable, __file__, "--single", name, "--tol", str(args.tol), "--max-iter", str(args.max_iter),
-                   "--sequential-budget", str(args.sequential_budget), "--device", args.device, "--threads", str(args.threads),
+                   "--sequential-budget", str(args.sequential_budget), "--budget", str(args.budget), "--device", args.device, "--threads", str(args.threads),
                    "--solvers", *args.solvers]
         finished = subprocess.run(command, capture_output=True, text=True)
         if finished.returncode:

@@ -210,7 +210,7 @@ class Coupling:
                 self.parts.append((ones_dst, ones_src, dense))
         objective.passes += materialised  # exp over the materialised tensors: about one pass
 
-    def _rows(self, part, x_src: torch.Tensor) -> torch.Tensor:
+    def rows(self, part, x_src: torch.Tensor) -> torch.Tensor:
         e_dst, e_src, matrix = part
         return e_dst * torch.bmm(matrix, (e_src * x_src)[:, :, None])[:, :, 0]
 
@@ -219,7 +219,7 @@ class Coupling:
         total = x_dst.new_zeros(())
         for dp, part in zip(self.objective.groups.dag_params, self.parts):
             if part is not None:
-                total = total + (x_dst[dp.dst] * self._rows(part, x_src[dp.src])).sum()
+                total = total + (x_dst[dp.dst] * self.rows(part, x_src[dp.src])).sum()
         return total
 
     def symmetric_product(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +229,7 @@ class Coupling:
             if part is None:
                 continue
             e_dst, e_src, matrix = part
-            out.index_add_(0, dp.dst.reshape(-1), self._rows(part, x[dp.src]).reshape(-1))
+            out.index_add_(0, dp.dst.reshape(-1), self.rows(part, x[dp.src]).reshape(-1))
             cols = e_src * torch.bmm((e_dst * x[dp.dst])[:, None, :], matrix)[:, 0, :]
             out.index_add_(0, dp.src.reshape(-1), cols.reshape(-1))
         return out

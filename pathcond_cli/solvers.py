@@ -1,8 +1,9 @@
 """Minimisers of the PathCond objective (SPEC §5). All return a :class:`SolveResult`.
 
 - ``newton`` (default): Newton's method with the exact Hessian of F, solved inexactly by
-  diagonally preconditioned conjugate gradients (each Hessian product is two batched mat-vecs
-  per tensor, like a gradient pass), globalised by an Armijo line search on F. With a bound it
+  conjugate gradients (each Hessian product is two batched mat-vecs per tensor, like a
+  gradient pass) preconditioned by the Hessian's diagonal plus a per-layer coarse correction,
+  globalised by an Armijo line search on F. With a bound it
   is projected Newton: groups pinned at the bound leave the Newton system.
 - ``block``: parallel colour-block coordinate descent. Groups of one colour share no
   parameter, so at fixed λ = p/S each is minimised exactly and all at once by tensor
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .curvature import ScaledHessian, newton_direction
+from .curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
 from .diag import DiagG
 from .groups import RescalingGroups
 from .objective import Evaluation, Objective, block_step, degenerate_mask, paper_step
@@ -175,13 +176,14 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
     """
     history = [current.value]
     iterations = 0
+    aggregates = LayerAggregates(objective)
     while current.kkt_residual > tol and iterations < max_iter:
         pinned = objective.feasible_gradient(u, current.gradient) != current.gradient
         active = ~frozen & ~pinned
         gradient = current.gradient * active
         hessian = ScaledHessian(objective, u, current, active, NEWTON_REACH)
         forcing = min(0.5, max(current.kkt_residual**0.5, 0.1 * tol / current.kkt_residual))
-        direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS)
+        direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS, CoarseCorrection(hessian, aggregates))
         t = min(1.0, MAX_FIRST_STEP / max(float(direction.abs().max()), 1e-300))
         while True:
             target = _project(objective, u + t * direction)

@@ -13,7 +13,7 @@ from scipy.optimize import minimize
 
 from oracle import build_neuron_dag, oracle_objective
 from pathcond_cli.api import rescale
-from pathcond_cli.curvature import ScaledHessian, newton_direction
+from pathcond_cli.curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
 from pathcond_cli.diag import diag_g
 from pathcond_cli.dtype_limits import check_storage, ensure_storable, safe_log_scale
 from pathcond_cli.errors import VerificationError
@@ -77,6 +77,22 @@ def test_newton_direction_solves_the_newton_system(nets, arch):
     H = 4 * ob.p / S * (ob.B.T * w) @ ob.B - 4 * ob.p / S**2 * np.outer(ob.B.T @ w, ob.B.T @ w)
     expected = -np.linalg.solve(H, ob.grad(u))
     assert np.allclose(direction, expected, rtol=1e-7, atol=1e-9 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("arch", ["bottleneck", "concat", "self_loop", "conv_bn"])
+def test_coarse_matrix_is_the_hessian_on_layer_aggregates(nets, arch):
+    """E (as factorised) equals Zᵀ(M − r̂r̂ᵀ/p)Z computed column by column with the operator."""
+    *_, groups, ob = _setup(nets, arch)
+    u = torch.tensor(np.random.default_rng(4).normal(scale=0.5, size=groups.num_free))
+    objective = Objective(groups, diag_g(groups))
+    current = objective.evaluate(u)
+    hessian = ScaledHessian(objective, u, current, torch.ones_like(u, dtype=torch.bool), reach=10.0)
+    aggregates = LayerAggregates(objective)
+    coarse = CoarseCorrection(hessian, aggregates)
+    assert coarse.usable and aggregates.count >= 2
+    columns = torch.stack([coarse.basis * (aggregates.of_group[:-1] == j) for j in range(aggregates.count)], dim=1)
+    expected = columns.T @ torch.stack([hessian(c) for c in columns.T], dim=1)
+    assert torch.allclose(coarse.factor @ coarse.factor.T, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("arch", ["mlp", "self_loop", "conv_bn", "concat"])
@@ -238,3 +254,44 @@ def test_cuda_solve_matches_cpu(nets, arch):
     assert gpu.converged and gpu.u.device.type == "cpu"
     assert gpu.objective[-1] == pytest.approx(cpu.objective[-1], rel=1e-11)
     assert torch.allclose(gpu.u, cpu.u, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+def test_cli_max_log_scale_reports_the_bound(tmp_path):
+    from cli_support import assert_clean_exit, invoke, parse_single_json, write_mlp
+
+    checkpoint, spec = write_mlp(tmp_path)
+    result = invoke("rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors", "--json",
+                    "--max-log-scale", "0.01")
+    assert_clean_exit(result, 0)
+    report = parse_single_json(result.stdout)
+    assert report["solver"]["name"] == "newton" and report["solver"]["max_log_scale"] == 0.01
+    assert report["u_inf"] <= 0.01 and report["solver"]["groups_at_bound"] >= 1 and report["solver"]["converged"]
+    refused = invoke("rescale", checkpoint, "--arch", spec, "-o", tmp_path / "b.safetensors",
+                     "--solver", "lbfgs", "--max-log-scale", "1")
+    assert_clean_exit(refused, 2, "unconstrained")
+
+
+def test_cli_refuses_a_rescaling_the_dtype_cannot_hold(tmp_path, monkeypatch):
+    """Any u preserves the function in exact arithmetic; u = 14 on every group overflows
+    float16, so the write is refused with exit 5, the tensor named and a bound suggested."""
+    import pathcond_cli.api as api
+    from cli_support import assert_clean_exit, invoke, mlp_tensors, write_mlp
+
+    real_solve = api.solve
+
+    def far_out(*args, **kwargs):
+        result = real_solve(*args, **kwargs)
+        result.u = torch.full_like(result.u, 14.0)
+        return result
+
+    monkeypatch.setattr(api, "solve", far_out)
+    tensors = mlp_tensors((6, 8, 5, 3), dtype=torch.float16)
+    checkpoint, spec = write_mlp(tmp_path, tensors=tensors)
+    target = tmp_path / "out.safetensors"
+    result = invoke("rescale", checkpoint, "--arch", spec, "-o", target)
+    stderr = assert_clean_exit(result, 5, "float16", "--max-log-scale", "nothing was written")
+    assert "'" in stderr and not target.exists()
