@@ -375,6 +375,7 @@ def test_diag_g_beyond_float64_succeeds(tmp_path):
 
 
 @pytest.mark.parametrize("solver", [
+    "newton",
     "block",
     "sequential",
     "lbfgs",
