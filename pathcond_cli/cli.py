@@ -223,7 +223,7 @@ def rescale(
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
     solver: Annotated[str, typer.Option("--solver", help=f"One of: {', '.join(SOLVERS)} (default {DEFAULT_SOLVER}: "
-                                        "Newton's method, tens of passes on every network tried).")] = DEFAULT_SOLVER,
+                                        "Newton's method, 25-140 passes on every network measured).")] = DEFAULT_SOLVER,
     max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Safety cap on solver iterations, not a tuning "
                                           "knob: the solver stops at --tol; a run that hits the cap is reported "
                                           "as not converged.")] = DEFAULT_MAX_ITER,
