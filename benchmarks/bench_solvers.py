@@ -1,10 +1,13 @@
-"""Solver benchmark (issue 6): the paper's sequential coordinate descent against the block
-solver and L-BFGS, on the same g and groups, to the same KKT tolerance.
+"""Solver benchmark (issues 6 and 12): the paper's sequential coordinate descent against the
+block solver, L-BFGS and Newton (the default), on the same g and groups, to the same KKT
+tolerance. "passes" are gradient-equivalent passes over the parameters (an F/∇F evaluation, a
+Hessian product, or an accurate evaluation of a change of F: one each).
 
 Run by hand, not by the test suite:
 
     python benchmarks/bench_solvers.py                      # every model, one process each
     python benchmarks/bench_solvers.py --models mlp3 resnet50 --sequential-budget 300
+    python benchmarks/bench_solvers.py --models mnasnet inception_v3 --solvers newton lbfgs --threads 1
     python benchmarks/bench_solvers.py --device cuda
 
 Each model runs in its own process so that its peak resident memory is its own. Prints one
@@ -25,7 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-MODELS = ["mlp1", "mlp2", "mlp3", "mlp4", "mlp5", "mlp6", "mlp7", "mlp8", "mlp9", "cifar_nv", "resnet18", "resnet50"]
+MODELS = ["mlp1", "mlp2", "mlp3", "mlp4", "mlp5", "mlp6", "mlp7", "mlp8", "mlp9", "cifar_nv", "resnet18", "resnet50",
+          "densenet", "mnasnet", "inception_v3"]
 
 
 def build(name: str):
@@ -38,7 +42,11 @@ def build(name: str):
         return zoo.mlp(int(name[3:])), (3072,)
     factory, shape = {"cifar_nv": (zoo.cifar_nv, (3, 32, 32)), "resnet18": (zoo.resnet18, (3, 224, 224)),
                       "resnet50": (zoo.resnet50, (3, 224, 224)), "vgg16": (zoo.vgg16, (3, 224, 224)),
-                      "alexnet": (zoo.alexnet, (3, 224, 224))}[name]
+                      "alexnet": (zoo.alexnet, (3, 224, 224)),
+                      # the fx importer does not take x.mean yet: the head pools with AdaptiveAvgPool2d
+                      "mnasnet": (lambda: zoo.mnasnet(alpha=0.5, mean_pool=False), (3, 224, 224)),
+                      "inception_v3": (zoo.inception_v3, (3, 299, 299)),
+                      "densenet": (lambda: zoo.small_densenet(stem=64, growth=32, n_layers=12), (3, 32, 32))}[name]
     return factory(), shape
 
 
@@ -59,7 +67,7 @@ def run_one(name: str, args) -> dict:
            "groups": analysis.groups.num_free, "colours": analysis.groups.num_colours,
            "analysis_seconds": analysis.seconds, "setup_seconds": setup, "solvers": {}}
     for method in args.solvers:
-        budget = args.sequential_budget if method == "sequential" else float("inf")
+        budget = args.sequential_budget if method == "sequential" else args.budget
         row["solvers"][method] = _timed_solve(solve, analysis, method, args, budget)
     row["peak_rss_gib"] = peak_rss_gib()
     return row
@@ -109,10 +117,12 @@ def print_row(row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--solvers", nargs="+", default=["sequential", "block", "lbfgs"])
+    parser.add_argument("--solvers", nargs="+", default=["sequential", "block", "lbfgs", "newton"])
     parser.add_argument("--tol", type=float, default=1e-6)
     parser.add_argument("--max-iter", type=int, default=100000)
     parser.add_argument("--sequential-budget", type=float, default=600.0, help="seconds before the baseline is cut")
+    parser.add_argument("--budget", type=float, default=float("inf"),
+                        help="seconds before any other solver is cut (default: none)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--json", type=Path, help="append raw rows to this JSON-lines file")
@@ -127,7 +137,7 @@ def main() -> None:
         return
     for name in args.models:
         command = [sys.executable, __file__, "--single", name, "--tol", str(args.tol), "--max-iter", str(args.max_iter),
-                   "--sequential-budget", str(args.sequential_budget), "--device", args.device, "--threads", str(args.threads),
+                   "--sequential-budget", str(args.sequential_budget), "--budget", str(args.budget), "--device", args.device, "--threads", str(args.threads),
                    "--solvers", *args.solvers]
         finished = subprocess.run(command, capture_output=True, text=True)
         if finished.returncode:

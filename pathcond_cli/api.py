@@ -20,6 +20,7 @@ import torch
 from . import __version__
 from .defaults import CRITERIA, DEFAULT_CRITERION
 from .diag import DiagG, PathCount, diag_g, path_count
+from .dtype_limits import ensure_storable
 from .errors import InputError, PathcondError, UnsupportedModelError, VerificationError
 from .groups import RescalingGroups, build_groups
 from .enorm import enorm
@@ -219,9 +220,8 @@ class RescaleResult:
     changed: dict[str, torch.Tensor]
     verification: Verification | None
     seconds: dict[str, float] = field(default_factory=dict)
-    tol: float = DEFAULT_TOL
-    max_iter: int = DEFAULT_MAX_ITER
     criterion: str = DEFAULT_CRITERION
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -277,6 +277,7 @@ def rescale(
     analysis: Analysis | None = None,
     verify: bool = True,
     criterion: str = DEFAULT_CRITERION,
+    max_log_scale: float | None = None,
 ) -> RescaleResult:
     """Find the PathCond rescaling of ``model`` and apply it to its tensors (in memory).
 
@@ -285,11 +286,17 @@ def rescale(
     With ``verify`` (the default) the rescaled tensors are run against the original ones and
     :class:`VerificationError` is raised when they differ beyond the dtype's tolerance; the
     CLI instead verifies the file it wrote. ``result.verification`` is None when skipped.
+    ``max_iter`` is a safety cap (``result.solve.converged`` says whether the tolerance was
+    met); ``max_log_scale`` bounds every |u_h|. A rescaled tensor that would overflow or lose
+    its values in its dtype raises :class:`VerificationError`; a few values flushed below the
+    smallest normal are listed in ``result.warnings``.
     """
     if criterion not in CRITERIA:
         raise ValueError(f"unknown criterion '{criterion}'; choose one of {', '.join(CRITERIA)}")
     if criterion == "enorm" and solver != DEFAULT_SOLVER:
         raise ValueError(f"solver '{solver}' minimises PathCond; ENorm has its own closed-form block updates")
+    if criterion == "enorm" and max_log_scale is not None:
+        raise ValueError("max_log_scale bounds PathCond's solvers; ENorm's closed-form updates take no bound")
     device = resolve_device(device)
     analysis = analysis or analyse(model, device=device)
     seconds = dict(analysis.seconds)
@@ -298,18 +305,20 @@ def rescale(
         result = timed("solve", lambda: enorm(analysis.groups, tol=tol, max_iter=max_iter, device=device,
                                               progress=progress))
     elif not any(bool(torch.isfinite(lg).any()) for lg in analysis.diag.log_g):
-        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver))
+        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver, tol, max_iter))
     else:
         result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
-                                              max_iter=max_iter, device=device, progress=progress))
+                                              max_iter=max_iter, device=device, progress=progress,
+                                              max_log_scale=max_log_scale))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
+    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
     verification = timed("verify", lambda: compare(model.graph, model.params, {**model.params, **changed})) if verify else None
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
-    return RescaleResult(analysis, result, changed, verification, seconds, tol, max_iter, criterion)
+    return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings)
 
 
 ZERO_FUNCTION_NOTE = (
@@ -319,12 +328,12 @@ ZERO_FUNCTION_NOTE = (
 )
 
 
-def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str) -> SolveResult:
+def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str, tol: float, max_iter: int) -> SolveResult:
     """The trivial solve of a network whose path kernel is zero: every group stays at u = 0."""
     if ZERO_FUNCTION_NOTE not in model.warnings:
         model.warnings.append(ZERO_FUNCTION_NOTE)
     u = torch.zeros(analysis.groups.num_free, dtype=torch.float64)
-    return SolveResult(solver, u, [0.0], 0.0, True, 0, 0)
+    return SolveResult(solver, u, [0.0], 0.0, True, 0, 0, tol=tol, max_iter=max_iter)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
@@ -339,7 +348,8 @@ def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name:
 def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:
     """Rescale ``module``'s parameters in place (function preserved, verified) and return the result.
 
-    ``options`` are those of :func:`rescale` (``criterion``, ``solver``, ``tol``, ``max_iter``, ``device``).
+    ``options`` are those of :func:`rescale` (``criterion``, ``solver``, ``tol``, ``max_iter``, ``device``,
+    ``max_log_scale``).
     The rescaling is verified on the module itself: a copy holding the rescaled tensors is run
     against a copy of the original, in eval mode and, with BatchNorm, in train mode (the
     module's own running statistics are never touched). Only then are its tensors changed;

@@ -1,8 +1,9 @@
 """Criterion and solver names and defaults, kept free of heavy imports so that ``pathcond --help`` can show
 them without loading torch."""
 
-SOLVERS = ("block", "lbfgs", "sequential")
-DEFAULT_SOLVER = "lbfgs"
+SOLVERS = ("newton", "block", "lbfgs", "sequential")
+BOUNDED_SOLVERS = ("newton", "block", "sequential")
+DEFAULT_SOLVER = "newton"
 DEFAULT_TOL = 1e-6
 DEFAULT_MAX_ITER = 1000
 

@@ -114,5 +114,7 @@ def enorm(
         passes=objective.passes,
         degenerate=torch.nonzero(frozen.cpu()).flatten().tolist(),
         seconds=time.perf_counter() - start,
+        tol=tol,
+        max_iter=max_iter,
     )
 

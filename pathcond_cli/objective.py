@@ -5,6 +5,12 @@
 Everything is evaluated from log g in the log domain with a running shift, so neither g nor
 the weights w_i = g_i e^{−2(Bu)_i} ever overflow. One evaluation is one pass over the DAG
 parameters.
+
+Newton's method needs two more things, built here on the same per-tensor factorisation:
+products with the coupling matrices ``ḡ_ij e^{x_i + y_j}`` (:class:`Coupling`: the Hessian's
+Laplacian part) and F(u + δ) − F(u) accurate to the rounding of the change itself
+(:meth:`Objective.change`), without which a line search cannot tell steps apart once the
+change drops below the rounding of F.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class Evaluation:
     log_c: torch.Tensor
     gradient: torch.Tensor
     kkt_residual: float
+    log_total: torch.Tensor
 
     @property
     def a(self) -> torch.Tensor:
@@ -53,8 +60,10 @@ class Objective:
     across tensors and groups are log-sum-exp, so nothing overflows or underflows.
     """
 
-    def __init__(self, groups: RescalingGroups, diag: DiagG, *, device: torch.device | str = "cpu"):
+    def __init__(self, groups: RescalingGroups, diag: DiagG, *, device: torch.device | str = "cpu",
+                 bound: float | None = None):
         self.groups = groups.to(device)
+        self.bound = bound
         self.device = torch.device(device)
         self.p = groups.p
         self.log_p = math.log(self.p)
@@ -89,20 +98,33 @@ class Objective:
         u_ext = self.groups.extend(u)
         return [lg[..., None] - 2 * dp.exponent(u_ext) for lg, dp in zip(self.log_gbar, self.groups.dag_params)]
 
-    def _tensor_sums(self, t: int, u_ext: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def tensor_ranges(self, log_dst: torch.Tensor, log_src: torch.Tensor) -> list[list[float]]:
+        """Per tensor: largest and smallest finite ``log_dst`` over its destination groups and
+        ``log_src`` over its sources (±inf when none is finite), fetched in one transfer so that
+        a pass costs a single host–device synchronisation."""
+        bounds = []
+        for dp in self.groups.dag_params:
+            dst, src = log_dst[dp.dst], log_src[dp.src]
+            bounds.append(torch.stack([_finite_max(dst), _finite_min(dst), _finite_max(src), _finite_min(src)]))
+        return torch.stack(bounds).tolist() if bounds else []
+
+    def linear_scale(self, t: int, ranges: list[float]) -> float | None:
+        """The log scale for tensor ``t``'s linear-scale products, or None when its dynamic range
+        (of ḡ and of the two factors) could make a positive term underflow."""
+        top_dst, low_dst, top_src, low_src = ranges
+        if self.gbar[t] is None or self.gbar_range[t] + max(top_dst - low_dst, top_src - low_src) >= SAFE_RANGE:
+            return None
+        return self.gbar_shift[t] + top_dst + top_src
+
+    def _tensor_sums(self, t: int, log_dst: torch.Tensor, log_src: torch.Tensor,
+                     ranges: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """log of the row sums ``[G, O/G]`` and column sums ``[G, I/G]`` of w for tensor ``t``."""
-        dp = self.groups.dag_params[t]
-        log_dst, log_src = -2 * u_ext[dp.dst], 2 * u_ext[dp.src]
-        top_dst, top_src = log_dst.max(), log_src.max()
-        gbar = self.gbar[t]
-        if gbar is not None:
-            dst_range, src_range = float(top_dst - log_dst.min()), float(top_src - log_src.min())
-            if self.gbar_range[t] + max(dst_range, src_range) < SAFE_RANGE:
-                e_dst, e_src = torch.exp(log_dst - top_dst), torch.exp(log_src - top_src)
-                rows = e_dst * torch.bmm(gbar, e_src[:, :, None])[:, :, 0]
-                cols = e_src * torch.bmm(e_dst[:, None, :], gbar)[:, 0, :]
-                scale = self.gbar_shift[t] + top_dst + top_src
-                return torch.log(rows) + scale, torch.log(cols) + scale
+        scale = self.linear_scale(t, ranges)
+        if scale is not None:
+            e_dst, e_src = torch.exp(log_dst - ranges[0]), torch.exp(log_src - ranges[2])
+            rows = e_dst * torch.bmm(self.gbar[t], e_src[:, :, None])[:, :, 0]
+            cols = e_src * torch.bmm(e_dst[:, None, :], self.gbar[t])[:, 0, :]
+            return torch.log(rows) + scale, torch.log(cols) + scale
         log_w = self.log_gbar[t] + log_dst[:, :, None] + log_src[:, None, :]
         return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
 
@@ -112,8 +134,9 @@ class Objective:
         H = self.groups.num_free
         u_ext = self.groups.extend(u)
         row_logs, col_logs, dst_index, src_index = [], [], [], []
+        ranges = self.tensor_ranges(-2 * u_ext, 2 * u_ext)
         for t, dp in enumerate(self.groups.dag_params):
-            rows, cols = self._tensor_sums(t, u_ext)
+            rows, cols = self._tensor_sums(t, -2 * u_ext[dp.dst], 2 * u_ext[dp.src], ranges[t])
             row_logs.append(rows.reshape(-1))
             col_logs.append(cols.reshape(-1))
             dst_index.append(dp.dst.reshape(-1))
@@ -127,8 +150,97 @@ class Objective:
         gradient = 2 * (self.k - torch.exp(log_a) + torch.exp(log_c))
         if frozen is not None:
             gradient = torch.where(frozen, torch.zeros_like(gradient), gradient)
-        residual = float((gradient.abs() / (2 * self.degree)).max()) if H else 0.0
-        return Evaluation(value, log_a, log_c, gradient, residual)
+        residual = float((self.feasible_gradient(u, gradient).abs() / (2 * self.degree)).max()) if H else 0.0
+        return Evaluation(value, log_a, log_c, gradient, residual, log_total)
+
+    def feasible_gradient(self, u: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+        """The gradient with the components that push a group out of the box at its bound set
+        to zero (the box KKT conditions); the gradient itself when there is no bound."""
+        if self.bound is None:
+            return gradient
+        pushed_out = ((u >= self.bound) & (gradient < 0)) | ((u <= -self.bound) & (gradient > 0))
+        return torch.where(pushed_out, torch.zeros_like(gradient), gradient)
+
+    def change(self, u: torch.Tensor, current: Evaluation, step: torch.Tensor) -> float:
+        """F(u + step) − F(u), accurate to the rounding of the change rather than of F.
+
+        With down = e^{−2δ} − 1 on destinations and up = e^{2δ} − 1 on sources,
+        S'/S − 1 = Σ_h down_h A_h/S + Σ_h up_h C_h/S + Σ_i down_dst(i) (w_i/S) up_src(i) (parameters
+        within one group excluded), and every term is computed with expm1 and log1p.
+        """
+        self.passes += 1
+        step_ext = self.groups.extend(step)
+        down, up = torch.expm1(-2 * step_ext), torch.expm1(2 * step_ext)
+        u_ext = self.groups.extend(u)
+        coupling = Coupling(self, -2 * u_ext - current.log_total, 2 * u_ext)
+        first = (down[:-1] * torch.exp(current.log_a - self.log_p)).sum() + (up[:-1] * torch.exp(current.log_c - self.log_p)).sum()
+        within = (torch.exp(self.self_loop_log - current.log_total) * down[:-1] * up[:-1]).sum()
+        ratio = first + coupling.bilinear(down, up) - within
+        return self.p * math.log1p(float(ratio)) + 2 * float(self.k @ step)
+
+
+class Coupling:
+    """The matrices W_t = ḡ_ij · e^{x_i + y_j} of every tensor, x on destination groups and y on
+    source groups (``[H + 1]`` each, −inf to leave a group out), for repeated products.
+
+    Used where every entry of W is at most about 1 (w/S, or the Jacobi-scaled Hessian): a tensor
+    is kept factorised (ḡ and two vectors) when its dynamic range allows linear-scale products,
+    otherwise materialised once as exp of its logs. Terms that underflow are below 1e-280 of the
+    unit scale and do not matter. Parameters within one group are included: callers subtract
+    them (their row of B is zero).
+    """
+
+    def __init__(self, objective: Objective, log_dst: torch.Tensor, log_src: torch.Tensor):
+        self.objective = objective
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
+        materialised = False
+        for t, (dp, ranges) in enumerate(zip(objective.groups.dag_params, objective.tensor_ranges(log_dst, log_src))):
+            if not (math.isfinite(ranges[0]) and math.isfinite(ranges[2])):
+                self.parts.append(None)
+                continue
+            dst, src = log_dst[dp.dst], log_src[dp.src]
+            scale = objective.linear_scale(t, ranges)
+            if scale is not None and abs(scale) < SAFE_RANGE:
+                e_dst = torch.exp(dst - ranges[0]) * math.exp(scale)
+                self.parts.append((e_dst, torch.exp(src - ranges[2]), objective.gbar[t]))
+            else:
+                dense = torch.exp(objective.log_gbar[t] + dst[:, :, None] + src[:, None, :])
+                materialised = True
+                ones_dst, ones_src = torch.ones_like(dst), torch.ones_like(src)
+                self.parts.append((ones_dst, ones_src, dense))
+        objective.passes += materialised  # exp over the materialised tensors: about one pass
+
+    def rows(self, part, x_src: torch.Tensor) -> torch.Tensor:
+        e_dst, e_src, matrix = part
+        return e_dst * torch.bmm(matrix, (e_src * x_src)[:, :, None])[:, :, 0]
+
+    def bilinear(self, x_dst: torch.Tensor, x_src: torch.Tensor) -> torch.Tensor:
+        """Σ_t x_dstᵀ W_t x_src (``[H + 1]`` vectors indexed by group), a 0-d tensor."""
+        total = x_dst.new_zeros(())
+        for dp, part in zip(self.objective.groups.dag_params, self.parts):
+            if part is not None:
+                total = total + (x_dst[dp.dst] * self.rows(part, x_src[dp.src])).sum()
+        return total
+
+    def symmetric_product(self, x: torch.Tensor) -> torch.Tensor:
+        """Per group h: Σ_t (W_t x_src at h as a destination + W_tᵀ x_dst at h as a source)."""
+        out = torch.zeros_like(x)
+        for dp, part in zip(self.objective.groups.dag_params, self.parts):
+            if part is None:
+                continue
+            e_dst, e_src, matrix = part
+            out.index_add_(0, dp.dst.reshape(-1), self.rows(part, x[dp.src]).reshape(-1))
+            cols = e_src * torch.bmm((e_dst * x[dp.dst])[:, None, :], matrix)[:, 0, :]
+            out.index_add_(0, dp.src.reshape(-1), cols.reshape(-1))
+        return out
+
+
+def _finite_max(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.full_like(x, -torch.inf)).amax()
+
+
+def _finite_min(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.full_like(x, torch.inf)).amin()
 
 
 def _minus(log_x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:

@@ -127,8 +127,8 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
     report["diag_g_after"] = _diag_section(after, result.diag_after.log_g, ln_bounds)
     if not solve.converged:
         report["warnings"].append(
-            f"not converged: the solver stopped after {solve.iterations} iterations (--max-iter {result.max_iter}) "
-            f"with relative KKT residual {solve.kkt_residual:.3g} above the tolerance {result.tol:g}; the output "
+            f"not converged: the solver stopped after {solve.iterations} iterations (--max-iter {solve.max_iter}) "
+            f"with relative KKT residual {solve.kkt_residual:.3g} above the tolerance {solve.tol:g}; the output "
             "computes the same function but is not the PathCond optimum (raise --max-iter)."
         )
     labels = analysis.groups.labels
@@ -137,8 +137,8 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
         "solver": {
             "name": solve.method,
             "iterations": solve.iterations,
-            "max_iter": result.max_iter,
-            "tolerance": result.tol,
+            "max_iter": solve.max_iter,
+            "tolerance": solve.tol,
             "passes": solve.passes,
             "objective": [_finite(v) for v in solve.objective],
             "objective_initial": _finite(solve.objective[0]),
@@ -146,9 +146,12 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
             "decrease": _finite(solve.decrease),
             "kkt_residual": _finite(solve.kkt_residual),
             "converged": solve.converged,
+            "max_log_scale": solve.max_log_scale,
+            "groups_at_bound": solve.groups_at_bound,
         },
         "u_inf": _finite(solve.u_inf),
         "degenerate_groups": [labels[h] for h in solve.degenerate],
+        "warnings": report["warnings"] + result.warnings,
         "verification": {
             "max_abs_error": _finite(verification.max_abs_error),
             "max_rel_error": _finite(verification.max_rel_error),

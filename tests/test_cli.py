@@ -30,7 +30,7 @@ from pathcond_cli.verify import compare
 MLP = SAMPLES / "mlp.safetensors"
 MLP_SPEC = SAMPLES / "mlp.yaml"
 RESNET = SAMPLES / "resnet_small.onnx"
-SOLVER_NAMES = ("lbfgs", "block", "sequential")
+SOLVER_NAMES = ("lbfgs", "newton", "block", "sequential")
 ANSI_OR_CR = re.compile(r"\x1b|\r")
 
 
@@ -163,7 +163,7 @@ def test_pipe_safetensors_through_stdin_and_stdout(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.safetensors"]
     assert _tensor_layout(out) == _tensor_layout(MLP)
     metadata = _metadata(out)
-    assert "pathcond.spec" in metadata and metadata["pathcond.solver"] == "lbfgs"
+    assert "pathcond.spec" in metadata and metadata["pathcond.solver"] == "newton"
     _assert_same_function(MLP, out, arch=str(MLP_SPEC))
 
 

@@ -15,7 +15,7 @@ from pathcond_cli.groups import build_groups
 from pathcond_cli.objective import block_step, paper_step
 from pathcond_cli.solvers import solve
 
-METHODS = ["block", "lbfgs", "sequential"]
+METHODS = ["newton", "block", "lbfgs", "sequential"]
 ARCHS = [
     "mlp", "conv_maxpool", "residual", "conv_residual", "conv_bn", "bottleneck", "mlp_bottleneck", "concat",
     "self_loop",
@@ -72,8 +72,7 @@ def test_solver_reaches_scipy_optimum(nets, arch, method):
     assert all(math.isfinite(v) for v in res.objective)
     # same minimiser (unique: every g_i > 0)
     assert np.abs(u - u_star).max() <= 1e-5
-    if method in ("block", "sequential", "lbfgs"):
-        assert _non_increasing(res.objective), res.objective[:10]
+    assert _non_increasing(res.objective), res.objective[:10]
 
 
 @pytest.mark.parametrize("arch", ["mlp", "conv_residual", "bottleneck", "mlp_bottleneck"])
