@@ -34,6 +34,7 @@ from ..graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
     LeakyReLU, Linear, MaxPool, Node, ReLU, node_attributes,
 )
+from ..rules import Rule, rule_for
 
 FORMAT_VERSION = 1
 
@@ -157,15 +158,6 @@ LAYER_TYPES: dict[str, _LayerType] = {
     "add": _LayerType(Add),
     "concat": _LayerType(Concat),
 }
-
-# Fields whose values are given per spatial axis, expanded to the input's spatial rank.
-_PER_AXIS_FIELDS: dict[type[Node], tuple[str, ...]] = {
-    Conv: ("stride", "padding", "dilation"),
-    MaxPool: ("kernel", "stride", "padding", "dilation"),
-    AvgPool: ("kernel", "stride", "padding"),
-    AdaptiveAvgPool: ("output_size",),
-}
-_SUPPORTED_SPATIAL_RANKS = (1, 2)
 
 _TOP_LEVEL_KEYS = ("format_version", "layers", "outputs")
 _COMMON_KEYS = ("name", "type", "inputs")
@@ -397,33 +389,25 @@ def _expand_per_axis_fields(graph: Graph, problems: list[str]) -> list[Node]:
     ranks: dict[str, int] = {}
     expanded: list[Node] = []
     for node in graph.nodes:
-        if isinstance(node, Input):
-            ranks[node.name] = len(node.shape) - 1
-        elif isinstance(node, (Linear, Flatten)):
-            ranks[node.name] = 0
-        else:
-            ranks[node.name] = ranks[node.inputs[0]]
-        rank = ranks[node.inputs[0]] if node.inputs else ranks[node.name]
-        expanded.append(_expand_node(node, rank, problems))
+        rule = rule_for(node)
+        rank = ranks[node.inputs[0]] if node.inputs else 0
+        ranks[node.name] = rule.output_spatial_rank(node, rank)
+        expanded.append(_expand_node(node, rule, rank, problems))
     return expanded
 
 
-def _expand_node(node: Node, rank: int, problems: list[str]) -> Node:
+def _expand_node(node: Node, rule: Rule, rank: int, problems: list[str]) -> Node:
     label = f"layer '{node.name}' ({node.op})"
-    if isinstance(node, Linear) and rank:
-        problems.append(
-            f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it"
-        )
-    names = _PER_AXIS_FIELDS.get(type(node))
-    if names is None:
-        return node
-    if rank not in _SUPPORTED_SPATIAL_RANKS:
-        problems.append(
-            f"{label} needs an input with 1 or 2 spatial axes, but '{node.inputs[0]}' has {rank}"
-        )
+    accepted = rule.input_spatial_ranks
+    if accepted is not None and rank not in accepted:
+        if accepted == (0,):
+            problems.append(f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it")
+        else:
+            shown = " or ".join(filter(None, [", ".join(map(str, accepted[:-1])), str(accepted[-1])]))
+            problems.append(f"{label} needs an input with {shown} spatial axes, but '{node.inputs[0]}' has {rank}")
         return node
     changes = {}
-    for name in names:
+    for name in rule.per_axis_fields:
         value = getattr(node, name)
         if len(value) == 1:
             changes[name] = value * rank
@@ -432,4 +416,3 @@ def _expand_node(node: Node, rank: int, problems: list[str]) -> Node:
                 f"{label}: '{name}' has {len(value)} values, but its input has {rank} spatial axes"
             )
     return replace(node, **changes)
-
