@@ -64,13 +64,25 @@ class Linear(WeightedNode):
 
 @dataclass(frozen=True)
 class Conv(WeightedNode):
-    """1-d or 2-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
+    """1-d, 2-d or 3-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
 
     stride: tuple[int, ...] = (1,)
     padding: tuple[int, ...] = (0,)
     dilation: tuple[int, ...] = (1,)
     groups: int = 1
     op: ClassVar[str] = "conv"
+
+
+@dataclass(frozen=True)
+class ConvTranspose(WeightedNode):
+    """1-d, 2-d or 3-d transposed convolution. Weight ``[I, O/groups, *k]`` as torch stores it."""
+
+    stride: tuple[int, ...] = (1,)
+    padding: tuple[int, ...] = (0,)
+    output_padding: tuple[int, ...] = (0,)
+    dilation: tuple[int, ...] = (1,)
+    groups: int = 1
+    op: ClassVar[str] = "conv_transpose"
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,55 @@ class ReLU(Node):
 class LeakyReLU(Node):
     negative_slope: float = 0.01
     op: ClassVar[str] = "leaky_relu"
+
+
+@dataclass(frozen=True)
+class PReLU(Node):
+    """LeakyReLU whose slope (one per channel, or one shared) is a checkpoint tensor.
+
+    Positively homogeneous whatever the slope, so the slope is read but never rescaled: it
+    counts among the checkpoint's parameters, not among the DAG parameters.
+    """
+
+    weight: str = ""
+    op: ClassVar[str] = "prelu"
+
+    def parameter_keys(self) -> dict[str, str]:
+        return {"weight": self.weight}
+
+
+@dataclass(frozen=True)
+class Scale(Node):
+    """Multiplication by a constant: a fixed edge of weight ``factor`` (Mul/Div by a constant)."""
+
+    factor: float = 1.0
+    op: ClassVar[str] = "scale"
+
+
+@dataclass(frozen=True)
+class Pad(Node):
+    """Constant zero padding of the spatial axes: ``begin``/``end`` elements per axis."""
+
+    begin: tuple[int, ...] = (0,)
+    end: tuple[int, ...] = (0,)
+    op: ClassVar[str] = "pad"
+
+
+@dataclass(frozen=True)
+class ChannelShuffle(Node):
+    """ShuffleNet's channel shuffle: view ``(groups, C/groups)``, transpose, flatten back."""
+
+    groups: int = 1
+    op: ClassVar[str] = "channel_shuffle"
+
+
+@dataclass(frozen=True)
+class ChannelSlice(Node):
+    """Channels ``start:stop`` of its input (torch.split/chunk/slicing, ONNX Split/Slice)."""
+
+    start: int = 0
+    stop: int = 1
+    op: ClassVar[str] = "channel_slice"
 
 
 @dataclass(frozen=True)
@@ -169,8 +230,8 @@ class Concat(Node):
 NODE_TYPES: dict[str, type[Node]] = {
     cls.op: cls
     for cls in (
-        Input, Linear, Conv, BatchNorm, ReLU, LeakyReLU, Identity, MaxPool, AvgPool,
-        AdaptiveAvgPool, Flatten, Add, Concat,
+        Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
+        MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice,
     )
 }
 

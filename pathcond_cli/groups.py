@@ -20,7 +20,7 @@ import torch
 
 from .evaluate import infer_shapes
 from .graph import Graph
-from .rules import Affine, Ties, rule_for
+from .rules import Affine, Ties, rule_for, swap_group_axes
 
 
 @dataclass
@@ -65,7 +65,7 @@ class WriteBack:
 
     ``layout`` says how the stored tensor's axes relate to the maps: ``weight`` (``[O, I/G,
     *kernel]``, grouped convs reading input channels of their own group), ``weight_t`` (a
-    Linear stored ``[in, out]``) or ``vector`` (per output channel: biases, BatchNorm γ, β).
+    Linear stored ``[in, out]``), ``conv_transpose`` (``[I, O/G, *kernel]``) or ``vector`` (per output channel: biases, BatchNorm γ, β).
     A missing map means that side is not rescaled here (a conv before BatchNorm has no
     output-side factor: BatchNorm's γ and β carry it).
     """
@@ -90,6 +90,8 @@ class WriteBack:
             log -= per_group.expand(self.groups, self.out_channels // self.groups, in_per_group).reshape(log.shape)
         if self.layout == "weight_t":
             log = log.t()
+        elif self.layout == "conv_transpose":
+            log = swap_group_axes(log, self.groups)
         return torch.exp(log).reshape(*log.shape, *([1] * (ndim - 2)))
 
 

@@ -30,13 +30,15 @@ import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
 from .graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, Node, ReLU,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
+    ReLU, Scale,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _ADAPTIVE_AVG_POOL = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
@@ -289,6 +291,39 @@ class ConvRule(AffineLayer):
         return _CONV[weight.dim() - 2](x, weight, None, node.stride, node.padding, node.dilation, node.groups)
 
 
+class ConvTransposeRule(AffineLayer):
+    """Transposed convolution: its stored ``[I, O/groups, *k]`` weight, per group transposed,
+    is the canonical ``[O, I/groups, *k]`` (output channel o of group g reads that group's inputs)."""
+
+    node_type = ConvTranspose
+    roles = {"weight": (3, 4, 5), "bias": (1,)}
+    per_axis_fields = ("stride", "padding", "output_padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def groups(self, node: ConvTranspose) -> int:
+        return node.groups
+
+    def weight_layout(self, node: ConvTranspose) -> str:
+        return "conv_transpose"
+
+    def canonical_weight(self, node: ConvTranspose, stored: torch.Tensor) -> torch.Tensor:
+        return swap_group_axes(stored, node.groups)
+
+    def weighted(self, node: ConvTranspose, x, weight):
+        stored = swap_group_axes(weight, node.groups)
+        return _CONV_TRANSPOSE[weight.dim() - 2](x, stored, None, node.stride, node.padding, node.output_padding,
+                                                 node.groups, node.dilation)
+
+
+def swap_group_axes(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[A, B, *k]`` with ``A = groups·A'`` as ``[groups·B, A', *k]``: each group's two axes swapped.
+
+    Maps a transposed convolution's stored weight to the canonical layout and back.
+    """
+    a, b, kernel = weight.shape[0] // groups, weight.shape[1], weight.shape[2:]
+    return weight.reshape(groups, a, b, *kernel).transpose(1, 2).reshape(groups * b, a, *kernel)
+
+
 class BatchNormRule(Rule):
     """BatchNorm: folded into the Linear/Conv before it, or a layer of its own.
 
@@ -347,6 +382,80 @@ class IdentityRule(HomogeneousActivation):
 
     def forward(self, node, xs, param, train):
         return xs[0]
+
+
+class PReLURule(HomogeneousActivation):
+    node_type = PReLU
+    roles = {"weight": (1,)}
+
+    def forward(self, node: PReLU, xs, param, train):
+        return F.prelu(xs[0], param(node.weight))
+
+
+class ScaleRule(PassThrough):
+    """A fixed edge of constant weight c: c**power in the squared network (c² for diag(G))."""
+
+    node_type = Scale
+
+    def forward(self, node: Scale, xs, param, train):
+        return xs[0] * node.factor
+
+    def squared(self, node: Scale, xs, power):
+        return xs[0] * node.factor**power
+
+
+class PadRule(PassThrough):
+    """Zero padding: padded positions are neurons without incoming edges (always 0)."""
+
+    node_type = Pad
+    per_axis_fields = ("begin", "end")
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def forward(self, node: Pad, xs, param, train):
+        return F.pad(xs[0], [v for begin, end in reversed(list(zip(node.begin, node.end))) for v in (begin, end)])
+
+    def squared(self, node: Pad, xs, power):
+        return self.forward(node, xs, None, False)
+
+
+class ChannelShuffleRule(Rule):
+    node_type = ChannelShuffle
+
+    @staticmethod
+    def source_channels(node: ChannelShuffle, channels: int) -> torch.Tensor:
+        """Input channel of each output channel: output j·groups + i reads input i·(C/groups) + j."""
+        if channels % node.groups:
+            raise ValueError(f"{channels} channels cannot be shuffled in {node.groups} groups")
+        return torch.arange(channels).reshape(node.groups, channels // node.groups).t().reshape(-1)
+
+    def forward(self, node, xs, param, train):
+        x = xs[0]
+        return x[:, self.source_channels(node, x.shape[1]).to(x.device)]
+
+    def squared(self, node, xs, power):
+        return self.forward(node, xs, None, False)
+
+    def ties(self, node, ties):
+        ids = ties.ids(node.inputs[0])
+        return ids[self.source_channels(node, len(ids))]
+
+
+class ChannelSliceRule(Rule):
+    """A channel subset: output channel c is input channel start + c (the others are not read)."""
+
+    node_type = ChannelSlice
+
+    def forward(self, node: ChannelSlice, xs, param, train):
+        x = xs[0]
+        if not 0 <= node.start < node.stop <= x.shape[1]:
+            raise ValueError(f"channels {node.start}:{node.stop} are not a non-empty range of {x.shape[1]}")
+        return x[:, node.start:node.stop]
+
+    def squared(self, node, xs, power):
+        return self.forward(node, xs, None, False)
+
+    def ties(self, node: ChannelSlice, ties):
+        return ties.ids(node.inputs[0])[node.start:node.stop]
 
 
 # --------------------------------------------------------------------------- pooling
@@ -503,8 +612,9 @@ class ConcatRule(Rule):
 RULES: dict[type[Node], Rule] = {
     rule.node_type: rule
     for rule in (
-        InputRule(), LinearRule(), ConvRule(), BatchNormRule(), ReLURule(), LeakyReLURule(), IdentityRule(),
-        MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(), FlattenRule(), AddRule(), ConcatRule(),
+        InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
+        PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
+        FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(),
     )
 }
 

@@ -31,8 +31,9 @@ import yaml
 
 from ..errors import InputError
 from ..graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, Node, ReLU, node_attributes,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
+    ReLU, Scale, node_attributes,
 )
 from ..rules import Rule, rule_for
 
@@ -129,6 +130,13 @@ LAYER_TYPES: dict[str, _LayerType] = {
         ("weight", "bias"),
         ("bias",),
     ),
+    "conv_transpose": _LayerType(
+        ConvTranspose,
+        {"stride": _Field(_ints(1), (1,)), "padding": _PADDING, "output_padding": _PADDING, "dilation": _DILATION,
+         "groups": _Field(_int(1), 1)},
+        ("weight", "bias"),
+        ("bias",),
+    ),
     "batchnorm": _LayerType(
         BatchNorm,
         {
@@ -139,7 +147,12 @@ LAYER_TYPES: dict[str, _LayerType] = {
     ),
     "relu": _LayerType(ReLU),
     "leaky_relu": _LayerType(LeakyReLU, {"negative_slope": _Field(_float("a finite number"), 0.01)}),
+    "prelu": _LayerType(PReLU, keys=("weight",)),
     "identity": _LayerType(Identity),
+    "scale": _LayerType(Scale, {"factor": _Field(_float("a finite number"))}),
+    "pad": _LayerType(Pad, {"begin": _PADDING, "end": _PADDING}),
+    "channel_shuffle": _LayerType(ChannelShuffle, {"groups": _Field(_int(1))}),
+    "channel_slice": _LayerType(ChannelSlice, {"start": _Field(_int(0), 0), "stop": _Field(_int(1))}),
     "dropout": _LayerType(Identity, ignored=("p",)),
     "maxpool": _LayerType(
         MaxPool,
