@@ -215,7 +215,7 @@ def test_configurations_outside_the_dag_are_explained():
     assert "padding_mode='reflect'" in message
     assert "only concatenation along dim 1" in message
     assert "adding a constant" in message
-    assert "only x.view(x.size(0), -1)" in message
+    assert "fx node 'view' (method Tensor.view): it moves data across the batch axis" in message
     assert "a parameter or constant used outside its module" in message
 
 
