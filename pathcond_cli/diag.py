@@ -119,7 +119,7 @@ def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple
 
 
 def log_gradients(
-    graph: Graph, layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass
+    graph: Graph, layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *, power: int = 2
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets.
 
@@ -157,7 +157,7 @@ def log_gradients(
             result[node.name] = (torch.log_(grad_w).add_(sigma + forward.offsets[source]), log_bias)
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
-            grads = _vjp(lambda *xs: rule.squared(node, list(xs), 2), [forward.values[i] for i in node.inputs], cotangent)
+            grads = _vjp(lambda *xs: rule.squared(node, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
             for source, grad in zip(node.inputs, grads):
                 send(source, grad, sigma)
     return result
@@ -260,3 +260,22 @@ def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -
     log10 = (math.log(mantissa) + offset) / math.log(10)
     exact = int(round(mantissa)) if offset == 0.0 and mantissa < EXACT_LIMIT else None
     return PathCount(log10, exact)
+
+
+def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> dict[str, int]:
+    """DAG parameters on no input-or-bias-to-output path at the graph's input shape, per layer.
+
+    The number of paths through each parameter is ∂N/∂ψ of the path-count network; it is 0
+    for conv taps that only ever see padding (or whose windows fall outside a small input).
+    Such parameters have g = 0 whatever the weights, so diag(G) and the rescaling know nothing
+    of them: the input shape should be the one the network is trained at.
+    """
+    ones = [ScaledTensor(torch.ones(dp.value.shape, dtype=torch.float64, device=device)) for dp in groups.dag_params]
+    layers = _layers(groups, ones)
+    counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
+    unused: dict[str, int] = {}
+    for layer, (weight_log, bias_log) in counts.items():
+        missing = int(torch.isneginf(weight_log).sum()) + (0 if bias_log is None else int(torch.isneginf(bias_log).sum()))
+        if missing:
+            unused[layer] = missing
+    return unused

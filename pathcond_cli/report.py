@@ -14,6 +14,7 @@ from rich.table import Table
 
 from . import __version__
 from .api import Analysis, RescaleResult
+from .diag import unused_parameters
 from .objective import degenerate_mask
 
 SCHEMA_VERSION = 1
@@ -38,6 +39,7 @@ def analysis_report(analysis: Analysis) -> dict[str, Any]:
     degenerate = degenerate_mask(groups, analysis.diag)
     low, high = analysis.log10_min, analysis.log10_max
     layers = analysis.per_layer()
+    unused = unused_parameters(groups)
     return {
         "schema": SCHEMA_VERSION,
         "pathcond_version": __version__,
@@ -75,9 +77,21 @@ def analysis_report(analysis: Analysis) -> dict[str, Any]:
                 for low_edge, high_edge, count in analysis.histogram()
             ],
         },
-        "warnings": list(model.warnings),
+        "input_shape": [list(node.shape) for node in model.graph.inputs],
+        "unused_parameters": unused,
+        "warnings": list(model.warnings) + _unused_warning(unused, model),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
     }
+
+
+def _unused_warning(unused: dict[str, int], model) -> list[str]:
+    if not unused:
+        return []
+    shapes = ", ".join(str(tuple(node.shape)) for node in model.graph.inputs)
+    where = ", ".join(f"{layer} ({count:,})" for layer, count in unused.items())
+    return [f"{sum(unused.values()):,} DAG parameter(s) lie on no path at input shape {shapes} (conv taps that only "
+            f"see padding): {where}. diag(G) depends on the input size: analyse at the training resolution "
+            "(--input-shape)."]
 
 
 def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]) -> dict[str, Any]:
@@ -129,6 +143,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     summary.add_column("")
     groups, paths, diag = report["groups"], report["paths"], report["diag_g"]
     summary.add_row("format", report["format"])
+    summary.add_row("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"]))
     summary.add_row("parameters", _fmt(report["parameters"]))
     summary.add_row("DAG parameters (p)", _fmt(report["dag_parameters"]))
     summary.add_row("hidden units", _fmt(report["hidden_units"]))

@@ -385,11 +385,12 @@ class IdentityRule(HomogeneousActivation):
 
 
 class PReLURule(HomogeneousActivation):
+    """The slope tensor may carry singleton axes (ONNX stores it as ``[C, 1, 1]``)."""
+
     node_type = PReLU
-    roles = {"weight": (1,)}
 
     def forward(self, node: PReLU, xs, param, train):
-        return F.prelu(xs[0], param(node.weight))
+        return F.prelu(xs[0], param(node.weight).reshape(-1))
 
 
 class ScaleRule(PassThrough):

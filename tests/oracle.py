@@ -82,7 +82,7 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
         elif isinstance(node, LeakyReLU):
             y = F.leaky_relu(xs[0], node.negative_slope)
         elif isinstance(node, PReLU):
-            y = F.prelu(xs[0], P[node.weight])
+            y = F.prelu(xs[0], P[node.weight].reshape(-1))
         elif isinstance(node, Identity):
             y = xs[0]
         elif isinstance(node, Scale):

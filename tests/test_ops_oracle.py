@@ -52,3 +52,22 @@ def test_rescaling_preserves_the_function(nets, arch):
     before, after = torch_forward(graph, params, x), torch_forward(graph, rescaled, x)
     for name in graph.outputs:
         assert rel_err(before[name], after[name]) < 1e-12
+
+
+def test_parameters_on_no_path_are_counted_per_layer(nets):
+    """A 3×3 conv with padding 1 on a 1×1 input: only the centre tap ever sees the input, so
+    the other 8 taps of each output channel lie on no path (counted per layer, as brute force says)."""
+    from pathcond_cli.diag import unused_parameters
+
+    b = nets.builder((1, 1, 1), 0)
+    b.conv(2, 3, padding=1); b.relu(); b.flatten(); b.linear(2)
+    graph, params = b.build()
+    dag = build_neuron_dag(graph, params)
+    on_a_path = set(i for path, _ in dag.paths() for i in path)
+    expected: dict[str, int] = {}
+    for block in dag.blocks:
+        missing = sum(1 for i in range(block.start, block.start + block.size) if i not in on_a_path)
+        if missing:
+            expected[block.layer] = expected.get(block.layer, 0) + missing
+    assert expected == {"conv1": 2 * 8}
+    assert unused_parameters(build_groups(graph, params)) == expected

@@ -14,7 +14,6 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from math import prod
 from typing import Any
 
 import torch
@@ -24,6 +23,8 @@ import torch.nn.functional as F
 
 from ..errors import InputError, UnsupportedModelError
 from ..graph import Graph
+from .movement import UnsupportedMovement, movement_layer
+from .offenders import grouped
 from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
@@ -36,6 +37,10 @@ SUPPORTED_SUMMARY = (
 
 class _Unsupported(Exception):
     """Why one fx node cannot be part of a ReLU DAG."""
+
+
+class _NotHomogeneous(_Unsupported):
+    """The node computes a function that is not positively homogeneous (grouped by op type)."""
 
 
 def graph_from_module(
@@ -140,6 +145,7 @@ def _spec_from_trace(traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node
     if len(placeholders) != 1:
         problems.append(f"the module's forward takes {len(placeholders)} inputs; pathcond supports exactly one")
     moves = _Movements(values, names)
+    offenders: list[tuple[str, str]] = []
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
     for node in traced.graph.nodes:
@@ -160,9 +166,12 @@ def _spec_from_trace(traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node
                           [moves.layer_input(_tensor(arg), layers) for arg in layer.pop("inputs")])
                 layer.pop("inputs", None)
                 layers.append({"name": name, **({"inputs": inputs} if inputs else {}), **layer})
+        except _NotHomogeneous:
+            offenders.append((_operation(node, modules), node.name))
+            moves.offenders.add(node)
         except _Unsupported as exc:
             problems.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
-            continue
+    problems[:0] = grouped(offenders)
     for node in moves.unresolved():
         try:
             moves.layer_input(node, layers)
@@ -185,6 +194,7 @@ class _Movements:
         self.origin: dict[torch.fx.Node, torch.fx.Node] = {}
         self.index: dict[torch.fx.Node, Any] = {}
         self.emitted: dict[torch.fx.Node, str] = {}
+        self.offenders: set[torch.fx.Node] = set()
 
     def record(self, node: torch.fx.Node) -> None:
         if node not in self.values:
@@ -216,9 +226,13 @@ class _Movements:
         self.origin[node], self.index[node] = origin, result
 
     def unresolved(self) -> list[torch.fx.Node]:
-        """Movements read by something other than a movement that no layer took (its reader failed)."""
+        """Movements that a translatable layer reads but none took (its reader failed otherwise).
+
+        Movements feeding only non-homogeneous operations (attention's head reshapes) are not
+        reported again: the operation already is.
+        """
         return [node for node in self.index if node not in self.emitted
-                and any(user not in self.index for user in node.users)]
+                and any(user not in self.index and user not in self.offenders for user in node.users)]
 
     def layer_input(self, arg: torch.fx.Node, layers: list[dict[str, Any]]) -> str:
         """The spec layer standing for ``arg``: its own, or one made for a data movement."""
@@ -229,42 +243,16 @@ class _Movements:
         origin, index = self.origin[arg], self.index[arg]
         if not isinstance(index, torch.Tensor):
             raise _Unsupported(f"'{arg.name}' is a tuple of tensors, not a tensor")
-        layer = _movement_layer(tuple(self.values[origin].shape[1:]), index)
+        try:
+            layer = movement_layer(tuple(self.values[origin].shape[1:]), index)
+        except UnsupportedMovement as exc:
+            raise _Unsupported(str(exc)) from None
         if layer is None:
             self.emitted[arg] = self.names[origin]
         else:
             layers.append({"name": self.names[arg], "inputs": [self.names[origin]], **layer})
             self.emitted[arg] = self.names[arg]
         return self.emitted[arg]
-
-
-def _movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:
-    """The spec layer of a data movement from batch-free ``shape`` (None: the identity)."""
-    if index.shape[0] != 1:
-        raise _Unsupported(f"it moves data across the batch axis (batch-axis size {index.shape[0]} for a batch of 1)")
-    index = index[0]
-    total = prod(shape)
-    if tuple(index.shape) == shape and torch.equal(index.reshape(-1), torch.arange(total)):
-        return None
-    if index.dim() == 1 and torch.equal(index, torch.arange(total)) and len(shape) > 1:
-        return {"type": "flatten"}
-    per_channel = prod(shape[1:])
-    if index.dim() == len(shape) and tuple(index.shape[1:]) == shape[1:]:
-        channels = index.reshape(index.shape[0], -1)[:, 0] // per_channel
-        expected = channels[:, None] * per_channel + torch.arange(per_channel)
-        if torch.equal(index.reshape(index.shape[0], -1), expected):
-            start = int(channels[0])
-            if torch.equal(channels, torch.arange(start, start + len(channels))):
-                return {"type": "channel_slice", "start": start, "stop": start + len(channels)}
-            for groups in range(2, shape[0] + 1):
-                if shape[0] % groups == 0 and len(channels) == shape[0] and torch.equal(
-                        channels, torch.arange(shape[0]).reshape(groups, -1).t().reshape(-1)):
-                    return {"type": "channel_shuffle", "groups": groups}
-            raise _Unsupported("it reorders channels in a way that is not a channel shuffle")
-    raise _Unsupported(
-        f"it reshapes {shape} to {tuple(index.shape)} (batch excluded): only a flatten to (batch, features), "
-        "a channel slice or split, or a channel shuffle is supported"
-    )
 
 
 def _layer_names(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
@@ -371,7 +359,7 @@ _NOT_HOMOGENEOUS = {
 
 def _not_supported(name: str) -> str:
     if name.lower().rstrip("_") in _NOT_HOMOGENEOUS:
-        return "not positively homogeneous, so no rescaling preserves the function (pathcond needs a ReLU network)"
+        raise _NotHomogeneous()
     return "not supported"
 
 
@@ -390,6 +378,15 @@ def _describe(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> str:
     if node.op == "call_method":
         return f"method Tensor.{node.target}"
     return f"{node.op} '{node.target}'"
+
+
+def _operation(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> str:
+    """The operation's name for grouping: module class, function or method name."""
+    if node.op == "call_module":
+        return type(modules[node.target]).__name__
+    if node.op == "call_function":
+        return _qualified_name(node.target)
+    return f"Tensor.{node.target}"
 
 
 _PUBLIC_MODULE_NAMES = {"torch._C._nn": "torch.nn.functional", "_operator": "operator"}
@@ -557,7 +554,7 @@ def _scale(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[
     tensors = [a for a in args if isinstance(a, torch.fx.Node)]
     numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
     if len(tensors) == 2:
-        raise _Unsupported("an element-wise product of two activations is not positively homogeneous")
+        raise _NotHomogeneous()
     if len(tensors) != 1 or len(numbers) != 1:
         raise _Unsupported("only a product or quotient of a tensor and a number is supported")
     divides = getattr(target, "__name__", target) in ("truediv", "div", "div_", "itruediv")
