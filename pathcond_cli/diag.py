@@ -17,13 +17,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from .evaluate import adaptive_avg_pool, conv, spatial_rank
-from .graph import (
-    AdaptiveAvgPool, Add, AvgPool, Concat, Conv, Flatten, Graph, Input, Linear, MaxPool,
-)
+from .graph import Graph, Input
 from .groups import RescalingGroups
+from .rules import per_channel, rule_for
 
 EXACT_LIMIT = 2**53
 
@@ -41,63 +38,12 @@ class PathCount:
     exact: int | None
 
 
-def _as_2d(x: torch.Tensor) -> torch.Tensor:
-    return x.unsqueeze(2) if spatial_rank(x) == 1 else x
-
-
-def _from_2d(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return y.squeeze(2) if spatial_rank(like) == 1 else y
-
-
-def _pair(values: tuple[int, ...], fill: int) -> tuple[int, int]:
-    return (fill, values[0]) if len(values) == 1 else (values[0], values[1])
-
-
-def _window_sum(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bool) -> torch.Tensor:
-    """Sum over each pooling window, zero padding: the max-pool neuron's incoming fixed edges."""
-    x2 = _as_2d(x)
-    k, s, p, d = _pair(kernel, 1), _pair(stride, 1), _pair(padding, 0), _pair(dilation, 1)
-    if d == (1, 1):
-        y = F.avg_pool2d(x2, k, s, p, ceil_mode, count_include_pad=True, divisor_override=1)
-    else:
-        if ceil_mode:
-            raise ValueError("dilated max-pooling with ceil_mode is not supported")
-        channels = x2.shape[1]
-        ones = x2.new_ones(channels, 1, *k)
-        y = F.conv2d(x2, ones, None, s, p, d, groups=channels)
-    return _from_2d(y, x)
-
-
-def _avg_divisor(x: torch.Tensor, node: AvgPool) -> torch.Tensor:
-    """Each output's divisor, exactly as torch's avg_pool computes it (padding, ceil_mode)."""
-    ones = _as_2d(torch.ones_like(x[:1, :1]))
-    k, s, p = _pair(node.kernel, 1), _pair(node.stride, 1), _pair(node.padding, 0)
-    counted = F.avg_pool2d(ones, k, s, p, node.ceil_mode, count_include_pad=True, divisor_override=1)
-    mean = F.avg_pool2d(ones, k, s, p, node.ceil_mode, node.count_include_pad)
-    return _from_2d(counted / mean, x)
-
-
-def _adaptive_window_sizes(in_size: tuple[int, ...], out_size: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    sizes = []
-    for n, m in zip(in_size, out_size):
-        i = torch.arange(m)
-        sizes.append(((i + 1) * n + m - 1) // m - (i * n) // m)
-    grid = sizes[0] if len(sizes) == 1 else sizes[0][:, None] * sizes[1][None, :]
-    return grid.to(like.dtype)
-
-
 @dataclass
 class ScaledTensor:
     """A non-negative tensor stored as ``value · exp(log_scale)`` so that any magnitude fits."""
 
     value: torch.Tensor
     log_scale: float = 0.0
-
-    @classmethod
-    def from_log(cls, log_value: torch.Tensor) -> ScaledTensor:
-        finite = log_value[torch.isfinite(log_value)]
-        log_scale = float(finite.max()) if finite.numel() else 0.0
-        return cls(torch.exp(log_value - log_scale), log_scale)
 
 
 @dataclass
@@ -115,11 +61,18 @@ class SquaredPass:
 
 
 def _renormalise(y: torch.Tensor, offset: float) -> tuple[torch.Tensor, float]:
-    """Divide by the peak when it leaves [1e-100, 1e100], moving the factor into the log offset."""
-    peak = float(y.abs().max()) if y.numel() else 0.0
+    """Divide by the peak when it leaves [1e-100, 1e100], moving the factor into the log offset.
+
+    Squared-network activations and cotangents are never negative, so the peak is the max.
+    """
+    peak = float(y.max()) if y.numel() else 0.0
     if peak > 0 and not 1e-100 < peak < 1e100:
         return y / peak, offset + math.log(peak)
     return y, offset
+
+
+def _rescaled(tensor: torch.Tensor, log_factor: float) -> torch.Tensor:
+    return tensor if log_factor == 0.0 else tensor * math.exp(log_factor)
 
 
 def squared_network(
@@ -140,27 +93,21 @@ def squared_network(
     offsets: dict[str, float] = {}
     with torch.no_grad():
         for node in graph.nodes:
+            rule = rule_for(node)
             if isinstance(node, Input):
                 y, offset = torch.ones((1, *node.shape), dtype=dtype, device=device), 0.0
             elif node.name in layers:
                 weight, bias = layers[node.name]
                 weighted_scale = offsets[node.inputs[0]] + weight.log_scale
                 offset = weighted_scale if bias is None else max(weighted_scale, bias.log_scale)
-                y = _weighted(node, values[node.inputs[0]], weight.value) * math.exp(weighted_scale - offset)
+                y = rule.weighted(node, values[node.inputs[0]], weight.value) * math.exp(weighted_scale - offset)
                 if bias is not None:
-                    y = y + _per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
-            elif isinstance(node, (Add, Concat)):
-                offset = max(offsets[i] for i in node.inputs)
-                parts = [values[i] * math.exp(offsets[i] - offset) for i in node.inputs]
-                y = torch.cat(parts, dim=1) if isinstance(node, Concat) else sum(parts[1:], parts[0])
+                    y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
             else:
-                y, offset = _fixed_op(node, values[node.inputs[0]], power), offsets[node.inputs[0]]
+                offset = max(offsets[i] for i in node.inputs)
+                y = rule.squared(node, [_rescaled(values[i], offsets[i] - offset) for i in node.inputs], power)
             values[node.name], offsets[node.name] = _renormalise(y, offset)
     return SquaredPass(values, offsets)
-
-
-def _per_channel(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return vector.reshape(1, -1, *([1] * (like.dim() - 2)))
 
 
 def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -172,7 +119,7 @@ def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple
 
 
 def log_gradients(
-    graph: Graph, layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass
+    graph: Graph, layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *, power: int = 2
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets.
 
@@ -189,58 +136,31 @@ def log_gradients(
             continue
         incoming = cotangents.pop(node.name)
         sigma = max(offset for _, offset in incoming)
-        cotangent = sum(t * math.exp(offset - sigma) for t, offset in incoming)
+        cotangent = _rescaled(incoming[0][0], incoming[0][1] - sigma)
+        for tensor, offset in incoming[1:]:
+            cotangent = cotangent + _rescaled(tensor, offset - sigma)
         cotangent, sigma = _renormalise(cotangent, sigma)
 
         def send(name: str, tensor: torch.Tensor, offset: float) -> None:
             cotangents.setdefault(name, []).append(_renormalise(tensor, offset))
 
+        rule = rule_for(node)
         if node.name in layers:
             weight, bias = layers[node.name]
             source = node.inputs[0]
             x = forward.values[source]
-            grad_x, grad_w = _vjp(lambda a, w: _weighted(node, a, w), [x, weight.value], cotangent)
+            grad_x, grad_w = _vjp(lambda a, w: rule.weighted(node, a, w), [x, weight.value], cotangent)
             send(source, grad_x, sigma + weight.log_scale)
             log_bias = None
             if bias is not None:
                 log_bias = torch.log(cotangent.sum(dim=[0, *range(2, cotangent.dim())]).clamp_min(0)) + sigma
-            result[node.name] = (torch.log(grad_w.clamp_min(0)) + sigma + forward.offsets[source], log_bias)
-        elif isinstance(node, Add):
-            for source in node.inputs:
-                send(source, cotangent, sigma)
-        elif isinstance(node, Concat):
-            widths = [forward.values[i].shape[1] for i in node.inputs]
-            for source, part in zip(node.inputs, torch.split(cotangent, widths, dim=1)):
-                send(source, part, sigma)
+            result[node.name] = (torch.log_(grad_w).add_(sigma + forward.offsets[source]), log_bias)
         else:
-            (grad_x,) = _vjp(lambda a: _fixed_op(node, a, 2), [forward.values[node.inputs[0]]], cotangent)
-            send(node.inputs[0], grad_x, sigma)
+            # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
+            grads = _vjp(lambda *xs: rule.squared(node, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
+            for source, grad in zip(node.inputs, grads):
+                send(source, grad, sigma)
     return result
-
-
-def _weighted(node, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The parameterised part of a layer (no bias): Linear, Conv, or BatchNorm's scale."""
-    if isinstance(node, Linear):
-        return F.linear(x, weight)
-    if isinstance(node, Conv):
-        return conv(x, weight, None, node)
-    return x * weight.reshape(1, -1, *([1] * (x.dim() - 2)))
-
-
-def _fixed_op(node, x: torch.Tensor, power: int) -> torch.Tensor:
-    """Parameter-free nodes in the squared network: constants c become c**power."""
-    if isinstance(node, MaxPool):
-        return _window_sum(x, node.kernel, node.stride, node.padding, node.dilation, node.ceil_mode)
-    if isinstance(node, AvgPool):
-        divisor = _avg_divisor(x, node)
-        summed = _window_sum(x, node.kernel, node.stride, node.padding, (1,) * len(node.kernel), node.ceil_mode)
-        return summed / divisor**power
-    if isinstance(node, AdaptiveAvgPool):
-        sizes = _adaptive_window_sizes(tuple(x.shape[2:]), node.output_size, x)
-        return adaptive_avg_pool(x, node) * sizes ** (1 - power)
-    if isinstance(node, Flatten):
-        return x.flatten(1)
-    return x
 
 
 def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
@@ -257,8 +177,9 @@ def _layers(groups: RescalingGroups, tensors: list[ScaledTensor]) -> dict[str, t
 def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     """An admissible rescaling u_D that gives each free group's incoming parameters unit squared norm.
 
-    Computed layer by layer in topological order and in the log domain, so it is finite for
-    any finite weights; a group fed by several layers (a residual stream) takes the first.
+    Computed layer by layer in topological order; each output row is divided by its largest
+    entry before squaring and the scales are kept as logarithms, so it is finite for any
+    finite weights. A group fed by several layers (a residual stream) takes the first.
     """
     H = groups.num_free
     u = torch.zeros(H + 1, dtype=torch.float64)
@@ -266,9 +187,13 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     assigned[H] = True
     for dps in _layer_tensors(groups, groups.dag_params).values():
         weight_dp = dps[0]
-        w4 = weight_dp.value.reshape(weight_dp.view)
-        log_sq = 2 * torch.log(w4.abs()) - 2 * u[weight_dp.src][:, None, :, None]
-        per_out = torch.logsumexp(log_sq.flatten(2), dim=2).reshape(-1)
+        w4 = weight_dp.value.reshape(weight_dp.view).abs()
+        row_max = w4.amax(dim=(2, 3), keepdim=True)
+        source = -2 * u[weight_dp.src]
+        source_max = source.amax(dim=1, keepdim=True)
+        squares = (w4 / row_max.clamp_min(torch.finfo(torch.float64).tiny)).square().sum(3)
+        per_out = torch.log(torch.bmm(squares, torch.exp(source - source_max)[:, :, None]).squeeze(2))
+        per_out = (per_out + 2 * torch.log(row_max[:, :, 0, 0]) + source_max).reshape(-1)
         if len(dps) > 1:
             per_out = torch.logaddexp(per_out, 2 * torch.log(dps[1].value.abs()))
         dst = weight_dp.dst.reshape(-1)
@@ -280,29 +205,51 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     return u[:H]
 
 
+def _balanced_psi(dp, u_ext: torch.Tensor, device) -> tuple[ScaledTensor, torch.Tensor, torch.Tensor]:
+    """ψ = (Dθ)² for one tensor with its scale as a logarithm, and the per-axis exponents of D.
+
+    (Dθ)_{oi} = θ_{oi} · e^{a_o} · e^{b_i} with a = u_dst, b = −u_src: each factor is divided
+    by its maximum, so ψ's mantissa is at most 1 and no intermediate overflows.
+    """
+    value = dp.value.to(device).reshape(dp.view)
+    a, b = u_ext[dp.dst], -u_ext[dp.src]
+    a_max, b_max = float(a.max()), float(b.max())
+    low, high = value.aminmax() if value.numel() else (value.new_zeros(()), value.new_zeros(()))
+    peak = max(-float(low), float(high))
+    if peak == 0.0:
+        return ScaledTensor(torch.zeros(dp.value.shape, dtype=torch.float64, device=device)), a, b
+    psi = value * (torch.exp(a - a_max) / peak)[:, :, None, None]
+    psi.mul_(torch.exp(b - b_max)[:, None, :, None]).square_()
+    return ScaledTensor(psi.reshape(dp.value.shape), 2 * (math.log(peak) + a_max + b_max)), a, b
+
+
 def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> DiagG:
     """log diag(G) for every DAG parameter: one forward and one backward pass (SPEC §3).
 
-    ψ = (Dθ)² is built from log|θ| + (B u_D) in the log domain with a scale per tensor, and
+    ψ = (Dθ)² is built per tensor with a log scale (D an admissible balancing), and
     log g(θ) = log ∂L/∂Ψ(Dθ) + 2(B u_D) since g(Dθ) = g(θ) / d².
     """
     u_ext = groups.extend(balancing_exponents(groups).to(device))
     dev_groups = groups.to(device)
     psi: list[ScaledTensor] = []
-    exponents: list[torch.Tensor] = []
+    sides: list[tuple[torch.Tensor, torch.Tensor]] = []
     for dp in dev_groups.dag_params:
-        exponent = dp.exponent(u_ext).expand(dp.view).reshape(dp.value.shape)
-        psi.append(ScaledTensor.from_log(2 * (torch.log(dp.value.to(device).abs()) + exponent)))
-        exponents.append(exponent)
+        scaled, a, b = _balanced_psi(dp, u_ext, device)
+        psi.append(scaled)
+        sides.append((a, b))
     layers = _layers(groups, psi)
     gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=2, device=device))
     log_g = []
-    for dp, scaled, exponent in zip(groups.dag_params, psi, exponents):
+    for dp, scaled, (a, b) in zip(groups.dag_params, psi, sides):
         weight_log, bias_log = gradients[dp.layer]
         is_bias = layers[dp.layer][1] is scaled
-        log_g.append((bias_log if is_bias else weight_log).reshape(dp.value.shape) + 2 * exponent)
-    if any(bool(torch.isnan(lg).any() | (lg == torch.inf).any()) for lg in log_g):
-        raise ArithmeticError("diag(G) could not be represented even in the log domain")
+        lg = (bias_log if is_bias else weight_log).reshape(dp.view)
+        lg.add_(2 * a[:, :, None, None]).add_(2 * b[:, None, :, None])
+        lg = lg.reshape(dp.value.shape)
+        # NaN and +inf both fail this comparison: one reduction checks both.
+        if lg.numel() and not float(lg.max()) < math.inf:
+            raise ArithmeticError("diag(G) could not be represented even in the log domain")
+        log_g.append(lg)
     return DiagG(log_g)
 
 
@@ -313,3 +260,22 @@ def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -
     log10 = (math.log(mantissa) + offset) / math.log(10)
     exact = int(round(mantissa)) if offset == 0.0 and mantissa < EXACT_LIMIT else None
     return PathCount(log10, exact)
+
+
+def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> dict[str, int]:
+    """DAG parameters on no input-or-bias-to-output path at the graph's input shape, per layer.
+
+    The number of paths through each parameter is ∂N/∂ψ of the path-count network; it is 0
+    for conv taps that only ever see padding (or whose windows fall outside a small input).
+    Such parameters have g = 0 whatever the weights, so diag(G) and the rescaling know nothing
+    of them: the input shape should be the one the network is trained at.
+    """
+    ones = [ScaledTensor(torch.ones(dp.value.shape, dtype=torch.float64, device=device)) for dp in groups.dag_params]
+    layers = _layers(groups, ones)
+    counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
+    unused: dict[str, int] = {}
+    for layer, (weight_log, bias_log) in counts.items():
+        missing = int(torch.isneginf(weight_log).sum()) + (0 if bias_log is None else int(torch.isneginf(bias_log).sum()))
+        if missing:
+            unused[layer] = missing
+    return unused

@@ -64,13 +64,25 @@ class Linear(WeightedNode):
 
 @dataclass(frozen=True)
 class Conv(WeightedNode):
-    """1-d or 2-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
+    """1-d, 2-d or 3-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
 
     stride: tuple[int, ...] = (1,)
     padding: tuple[int, ...] = (0,)
     dilation: tuple[int, ...] = (1,)
     groups: int = 1
     op: ClassVar[str] = "conv"
+
+
+@dataclass(frozen=True)
+class ConvTranspose(WeightedNode):
+    """1-d, 2-d or 3-d transposed convolution. Weight ``[I, O/groups, *k]`` as torch stores it."""
+
+    stride: tuple[int, ...] = (1,)
+    padding: tuple[int, ...] = (0,)
+    output_padding: tuple[int, ...] = (0,)
+    dilation: tuple[int, ...] = (1,)
+    groups: int = 1
+    op: ClassVar[str] = "conv_transpose"
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,55 @@ class ReLU(Node):
 class LeakyReLU(Node):
     negative_slope: float = 0.01
     op: ClassVar[str] = "leaky_relu"
+
+
+@dataclass(frozen=True)
+class PReLU(Node):
+    """LeakyReLU whose slope (one per channel, or one shared) is a checkpoint tensor.
+
+    Positively homogeneous whatever the slope, so the slope is read but never rescaled: it
+    counts among the checkpoint's parameters, not among the DAG parameters.
+    """
+
+    weight: str = ""
+    op: ClassVar[str] = "prelu"
+
+    def parameter_keys(self) -> dict[str, str]:
+        return {"weight": self.weight}
+
+
+@dataclass(frozen=True)
+class Scale(Node):
+    """Multiplication by a constant: a fixed edge of weight ``factor`` (Mul/Div by a constant)."""
+
+    factor: float = 1.0
+    op: ClassVar[str] = "scale"
+
+
+@dataclass(frozen=True)
+class Pad(Node):
+    """Constant zero padding of the spatial axes: ``begin``/``end`` elements per axis."""
+
+    begin: tuple[int, ...] = (0,)
+    end: tuple[int, ...] = (0,)
+    op: ClassVar[str] = "pad"
+
+
+@dataclass(frozen=True)
+class ChannelShuffle(Node):
+    """ShuffleNet's channel shuffle: view ``(groups, C/groups)``, transpose, flatten back."""
+
+    groups: int = 1
+    op: ClassVar[str] = "channel_shuffle"
+
+
+@dataclass(frozen=True)
+class ChannelSlice(Node):
+    """Channels ``start:stop`` of its input (torch.split/chunk/slicing, ONNX Split/Slice)."""
+
+    start: int = 0
+    stop: int = 1
+    op: ClassVar[str] = "channel_slice"
 
 
 @dataclass(frozen=True)
@@ -169,13 +230,10 @@ class Concat(Node):
 NODE_TYPES: dict[str, type[Node]] = {
     cls.op: cls
     for cls in (
-        Input, Linear, Conv, BatchNorm, ReLU, LeakyReLU, Identity, MaxPool, AvgPool,
-        AdaptiveAvgPool, Flatten, Add, Concat,
+        Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
+        MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice,
     )
 }
-
-HOMOGENEOUS_ACTIVATIONS = (ReLU, LeakyReLU, Identity)
-
 
 def node_attributes(node: Node) -> dict[str, object]:
     """The node's fields other than name and inputs, for reports and serialisation."""
@@ -222,8 +280,10 @@ class Graph:
 
     def folded_into(self, bn: BatchNorm) -> Linear | Conv | None:
         """The Linear/Conv that ``bn`` is folded into, or None for a standalone BatchNorm."""
+        from .rules import rule_for
+
         producer = self._by_name[bn.inputs[0]]
-        if isinstance(producer, (Linear, Conv)) and self.batchnorm_after(producer.name) is bn:
+        if rule_for(producer).creates_channels and self.batchnorm_after(producer.name) is bn:
             return producer
         return None
 
@@ -242,6 +302,7 @@ class Graph:
         All problems are collected before raising, so a spec with three typos shows three lines.
         """
         from .errors import InvalidWeightsError
+        from .rules import rule_for
 
         problems: list[str] = []
         not_finite: list[str] = []
@@ -251,13 +312,13 @@ class Graph:
                     problems.append(f"node '{node.name}' ({node.op}) needs tensor '{key}' ({role}), which the checkpoint lacks")
                     continue
                 tensor = params[key]
-                expected_rank = _expected_rank(node, role)
-                if expected_rank is not None and tensor.dim() not in expected_rank:
+                expected_rank = rule_for(node).roles.get(role)
+                if expected_rank and tensor.dim() not in expected_rank:
                     problems.append(
                         f"node '{node.name}' ({node.op}): tensor '{key}' ({role}) has shape {tuple(tensor.shape)}, "
                         f"expected rank {' or '.join(map(str, expected_rank))}"
                     )
-                elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                elif tensor.is_floating_point() and not _finite(tensor):
                     not_finite.append(key)
                 elif not tensor.is_floating_point():
                     problems.append(f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, expected floating point")
@@ -273,14 +334,12 @@ class Graph:
             )
 
 
-def _expected_rank(node: Node, role: str) -> tuple[int, ...] | None:
-    if isinstance(node, Linear):
-        return (2,) if role == "weight" else (1,)
-    if isinstance(node, Conv):
-        return (3, 4) if role == "weight" else (1,)
-    if isinstance(node, BatchNorm):
-        return (1,)
-    return None
+def _finite(tensor: torch.Tensor) -> bool:
+    """No NaN or Inf, in one reduction (NaN propagates through min and max)."""
+    if not tensor.numel():
+        return True
+    low, high = tensor.aminmax()
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _topological_order(nodes: list[Node], outputs: tuple[str, ...], source: str) -> list[Node]:
@@ -326,14 +385,13 @@ def _topological_order(nodes: list[Node], outputs: tuple[str, ...], source: str)
     return order
 
 
-_ARITY = {"input": (0, 0), "add": (2, None), "concat": (1, None)}
-
-
 def _check_structure(graph: Graph) -> None:
+    from .rules import rule_for
+
     problems: list[str] = []
     readers: dict[str, str] = {}
     for node in graph.nodes:
-        low, high = _ARITY.get(node.op, (1, 1))
+        low, high = rule_for(node).arity
         if len(node.inputs) < low or (high is not None and len(node.inputs) > high):
             problems.append(f"node '{node.name}' ({node.op}) has {len(node.inputs)} inputs")
         for key in node.parameter_keys().values():

@@ -18,10 +18,9 @@ from math import prod
 
 import torch
 
-from .evaluate import infer_shapes, linear_weight
-from .graph import (
-    Add, BatchNorm, Concat, Conv, Flatten, Graph, Input, Linear,
-)
+from .evaluate import infer_shapes
+from .graph import Graph
+from .rules import Affine, Ties, rule_for, swap_group_axes
 
 
 @dataclass
@@ -66,7 +65,7 @@ class WriteBack:
 
     ``layout`` says how the stored tensor's axes relate to the maps: ``weight`` (``[O, I/G,
     *kernel]``, grouped convs reading input channels of their own group), ``weight_t`` (a
-    Linear stored ``[in, out]``) or ``vector`` (per output channel: biases, BatchNorm γ, β).
+    Linear stored ``[in, out]``), ``conv_transpose`` (``[I, O/G, *kernel]``) or ``vector`` (per output channel: biases, BatchNorm γ, β).
     A missing map means that side is not rescaled here (a conv before BatchNorm has no
     output-side factor: BatchNorm's γ and β carry it).
     """
@@ -91,6 +90,8 @@ class WriteBack:
             log -= per_group.expand(self.groups, self.out_channels // self.groups, in_per_group).reshape(log.shape)
         if self.layout == "weight_t":
             log = log.t()
+        elif self.layout == "conv_transpose":
+            log = swap_group_axes(log, self.groups)
         return torch.exp(log).reshape(*log.shape, *([1] * (ndim - 2)))
 
 
@@ -171,154 +172,77 @@ class RescalingGroups:
         return changed
 
 
-def folded_affine(
-    graph: Graph, node: Linear | Conv, params: Mapping[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor | None, BatchNorm | None]:
-    """The layer's weight and bias in float64 with a following BatchNorm folded in (SPEC §1)."""
-    weight = params[node.weight].to(torch.float64)
-    if isinstance(node, Linear):
-        weight = linear_weight(node, weight)
-    bias = params[node.bias].to(torch.float64) if node.bias is not None else None
-    bn = graph.batchnorm_after(node.name)
-    if bn is None:
-        return weight, bias, None
-    scale, shift = batchnorm_affine(bn, params)
-    weight = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-    bias = shift + scale * (bias if bias is not None else 0.0)
-    return weight, bias, bn
-
-
-def batchnorm_affine(bn: BatchNorm, params: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eval-mode BatchNorm as ``y = scale · x + shift`` per channel, in float64."""
-    gamma = params[bn.weight].to(torch.float64)
-    mean = params[bn.running_mean].to(torch.float64)
-    scale = gamma / torch.sqrt(params[bn.running_var].to(torch.float64) + bn.eps)
-    return scale, params[bn.bias].to(torch.float64) - scale * mean
-
-
-def _is_standalone_batchnorm(graph: Graph, node) -> bool:
-    return isinstance(node, BatchNorm) and graph.folded_into(node) is None
-
-
-class _UnionFind:
-    def __init__(self) -> None:
-        self.parent: list[int] = []
-
-    def make(self, count: int) -> torch.Tensor:
-        start = len(self.parent)
-        self.parent.extend(range(start, start + count))
-        return torch.arange(start, start + count)
-
-    def find(self, x: int) -> int:
-        root = x
-        while self.parent[root] != root:
-            root = self.parent[root]
-        while self.parent[x] != root:
-            self.parent[x], x = root, self.parent[x]
-        return root
-
-    def union(self, a: int, b: int) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            self.parent[max(ra, rb)] = min(ra, rb)
-
-
 def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:
     """Analyse ``graph`` with checkpoint ``params``: groups, DAG parameters, write-back maps."""
     graph.check_parameters(params)
     shapes = infer_shapes(graph, params)
-    uf = _UnionFind()
-    channel_ids: dict[str, torch.Tensor] = {}
-    element_labels: dict[int, str] = {}
-    fixed_elements: list[int] = []
-
+    ties = Ties(graph, shapes)
     for node in graph.nodes:
-        if isinstance(node, Input):
-            ids = uf.make(shapes[node.name][0])
-            fixed_elements.extend(ids.tolist())
-        elif isinstance(node, (Linear, Conv)) or _is_standalone_batchnorm(graph, node):
-            ids = uf.make(shapes[node.name][0])
-            for c, element in enumerate(ids.tolist()):
-                element_labels[element] = f"{node.name}:{c}"
-            if isinstance(node, BatchNorm):
-                fixed_elements.extend(channel_ids[node.inputs[0]].tolist())
-        elif isinstance(node, Flatten):
-            source = channel_ids[node.inputs[0]]
-            ids = source.repeat_interleave(prod(shapes[node.inputs[0]][1:]))
-        elif isinstance(node, Add):
-            ids = channel_ids[node.inputs[0]]
-            for other in node.inputs[1:]:
-                for a, b in zip(ids.tolist(), channel_ids[other].tolist()):
-                    uf.union(a, b)
-        elif isinstance(node, Concat):
-            ids = torch.cat([channel_ids[i] for i in node.inputs])
-        else:
-            ids = channel_ids[node.inputs[0]]
-        channel_ids[node.name] = ids
+        ties.channel_ids[node.name] = rule_for(node).ties(node, ties)
     for name in graph.outputs:
-        fixed_elements.extend(channel_ids[name].tolist())
+        ties.fix(ties.ids(name))
 
-    roots = [uf.find(e) for e in range(len(uf.parent))]
-    fixed_roots = {roots[e] for e in fixed_elements}
-    free_roots = sorted({r for r in roots if r not in fixed_roots})
-    group_of_root = {r: h for h, r in enumerate(free_roots)}
+    roots = ties.roots()
+    fixed_roots = torch.cat(ties.fixed).unique() if ties.fixed else torch.zeros(0, dtype=torch.long)
+    fixed_roots = roots[fixed_roots].unique()
+    is_fixed_root = torch.zeros(len(roots), dtype=torch.bool)
+    is_fixed_root[fixed_roots] = True
+    free_roots = roots[~is_fixed_root[roots]].unique()
     num_free = len(free_roots)
-    group_of_element = torch.tensor([group_of_root.get(r, num_free) for r in roots], dtype=torch.long)
-    num_fixed = len(fixed_roots)
+    group_of_root = torch.full((len(roots),), num_free, dtype=torch.long)
+    group_of_root[free_roots] = torch.arange(num_free)
+    group_of_element = group_of_root[roots]
     labels = [""] * num_free
-    for element in sorted(element_labels, reverse=True):
+    for element in sorted(ties.labels, reverse=True):
         h = int(group_of_element[element])
         if h < num_free:
-            labels[h] = element_labels[element]
+            labels[h] = ties.labels[element]
 
-    node_groups = {name: group_of_element[ids] for name, ids in channel_ids.items()}
+    node_groups = {name: group_of_element[ids] for name, ids in ties.channel_ids.items()}
     dag_params: list[DagParam] = []
     writebacks: list[WriteBack] = []
-    fixed_slot = torch.tensor([[num_free]])
     for node in graph.nodes:
-        if _is_standalone_batchnorm(graph, node):
-            scale, shift = batchnorm_affine(node, params)
-            dst, channels = node_groups[node.name], len(scale)
-            dag_params.append(DagParam(f"{node.weight} (BatchNorm scale γ/σ)", node.name, scale, dst.reshape(-1, 1),
-                                       node_groups[node.inputs[0]].reshape(-1, 1), (channels, 1, 1, 1)))
-            dag_params.append(DagParam(f"{node.bias} (BatchNorm shift β − γμ/σ)", node.name, shift, dst.reshape(1, -1),
-                                       fixed_slot, (1, channels, 1, 1)))
-            writebacks.append(WriteBack(node.weight, "vector", dst, None, channels))
-            writebacks.append(WriteBack(node.bias, "vector", dst, None, channels))
-        if not isinstance(node, (Linear, Conv)):
-            continue
-        weight, bias, bn = folded_affine(graph, node, params)
-        out_node = bn.name if bn is not None else node.name
-        dst = node_groups[out_node]
-        src = node_groups[node.inputs[0]]
-        conv_groups = node.groups if isinstance(node, Conv) else 1
-        out_ch, in_per_group = weight.shape[0], weight.shape[1]
-        view = (conv_groups, out_ch // conv_groups, in_per_group, prod(weight.shape[2:]))
-        dst2, src2 = dst.reshape(conv_groups, -1), src.reshape(conv_groups, -1)
-        suffix = f" (BatchNorm '{bn.name}' folded)" if bn is not None else ""
-        dag_params.append(DagParam(f"{node.weight}{suffix}", node.name, weight, dst2, src2, view,
-                                   _self_loops(dst2, src2, num_free)))
-        if bias is not None:
-            label = node.bias if node.bias is not None and bn is None else f"{bn.bias}{suffix}"
-            dag_params.append(DagParam(label, node.name, bias, dst.reshape(1, -1), fixed_slot, (1, out_ch, 1, 1)))
+        affine = rule_for(node).affine(node, graph, params)
+        if affine is not None:
+            _add_layer(node, affine, node_groups, num_free, dag_params, writebacks)
 
-        weight_layout = "weight_t" if isinstance(node, Linear) and node.weight_transposed else "weight"
-        if bn is None:
-            writebacks.append(WriteBack(node.weight, weight_layout, dst, src, out_ch, conv_groups))
-            if node.bias is not None:
-                writebacks.append(WriteBack(node.bias, "vector", dst, None, out_ch))
-        else:
-            writebacks.append(WriteBack(node.weight, weight_layout, None, src, out_ch, conv_groups))
-            writebacks.append(WriteBack(bn.weight, "vector", dst, None, out_ch))
-            writebacks.append(WriteBack(bn.bias, "vector", dst, None, out_ch))
-
-    partial = RescalingGroups(graph, num_free, num_fixed, dag_params, writebacks, labels,
+    partial = RescalingGroups(graph, num_free, len(fixed_roots), dag_params, writebacks, labels,
                               torch.zeros(num_free, dtype=torch.long), torch.zeros(0), torch.zeros(0),
                               node_groups, shapes)
-    n_in, n_out = partial.incidence_sums([torch.ones_like(dp.value) for dp in dag_params])
-    partial.n_in, partial.n_out = n_in, n_out
+    partial.n_in, partial.n_out = _incidence_counts(dag_params, num_free)
     partial.colours = _colour(dag_params, num_free)
     return partial
+
+
+def _add_layer(node, affine: Affine, node_groups: dict[str, torch.Tensor], num_free: int,
+               dag_params: list[DagParam], writebacks: list[WriteBack]) -> None:
+    """The layer's DAG parameters with their group maps, and the write-back of its stored tensors."""
+    dst, src = node_groups[affine.output], node_groups[node.inputs[0]]
+    weight, groups = affine.weight, affine.groups
+    out_ch, in_per_group = weight.shape[0], weight.shape[1]
+    view = (groups, out_ch // groups, in_per_group, prod(weight.shape[2:]))
+    dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
+    dag_params.append(DagParam(affine.weight_label, node.name, weight, dst2, src2, view, _self_loops(dst2, src2, num_free)))
+    if affine.bias is not None:
+        dag_params.append(DagParam(affine.bias_label, node.name, affine.bias, dst.reshape(1, -1),
+                                   torch.tensor([[num_free]]), (1, out_ch, 1, 1)))
+    for stored in affine.stored:
+        writebacks.append(WriteBack(stored.key, stored.layout, dst if stored.output_side else None,
+                                    src if stored.input_side else None, out_ch, groups))
+
+
+def _incidence_counts(dag_params: list[DagParam], num_free: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n_in and n_out per free group: ``incidence_sums`` of all-ones tensors, without building them."""
+    incoming = torch.zeros(num_free + 1, dtype=torch.float64)
+    outgoing = torch.zeros(num_free + 1, dtype=torch.float64)
+    for dp in dag_params:
+        if dp.self_loops is not None:
+            dp.accumulate(torch.ones(dp.view, dtype=torch.float64), incoming, outgoing)
+            continue
+        _, out_per_group, in_per_group, kernel = dp.view
+        incoming.index_add_(0, dp.dst.reshape(-1), torch.full((dp.dst.numel(),), float(in_per_group * kernel), dtype=torch.float64))
+        outgoing.index_add_(0, dp.src.reshape(-1), torch.full((dp.src.numel(),), float(out_per_group * kernel), dtype=torch.float64))
+    return incoming[:-1], outgoing[:-1]
 
 
 def _self_loops(dst: torch.Tensor, src: torch.Tensor, num_free: int) -> torch.Tensor | None:

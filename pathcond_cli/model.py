@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from .graph import BatchNorm, Conv, Graph, Linear
+from .graph import BatchNorm, Graph
+from .rules import rule_for
 
 NON_LEARNABLE_ROLES = ("running_mean", "running_var")
 
@@ -54,9 +55,9 @@ class LoadedModel:
         for name in self.graph.outputs:
             final |= _producing_layers(self.graph, name)
         return sum(
-            self.params[node.weight].shape[1 if isinstance(node, Linear) and node.weight_transposed else 0]
+            rule_for(node).out_channels(node, self.params)
             for node in self.graph.nodes
-            if isinstance(node, (Linear, Conv)) and node.name not in final
+            if rule_for(node).creates_channels and node.name not in final
         )
 
 
@@ -66,7 +67,7 @@ def _producing_layers(graph: Graph, name: str) -> set[str]:
     stack = [name]
     while stack:
         node = graph[stack.pop()]
-        if isinstance(node, (Linear, Conv)):
+        if rule_for(node).creates_channels:
             found.add(node.name)
         elif isinstance(node, BatchNorm) or node.inputs:
             stack.extend(node.inputs)

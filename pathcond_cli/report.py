@@ -15,6 +15,7 @@ from rich.table import Table
 
 from . import __version__
 from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
+from .diag import unused_parameters
 from .objective import degenerate_mask
 
 SCHEMA_VERSION = 2
@@ -83,6 +84,7 @@ def analysis_report(
     model, groups, summary = analysis.model, analysis.groups, analysis.summary
     if degenerate is None:
         degenerate = int(degenerate_mask(groups, analysis.diag).sum())
+    unused = unused_parameters(groups)
     return {
         "schema": SCHEMA_VERSION,
         "pathcond_version": __version__,
@@ -103,9 +105,21 @@ def analysis_report(
         "paths": {"log10": _finite(analysis.paths.log10), "exact": analysis.paths.exact},
         "conditioning": {"before": _conditioning(analysis.conditioning)},
         "diag_g": _diag_section(summary, analysis.diag.log_g, ln_bounds or (summary.ln_low, summary.ln_high)),
-        "warnings": list(model.warnings),
+        "input_shape": [list(node.shape) for node in model.graph.inputs],
+        "unused_parameters": unused,
+        "warnings": list(model.warnings) + _unused_warning(unused, model),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
     }
+
+
+def _unused_warning(unused: dict[str, int], model) -> list[str]:
+    if not unused:
+        return []
+    shapes = ", ".join(str(tuple(node.shape)) for node in model.graph.inputs)
+    where = ", ".join(f"{layer} ({count:,})" for layer, count in unused.items())
+    return [f"{sum(unused.values()):,} DAG parameter(s) lie on no path at input shape {shapes} (conv taps that only "
+            f"see padding): {where}. diag(G) depends on the input size: analyse at the training resolution "
+            "(--input-shape)."]
 
 
 def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]) -> dict[str, Any]:
@@ -198,6 +212,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     summary.add_row("format", report["format"])
     summary.add_row("architecture from", report["arch_source"])
     summary.add_row("device", report["device"])
+    summary.add_row("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"]))
     summary.add_row("parameters", _fmt(report["parameters"]))
     summary.add_row("DAG parameters (p)", _fmt(report["dag_parameters"]))
     summary.add_row("hidden units", _fmt(report["hidden_units"]))

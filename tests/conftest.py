@@ -15,9 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, ReLU,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
+    Scale,
 )
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAXP = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVGP = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_ADAP = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 
 
 class NetBuilder:
@@ -79,10 +86,51 @@ class NetBuilder:
             self.params[f"{name}.bias"] = self._rand(out, scale=0.5 * self.scale)
         node = Conv(name, (src,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None,
                     stride=tup(stride), padding=tup(padding), dilation=tup(dilation), groups=groups)
-        fn = F.conv1d if r == 1 else F.conv2d
-        y = fn(self.dummy[src], torch.zeros(out, shp[0] // groups, *k), None, node.stride, node.padding,
-               node.dilation, groups)
+        y = _CONV[r](self.dummy[src], torch.zeros(out, shp[0] // groups, *k), None, node.stride, node.padding,
+                     node.dilation, groups)
         return self._push(node, y)
+
+    def conv_transpose(self, out: int, k, stride=1, padding=0, output_padding=0, dilation=1, groups: int = 1,
+                       bias: bool = True) -> str:
+        name = self._name("convt")
+        shp = self.shape()
+        r = len(shp) - 1
+        tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
+        k = tup(k)
+        fan_in = shp[0] // groups * math.prod(k)
+        self.params[f"{name}.weight"] = self._rand(shp[0], out // groups, *k, scale=self.scale / math.sqrt(fan_in))
+        if bias:
+            self.params[f"{name}.bias"] = self._rand(out, scale=0.5 * self.scale)
+        node = ConvTranspose(name, (self.cur,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None,
+                             stride=tup(stride), padding=tup(padding), output_padding=tup(output_padding),
+                             dilation=tup(dilation), groups=groups)
+        y = _CONV_T[r](self.dummy[self.cur], torch.zeros(shp[0], out // groups, *k), None, node.stride, node.padding,
+                       node.output_padding, groups, node.dilation)
+        return self._push(node, y)
+
+    def prelu(self, per_channel: bool = True) -> str:
+        name = self._name("prelu")
+        count = self.shape()[0] if per_channel else 1
+        self.params[f"{name}.weight"] = (torch.rand(count, generator=self.gen, dtype=torch.float64) * 0.6 - 0.1).to(self.dtype)
+        return self._push(PReLU(name, (self.cur,), weight=f"{name}.weight"), self.dummy[self.cur])
+
+    def scale_by(self, factor: float) -> str:
+        return self._push(Scale(self._name("scale"), (self.cur,), factor=factor), self.dummy[self.cur])
+
+    def pad(self, begin, end) -> str:
+        r = len(self.shape()) - 1
+        tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
+        node = Pad(self._name("pad"), (self.cur,), begin=tup(begin), end=tup(end))
+        pads = [v for b, e in reversed(list(zip(node.begin, node.end))) for v in (b, e)]
+        return self._push(node, F.pad(self.dummy[self.cur], pads))
+
+    def shuffle(self, groups: int) -> str:
+        return self._push(ChannelShuffle(self._name("shuffle"), (self.cur,), groups=groups), self.dummy[self.cur])
+
+    def slice(self, start: int, stop: int, src: str | None = None) -> str:
+        src = src or self.cur
+        return self._push(ChannelSlice(self._name("slice"), (src,), start=start, stop=stop),
+                          self.dummy[src][:, start:stop])
 
     def bn(self, eps: float = 1e-5) -> str:
         name = self._name("bn")
@@ -113,8 +161,7 @@ class NetBuilder:
         stride = k if stride is None else stride
         node = MaxPool(self._name("maxpool"), (self.cur,), kernel=tup(k), stride=tup(stride), padding=tup(padding),
                        dilation=tup(dilation), ceil_mode=ceil_mode)
-        fn = F.max_pool1d if r == 1 else F.max_pool2d
-        y = fn(self.dummy[self.cur], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=ceil_mode)
+        y = _MAXP[r](self.dummy[self.cur], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=ceil_mode)
         return self._push(node, y)
 
     def avgpool(self, k, stride=None, padding=0, ceil_mode=False, count_include_pad=True) -> str:
@@ -123,16 +170,14 @@ class NetBuilder:
         stride = k if stride is None else stride
         node = AvgPool(self._name("avgpool"), (self.cur,), kernel=tup(k), stride=tup(stride), padding=tup(padding),
                        ceil_mode=ceil_mode, count_include_pad=count_include_pad)
-        fn = F.avg_pool1d if r == 1 else F.avg_pool2d
-        y = fn(self.dummy[self.cur], node.kernel, node.stride, node.padding, ceil_mode, count_include_pad)
+        y = _AVGP[r](self.dummy[self.cur], node.kernel, node.stride, node.padding, ceil_mode, count_include_pad)
         return self._push(node, y)
 
     def adaptive(self, size) -> str:
         r = len(self.shape()) - 1
         size = (size,) * r if isinstance(size, int) else tuple(size)
-        fn = F.adaptive_avg_pool1d if r == 1 else F.adaptive_avg_pool2d
         return self._push(AdaptiveAvgPool(self._name("apool"), (self.cur,), output_size=size),
-                          fn(self.dummy[self.cur], size))
+                          _ADAP[r](self.dummy[self.cur], size))
 
     def flatten(self) -> str:
         return self._push(Flatten(self._name("flat"), (self.cur,)), self.dummy[self.cur].flatten(1))
@@ -308,6 +353,91 @@ def cnn_bn_residual(seed=0, dtype=torch.float64):
     return b.build()
 
 
+def prelu_scale_net(seed=0, dtype=torch.float64):
+    """PReLU (per channel and shared), Mul/Div by constants (a negative one included)."""
+    b = NetBuilder((1, 4, 4), seed, dtype)
+    b.conv(2, 2); b.prelu(); b.scale_by(0.5); b.maxpool(2, stride=1)
+    b.flatten(); b.linear(3); b.prelu(per_channel=False); b.scale_by(-3.0); b.linear(2)
+    return b.build()
+
+
+def pad_net(seed=0, dtype=torch.float64):
+    """Zero padding (asymmetric) before a conv and before a max-pool."""
+    b = NetBuilder((1, 3, 3), seed, dtype)
+    b.pad((1, 0), (0, 2)); b.conv(2, 2); b.relu(); b.pad(1, 1); b.maxpool(2, stride=2, ceil_mode=True)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+def shuffle_split_net(seed=0, dtype=torch.float64):
+    """ShuffleNetV2's unit: split the channels, transform one half, concat, shuffle."""
+    b = NetBuilder((1, 3, 3), seed, dtype)
+    stem = b.relu(b.conv(4, 1))
+    left = b.slice(0, 2, src=stem)
+    right = b.slice(2, 4, src=stem)
+    b.conv(2, 1, src=right); b.relu(); b.conv(2, 3, padding=1, groups=2); right = b.relu()
+    b.concat(left, right); b.shuffle(2)
+    b.conv(2, 1); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def conv_transpose_net(seed=0, dtype=torch.float64):
+    """U-Net-style decoder: a grouped strided ConvTranspose with BatchNorm, then a dilated one."""
+    b = NetBuilder((2, 2, 2), seed, dtype)
+    b.conv_transpose(4, 3, stride=2, padding=1, output_padding=1, groups=2, bias=False); b.bn(); b.relu()
+    b.conv_transpose(2, 2, dilation=2); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def conv_transpose_1d_net(seed=0, dtype=torch.float64):
+    b = NetBuilder((2, 3), seed, dtype)
+    b.conv_transpose(2, 3, stride=2, padding=1); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def conv3d_net(seed=0, dtype=torch.float64, ceil_mode=True, count_include_pad=False):
+    """3-D conv, ConvTranspose, max and average pooling (ceil mode, padding)."""
+    b = NetBuilder((1, 3, 3, 2), seed, dtype)
+    b.conv(2, (2, 2, 1), padding=(1, 0, 0)); b.relu()
+    b.maxpool((3, 2, 2), stride=2, ceil_mode=ceil_mode)
+    b.conv_transpose(2, (2, 1, 1), stride=(2, 1, 1)); b.relu()
+    b.avgpool((2, 1, 1), stride=(2, 1, 1), padding=(1, 0, 0), ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+def ceil_pool_net(seed=0, dtype=torch.float64, rank=2, is_max=True, padding=0, count_include_pad=True):
+    """A pooling whose last ceil-mode window starts inside the input or hangs over the edge."""
+    shape = {1: (1, 6), 2: (1, 6, 5), 3: (1, 4, 4, 3)}[rank]
+    b = NetBuilder(shape, seed, dtype)
+    b.conv(2, 1); b.relu()
+    if is_max:
+        b.maxpool(3, stride=2, padding=padding, ceil_mode=True)
+    else:
+        b.avgpool(3, stride=2, padding=padding, ceil_mode=True, count_include_pad=count_include_pad)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+CEIL_POOLS = {
+    f"ceil_{'max' if is_max else 'avg'}{rank}d_pad{padding}{'' if is_max else ('_incl' if incl else '_excl')}":
+        (lambda seed=0, dtype=torch.float64, rank=rank, is_max=is_max, padding=padding, incl=incl:
+         ceil_pool_net(seed, dtype, rank, is_max, padding, incl))
+    for rank in (1, 2, 3) for is_max in (True, False) for padding in (0, 1)
+    for incl in ((True,) if is_max else (True, False))
+}
+
+NEW_OPS = {
+    "prelu_scale": prelu_scale_net,
+    "pad": pad_net,
+    "shuffle_split": shuffle_split_net,
+    "conv_transpose": conv_transpose_net,
+    "conv_transpose_1d": conv_transpose_1d_net,
+    "conv3d": conv3d_net,
+    "conv3d_floor_incl": lambda seed=0, dtype=torch.float64: conv3d_net(seed, dtype, False, True),
+    **CEIL_POOLS,
+}
+
 CATALOGUE = {
     "mlp": mlp,
     "mlp_nobias_transposed": lambda seed=0, dtype=torch.float64: mlp(seed, dtype, bias=False, transposed=True),
@@ -329,6 +459,7 @@ CATALOGUE = {
     "mlp_bottleneck": mlp_bottleneck,
     "self_loop": self_loop,
     "maxpool_dilated": maxpool_dilated,
+    **NEW_OPS,
 }
 
 

@@ -31,9 +31,16 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, ReLU,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
+    Scale,
 )
+
+_CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
+_CONV_T = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}
+_MAXP = {3: F.max_pool1d, 4: F.max_pool2d, 5: F.max_pool3d}
+_AVGP = {3: F.avg_pool1d, 4: F.avg_pool2d, 5: F.avg_pool3d}
+_ADAP = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,8 +68,12 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             y = F.linear(xs[0], w, P[node.bias] if node.bias else None)
         elif isinstance(node, Conv):
             w = P[node.weight]
-            fn = F.conv1d if w.dim() == 3 else F.conv2d
-            y = fn(xs[0], w, P[node.bias] if node.bias else None, node.stride, node.padding, node.dilation, node.groups)
+            y = _CONV[w.dim()](xs[0], w, P[node.bias] if node.bias else None, node.stride, node.padding, node.dilation,
+                               node.groups)
+        elif isinstance(node, ConvTranspose):
+            w = P[node.weight]
+            y = _CONV_T[w.dim()](xs[0], w, P[node.bias] if node.bias else None, node.stride, node.padding,
+                                 node.output_padding, node.groups, node.dilation)
         elif isinstance(node, BatchNorm):
             y = F.batch_norm(xs[0], P[node.running_mean].clone(), P[node.running_var].clone(), P[node.weight],
                              P[node.bias], training=train, momentum=0.0, eps=node.eps)
@@ -70,17 +81,28 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             y = F.relu(xs[0])
         elif isinstance(node, LeakyReLU):
             y = F.leaky_relu(xs[0], node.negative_slope)
+        elif isinstance(node, PReLU):
+            y = F.prelu(xs[0], P[node.weight].reshape(-1))
         elif isinstance(node, Identity):
             y = xs[0]
+        elif isinstance(node, Scale):
+            y = xs[0] * node.factor
+        elif isinstance(node, Pad):
+            pads = []
+            for b, e in reversed(list(zip(node.begin, node.end))):
+                pads += [b, e]
+            y = F.pad(xs[0], pads)
+        elif isinstance(node, ChannelShuffle):
+            n, c = xs[0].shape[:2]
+            y = xs[0].reshape(n, node.groups, c // node.groups, *xs[0].shape[2:]).transpose(1, 2).reshape(xs[0].shape)
+        elif isinstance(node, ChannelSlice):
+            y = xs[0][:, node.start:node.stop]
         elif isinstance(node, MaxPool):
-            fn = F.max_pool1d if xs[0].dim() == 3 else F.max_pool2d
-            y = fn(xs[0], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode)
+            y = _MAXP[xs[0].dim()](xs[0], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode)
         elif isinstance(node, AvgPool):
-            fn = F.avg_pool1d if xs[0].dim() == 3 else F.avg_pool2d
-            y = fn(xs[0], node.kernel, node.stride, node.padding, node.ceil_mode, node.count_include_pad)
+            y = _AVGP[xs[0].dim()](xs[0], node.kernel, node.stride, node.padding, node.ceil_mode, node.count_include_pad)
         elif isinstance(node, AdaptiveAvgPool):
-            fn = F.adaptive_avg_pool1d if xs[0].dim() == 3 else F.adaptive_avg_pool2d
-            y = fn(xs[0], node.output_size)
+            y = _ADAP[xs[0].dim()](xs[0], node.output_size)
         elif isinstance(node, Flatten):
             y = xs[0].flatten(1)
         elif isinstance(node, Add):
@@ -298,8 +320,9 @@ class NeuronDAG:
                 parent[ra] = rb
 
         # weight sharing: all positions of one conv channel share one λ
+        # zero padding: the constant-zero padded neurons take their channel's scale (any is admissible)
         for node in self.graph.nodes:
-            if isinstance(node, Conv):
+            if isinstance(node, (Conv, ConvTranspose, Pad)):
                 elems = self.elements[node.name]
                 C = self.shapes[node.name][0]
                 per = len(elems) // C
@@ -376,6 +399,15 @@ def fold(graph: Graph, node, params) -> tuple[torch.Tensor, torch.Tensor | None]
     W = params[node.weight].to(torch.float64)
     if isinstance(node, Linear) and node.weight_transposed:
         W = W.t()
+    if isinstance(node, ConvTranspose):  # stored [I, O/g, *k] -> canonical [O, I/g, *k], written out
+        I, Opg, ks = W.shape[0], W.shape[1], tuple(W.shape[2:])
+        g = node.groups
+        Ipg = I // g
+        Wc = torch.empty((g * Opg, Ipg, *ks), dtype=torch.float64)
+        for i in range(I):
+            for o in range(Opg):
+                Wc[(i // Ipg) * Opg + o, i % Ipg] = W[i, o]
+        W = Wc
     b = params[node.bias].to(torch.float64) if node.bias else None
     bn = _bn_for(graph, node.name)
     if bn is None:
@@ -426,7 +458,7 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
         xin = node.inputs[0]
         ishape = shapes[xin]
         src = elements[xin]
-        if isinstance(node, (Linear, Conv)):
+        if isinstance(node, (Linear, Conv, ConvTranspose)):
             W, b = fold(graph, node, params)
             if bn_of.get(node.name) is not None:
                 assert _bn_for(graph, node.name) is bn_of[node.name]
@@ -441,6 +473,27 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                 for o in range(O):
                     for i in range(I):
                         edge(src[i], out[o], param=w_start + o * I + i)
+            elif isinstance(node, ConvTranspose):
+                # input position i feeds output position i·s − p + k·d through kernel tap k
+                r = W.dim() - 2
+                O, Ipg, ks = W.shape[0], W.shape[1], tuple(W.shape[2:])
+                C, sp = ishape[0], ishape[1:]
+                s, p, d = _tup(node.stride, r), _tup(node.padding, r), _tup(node.dilation, r)
+                op = _tup(node.output_padding, r)
+                groups = node.groups
+                osp = tuple((sp[j] - 1) * s[j] - 2 * p[j] + d[j] * (ks[j] - 1) + op[j] + 1 for j in range(r))
+                out = new_neurons(node.name, (O, *osp), "affine")
+                Opg = O // groups
+                for o in range(O):
+                    g = o // Opg
+                    for ci in range(Ipg):
+                        c = g * Ipg + ci
+                        for kpos in itertools.product(*(range(k) for k in ks)):
+                            pi = w_start + _flat((o, ci, *kpos), (O, Ipg, *ks))
+                            for ipos in itertools.product(*(range(n) for n in sp)):
+                                opos = tuple(ipos[j] * s[j] - p[j] + kpos[j] * d[j] for j in range(r))
+                                if all(0 <= opos[j] < osp[j] for j in range(r)):
+                                    edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((o, *opos), (O, *osp))], param=pi)
             else:
                 r = W.dim() - 2
                 O, Ipg, ks = W.shape[0], W.shape[1], tuple(W.shape[2:])
@@ -474,12 +527,40 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                         edge(bs, out[f], param=offset + o)
                 offset += b.numel()
             continue
-        if isinstance(node, (ReLU, LeakyReLU, Identity)):
-            kind = {ReLU: "relu", LeakyReLU: "leaky", Identity: "sum"}[type(node)]
+        if isinstance(node, (ReLU, LeakyReLU, Identity, Scale)):
+            kind = {ReLU: "relu", LeakyReLU: "leaky", Identity: "sum", Scale: "sum"}[type(node)]
             extra = {"slope": node.negative_slope} if isinstance(node, LeakyReLU) else {}
             out = new_neurons(node.name, ishape, kind, **extra)
             for a, b_ in zip(src, out):
+                edge(a, b_, const=node.factor if isinstance(node, Scale) else 1.0)
+        elif isinstance(node, PReLU):
+            slopes = params[node.weight].to(torch.float64).flatten().tolist()
+            per = math.prod(ishape[1:])
+            out = new_neurons(node.name, ishape, "leaky")
+            for f, (a, b_) in enumerate(zip(src, out)):
+                G.nodes[b_]["slope"] = slopes[f // per if len(slopes) > 1 else 0]
                 edge(a, b_, const=1.0)
+        elif isinstance(node, Pad):
+            C, sp = ishape[0], ishape[1:]
+            r = len(sp)
+            osp = tuple(sp[j] + node.begin[j] + node.end[j] for j in range(r))
+            out = new_neurons(node.name, (C, *osp), "sum")  # padded positions: no incoming edge, value 0
+            for c in range(C):
+                for ipos in itertools.product(*(range(n) for n in sp)):
+                    opos = tuple(ipos[j] + node.begin[j] for j in range(r))
+                    edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))], const=1.0)
+        elif isinstance(node, (ChannelShuffle, ChannelSlice)):
+            C, sp = ishape[0], ishape[1:]
+            per = math.prod(sp)
+            if isinstance(node, ChannelShuffle):
+                g = node.groups
+                source_of = {j * g + i: i * (C // g) + j for i in range(g) for j in range(C // g)}
+            else:
+                source_of = {c - node.start: c for c in range(node.start, node.stop)}
+            out = new_neurons(node.name, (len(source_of), *sp), "sum")
+            for oc, ic in source_of.items():
+                for f in range(per):
+                    edge(src[ic * per + f], out[oc * per + f], const=1.0)
         elif isinstance(node, Flatten):
             out = new_neurons(node.name, (math.prod(ishape),), "sum")
             for a, b_ in zip(src, out):  # channel-major flattening = same flat order

@@ -240,7 +240,7 @@ def test_rank_problems_name_the_layer():
     assert "layer 'conv' (conv): 'stride' has 3 values, but its input has 2 spatial axes" in message
     assert "layer 'fc' (linear) reads 'conv', which has 2 spatial axes; put a flatten layer before it" in message
     message = spec_error({"layers": [{"name": "x", "type": "input", "shape": [8]}, {"name": "pool", "type": "maxpool", "kernel": 2}]})
-    assert "layer 'pool' (maxpool) needs an input with 1 or 2 spatial axes" in message
+    assert "layer 'pool' (maxpool) needs an input with 1, 2 or 3 spatial axes" in message
 
 
 def test_duplicate_dangling_and_cyclic_layers():

@@ -23,16 +23,24 @@ import torch.nn.functional as F
 
 from ..errors import InputError, UnsupportedModelError
 from ..graph import Graph
+from .movement import UnsupportedMovement, movement_layer
+from .offenders import grouped
 from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
-    "pathcond supports Linear, Conv1d/2d, BatchNorm1d/2d, ReLU, LeakyReLU, Identity, Dropout, "
-    "max/avg/adaptive-avg pooling, flatten, residual add and torch.cat(dim=1)"
+    "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
+    "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero padding, "
+    "multiplication or division by a constant, flatten, channel slices/chunks/splits and shuffles, "
+    "residual add and torch.cat(dim=1)"
 )
 
 
 class _Unsupported(Exception):
     """Why one fx node cannot be part of a ReLU DAG."""
+
+
+class _NotHomogeneous(_Unsupported):
+    """The node computes a function that is not positively homogeneous (grouped by op type)."""
 
 
 def graph_from_module(
@@ -41,16 +49,41 @@ def graph_from_module(
     """The module's ReLU DAG for batch-free ``input_shape`` and its ``state_dict`` tensors.
 
     The module is traced in eval mode (its mode is restored afterwards), since pathcond
-    rescales the inference function. The returned tensors share memory with the module.
+    rescales the inference function, and run once on a zero input so that view, reshape,
+    transpose, split and slicing chains are resolved on concrete shapes. The returned tensors
+    share memory with the module.
     """
     traced = _trace(module, source)
-    spec, problems = _spec_from_trace(traced)
+    values = _run_on_zeros(module, traced, tuple(input_shape))
+    spec, problems = _spec_from_trace(traced, values)
     if problems:
         raise UnsupportedModelError(
             f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems
         )
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
     return graph, {key: tensor.detach() for key, tensor in module.state_dict().items()}
+
+
+def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule, input_shape: tuple[int, ...]) -> dict[torch.fx.Node, Any]:
+    """The value of every fx node on a zero input of batch 1, in eval mode (as far as it runs)."""
+    values: dict[torch.fx.Node, Any] = {}
+
+    class Recorder(torch.fx.Interpreter):
+        def run_node(self, node: torch.fx.Node) -> Any:
+            values[node] = super().run_node(node)
+            return values[node]
+
+    floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            Recorder(traced).run(torch.zeros((1, *input_shape), dtype=floats[0] if floats else torch.float32))
+    except Exception:  # noqa: BLE001 - user code; the nodes it did not reach are reported where used
+        pass
+    finally:
+        module.train(was_training)
+    return values
 
 
 def load_factory(spec: str) -> nn.Module:
@@ -103,7 +136,7 @@ def _trace(module: nn.Module, source: str) -> torch.fx.GraphModule:
         module.train(was_training)
 
 
-def _spec_from_trace(traced: torch.fx.GraphModule) -> tuple[dict[str, Any], list[str]]:
+def _spec_from_trace(traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any]) -> tuple[dict[str, Any], list[str]]:
     """The architecture spec of a traced module, and every reason it is not a ReLU DAG."""
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
@@ -111,23 +144,115 @@ def _spec_from_trace(traced: torch.fx.GraphModule) -> tuple[dict[str, Any], list
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 1:
         problems.append(f"the module's forward takes {len(placeholders)} inputs; pathcond supports exactly one")
+    moves = _Movements(values, names)
+    offenders: list[tuple[str, str]] = []
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
     for node in traced.graph.nodes:
         if node.op == "output":
-            outputs, output_problems = _outputs(node, names)
+            outputs, output_problems = _outputs(node, names, moves, layers)
             problems += output_problems
             continue
-        if _is_shape_query(node):
-            continue  # batch-size plumbing for view/reshape, checked where it is consumed
+        if _is_shape_query(node) or isinstance(values.get(node), (int, float, torch.Size)):
+            continue  # size arithmetic for view/reshape, checked where it is consumed
         try:
-            layer = _translate(node, modules, traced)
-            inputs = [names[_tensor(arg)] for arg in layer.pop("inputs")]
+            if _is_movement(node):
+                moves.record(node)
+                continue
+            steps = _translate(node, modules, traced, values)
+            for index, layer in enumerate(steps):
+                name = names[node] if index == len(steps) - 1 else f"{names[node]}/{layer['type']}"
+                inputs = ([layers[-1]["name"]] if index else
+                          [moves.layer_input(_tensor(arg), layers) for arg in layer.pop("inputs")])
+                layer.pop("inputs", None)
+                layers.append({"name": name, **({"inputs": inputs} if inputs else {}), **layer})
+        except _NotHomogeneous:
+            offenders.append((_operation(node, modules), node.name))
+            moves.offenders.add(node)
         except _Unsupported as exc:
             problems.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
-            continue
-        layers.append({"name": names[node], **({"inputs": inputs} if inputs else {}), **layer})
+    problems[:0] = grouped(offenders)
+    for node in moves.unresolved():
+        try:
+            moves.layer_input(node, layers)
+        except _Unsupported as exc:
+            problems.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
     return {"layers": layers, "outputs": outputs}, problems
+
+
+class _Movements:
+    """Views, reshapes, transposes, splits and slices: pure data movement, resolved on concrete shapes.
+
+    Each such fx node gets the flat index, into the batch-free elements of the layer it reads
+    from, of each of its elements (the op re-run on an index tensor). Where a layer reads it,
+    the index map must be the identity, a flatten, a channel slice or a channel shuffle.
+    """
+
+    def __init__(self, values: Mapping[torch.fx.Node, Any], names: Mapping[torch.fx.Node, str]):
+        self.values = values
+        self.names = names
+        self.origin: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.index: dict[torch.fx.Node, Any] = {}
+        self.emitted: dict[torch.fx.Node, str] = {}
+        self.offenders: set[torch.fx.Node] = set()
+
+    def record(self, node: torch.fx.Node) -> None:
+        if node not in self.values:
+            raise _Unsupported("the module could not be run on a zero input to resolve its shapes")
+        sources = [a for a in node.all_input_nodes if a in self.index or isinstance(self.values.get(a), torch.Tensor)]
+        if len(sources) != 1:
+            raise _Unsupported("moves data between several tensors")
+        (source,) = sources
+        origin = self.origin.get(source, source)
+        if source not in self.index and not isinstance(self.values.get(source), torch.Tensor):
+            raise _Unsupported(f"{source.name} is not a tensor")
+        start = self.index.get(source)
+        if start is None:
+            shape = self.values[source].shape
+            start = torch.arange(shape.numel() // shape[0]).reshape(1, *shape[1:])
+
+        def substitute(arg: torch.fx.Node) -> Any:
+            return start if arg is source else self.values[arg]
+
+        args = torch.fx.node.map_arg(node.args, substitute)
+        kwargs = torch.fx.node.map_arg(node.kwargs, substitute)
+        try:
+            if node.op == "call_method":
+                result = getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                result = node.target(*args, **kwargs)
+        except (RuntimeError, TypeError, IndexError, ValueError) as exc:
+            raise _Unsupported(f"cannot be replayed on its input's index map ({exc})") from None
+        self.origin[node], self.index[node] = origin, result
+
+    def unresolved(self) -> list[torch.fx.Node]:
+        """Movements that a translatable layer reads but none took (its reader failed otherwise).
+
+        Movements feeding only non-homogeneous operations (attention's head reshapes) are not
+        reported again: the operation already is.
+        """
+        return [node for node in self.index if node not in self.emitted
+                and any(user not in self.index and user not in self.offenders for user in node.users)]
+
+    def layer_input(self, arg: torch.fx.Node, layers: list[dict[str, Any]]) -> str:
+        """The spec layer standing for ``arg``: its own, or one made for a data movement."""
+        if arg not in self.index:
+            return self.names[arg]
+        if arg in self.emitted:
+            return self.emitted[arg]
+        origin, index = self.origin[arg], self.index[arg]
+        if not isinstance(index, torch.Tensor):
+            raise _Unsupported(f"'{arg.name}' is a tuple of tensors, not a tensor")
+        try:
+            layer = movement_layer(tuple(self.values[origin].shape[1:]), index)
+        except UnsupportedMovement as exc:
+            raise _Unsupported(str(exc)) from None
+        if layer is None:
+            self.emitted[arg] = self.names[origin]
+        else:
+            layers.append({"name": self.names[arg], "inputs": [self.names[origin]], **layer})
+            self.emitted[arg] = self.names[arg]
+        return self.emitted[arg]
 
 
 def _layer_names(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
@@ -159,7 +284,8 @@ def _reused_modules(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> 
     ]
 
 
-def _outputs(node: torch.fx.Node, names: Mapping[torch.fx.Node, str]) -> tuple[list[str], list[str]]:
+def _outputs(node: torch.fx.Node, names: Mapping[torch.fx.Node, str], moves: _Movements,
+             layers: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     result = node.args[0]
     values = list(result.values()) if isinstance(result, dict) else result
     values = list(values) if isinstance(values, (list, tuple)) else [values]
@@ -167,7 +293,7 @@ def _outputs(node: torch.fx.Node, names: Mapping[torch.fx.Node, str]) -> tuple[l
     problems: list[str] = []
     for value in values:
         try:
-            outputs.append(names[_tensor(value)])
+            outputs.append(moves.layer_input(_tensor(value), layers))
         except _Unsupported as exc:
             problems.append(f"the module's output: {exc}")
     return outputs, problems
@@ -180,34 +306,68 @@ def _tensor(arg: Any) -> torch.fx.Node:
     return arg
 
 
-def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.Module) -> dict[str, Any]:
-    """The spec layer (without its name; ``inputs`` as fx nodes) for one fx node."""
+def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.Module,
+               values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    """The spec layers (without names; ``inputs`` of the first as fx nodes) for one fx node."""
     if node.op == "placeholder":
-        return {"type": "input", "inputs": []}
+        return [{"type": "input", "inputs": []}]
     if node.op == "call_module":
         module = modules[node.target]
         translate_module = _MODULES.get(type(module))
         if translate_module is None:
-            raise _Unsupported("not supported")
+            raise _Unsupported(_not_supported(type(module).__name__))
         if len(node.args) != 1 or node.kwargs:
             raise _Unsupported("called with more than one argument")
-        return {**translate_module(module, node.target), "inputs": [node.args[0]]}
+        return [{**translate_module(module, node.target), "inputs": [node.args[0]]}]
     if node.op == "call_function":
         if node.target in _ADDITIONS:
-            return _add(node.args, node.kwargs)
+            return [_add(node.args, node.kwargs)]
+        if node.target in _PRODUCTS:
+            return [_scale(node.target, node.args, node.kwargs)]
+        if node.target in _MEANS:
+            return _mean(node.args, node.kwargs, values)
         translate_function = _FUNCTIONS.get(node.target)
         if translate_function is None:
-            raise _Unsupported("not supported")
+            raise _Unsupported(_not_supported(getattr(node.target, "__name__", "")))
         normalized = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
         if normalized is None:
             raise _Unsupported("its arguments cannot be matched to the function's signature")
-        return translate_function(normalized.kwargs)
+        kwargs = normalized.kwargs
+        if translate_function is _pad_function:
+            return [_pad_function(kwargs, _rank(kwargs["input"], values))]
+        return [translate_function(kwargs)]
     if node.op == "call_method":
+        if node.target in ("mul", "mul_", "div", "div_"):
+            return [_scale(node.target, node.args, node.kwargs)]
+        if node.target == "mean":
+            return _mean(node.args, node.kwargs, values)
         translate_method = _METHODS.get(node.target)
         if translate_method is None:
-            raise _Unsupported("not supported")
-        return translate_method(node.args, node.kwargs)
+            raise _Unsupported(_not_supported(node.target))
+        return [translate_method(node.args, node.kwargs)]
     raise _Unsupported("a parameter or constant used outside its module is not supported")
+
+
+_NOT_HOMOGENEOUS = {
+    "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax", "layernorm", "layer_norm", "hardswish",
+    "hardsigmoid", "relu6", "hardtanh", "elu", "selu", "celu", "mish", "softplus", "groupnorm", "group_norm",
+    "instancenorm", "multiheadattention", "scaled_dot_product_attention", "matmul", "bmm", "exp", "clamp", "clip",
+    "sqrt", "pow", "instance_norm", "instancenorm1d", "instancenorm2d", "instancenorm3d", "logsigmoid",
+    "softsign", "tanhshrink", "rrelu", "glu", "swish",
+}
+
+
+def _not_supported(name: str) -> str:
+    if name.lower().rstrip("_") in _NOT_HOMOGENEOUS:
+        raise _NotHomogeneous()
+    return "not supported"
+
+
+def _rank(arg: Any, values: Mapping[torch.fx.Node, Any]) -> int:
+    value = values.get(arg) if isinstance(arg, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        raise _Unsupported("the rank of its input is unknown (the module could not be run on a zero input)")
+    return value.dim()
 
 
 def _describe(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> str:
@@ -218,6 +378,15 @@ def _describe(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> str:
     if node.op == "call_method":
         return f"method Tensor.{node.target}"
     return f"{node.op} '{node.target}'"
+
+
+def _operation(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> str:
+    """The operation's name for grouping: module class, function or method name."""
+    if node.op == "call_module":
+        return type(modules[node.target]).__name__
+    if node.op == "call_function":
+        return _qualified_name(node.target)
+    return f"Tensor.{node.target}"
 
 
 _PUBLIC_MODULE_NAMES = {"torch._C._nn": "torch.nn.functional", "_operator": "operator"}
@@ -260,6 +429,30 @@ def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> int | tuple[int, ...]:
             raise _Unsupported("padding='same' with an even receptive field pads asymmetrically")
         return tuple(total // 2 for total in totals)
     return module.padding
+
+
+def _conv_transpose(module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, target: str) -> dict[str, Any]:
+    if module.padding_mode != "zeros":
+        raise _Unsupported(f"padding_mode='{module.padding_mode}' is not supported (only zero padding)")
+    return {
+        "type": "conv_transpose", "weight": f"{target}.weight", "bias": _bias_key(module, target),
+        "stride": module.stride, "padding": module.padding, "output_padding": module.output_padding,
+        "dilation": module.dilation, "groups": module.groups,
+    }
+
+
+def _prelu(module: nn.PReLU, target: str) -> dict[str, Any]:
+    return {"type": "prelu", "weight": f"{target}.weight"}
+
+
+def _pad_module(module: nn.ConstantPad1d | nn.ConstantPad2d | nn.ConstantPad3d, target: str) -> dict[str, Any]:
+    rank = {nn.ConstantPad1d: 1, nn.ConstantPad2d: 2, nn.ConstantPad3d: 3, nn.ZeroPad1d: 1, nn.ZeroPad2d: 2,
+            nn.ZeroPad3d: 3}[type(module)]
+    return _pad({"pad": module.padding, "mode": "constant", "value": module.value}, rank + 2)
+
+
+def _channel_shuffle_module(module: nn.ChannelShuffle, target: str) -> dict[str, Any]:
+    return {"type": "channel_shuffle", "groups": module.groups}
 
 
 def _batchnorm(module: nn.BatchNorm1d | nn.BatchNorm2d, target: str) -> dict[str, Any]:
@@ -338,6 +531,56 @@ def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Cal
 # -- functions and methods -------------------------------------------------------------------
 
 
+def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end."""
+    if args.get("mode", "constant") != "constant" or (args.get("value") or 0) != 0:
+        raise _Unsupported(f"only constant zero padding is supported (mode={args.get('mode')!r}, value={args.get('value')!r})")
+    pad = list(args["pad"])
+    spatial = rank - 2
+    if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) or v < 0 for v in pad):
+        raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pad={tuple(pad)})")
+    pairs = [(0, 0)] * (spatial - len(pad) // 2) + [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
+    return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs]}
+
+
+def _pad_function(kwargs: Mapping[str, Any], rank: int) -> dict[str, Any]:
+    return {**_pad(kwargs, rank), "inputs": [kwargs["input"]]}
+
+
+def _scale(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``x * c``, ``c * x``, ``x / c``: a fixed edge of weight c (1/c)."""
+    if len(args) != 2 or kwargs:
+        raise _Unsupported("only a product or quotient of a tensor and a number is supported")
+    tensors = [a for a in args if isinstance(a, torch.fx.Node)]
+    numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    if len(tensors) == 2:
+        raise _NotHomogeneous()
+    if len(tensors) != 1 or len(numbers) != 1:
+        raise _Unsupported("only a product or quotient of a tensor and a number is supported")
+    divides = getattr(target, "__name__", target) in ("truediv", "div", "div_", "itruediv")
+    if divides and args[0] is not tensors[0]:
+        raise _Unsupported("dividing a number by a tensor is not homogeneous")
+    factor = float(numbers[0])
+    if divides:
+        if factor == 0:
+            raise _Unsupported("division by zero")
+        factor = 1.0 / factor
+    return {"type": "scale", "factor": factor, "inputs": tensors}
+
+
+def _mean(args: Sequence[Any], kwargs: Mapping[str, Any], values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    """``x.mean([2, 3])`` / ``torch.mean(x, (2, 3), keepdim=...)`` over every spatial axis: global average pooling."""
+    x = args[0]
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    rank = _rank(x, values)
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    if set(kwargs) - {"dim", "keepdim"} or rank < 3 or sorted(d % rank for d in dims) != list(range(2, rank)):
+        raise _Unsupported(f"only a mean over every spatial axis is supported (dims {dims} of a rank-{rank} input)")
+    pool = {"type": "adaptive_avgpool", "output_size": [1] * (rank - 2), "inputs": [x]}
+    return [pool] if keepdim else [pool, {"type": "flatten"}]
+
+
 def _dropout(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if kwargs.get("training", True):
         raise _Unsupported("training=True applies dropout at inference too")
@@ -356,21 +599,6 @@ def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if not all(isinstance(arg, torch.fx.Node) for arg in args):
         raise _Unsupported("adding a constant is not supported (only tensor + tensor)")
     return {"type": "add", "inputs": list(args)}
-
-
-def _flatten_method(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    start_dim = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
-    end_dim = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
-    return {**_flatten(start_dim, end_dim), "inputs": [args[0]]}
-
-
-def _view_as_flatten(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    shape = args[1:]
-    if len(shape) == 1 and isinstance(shape[0], (list, tuple)):
-        shape = tuple(shape[0])
-    if kwargs or len(shape) != 2 or not _is_batch_size(shape[0]) or shape[1] != -1:
-        raise _Unsupported("only x.view(x.size(0), -1) / x.reshape(x.size(0), -1) flattening is supported")
-    return {"type": "flatten", "inputs": [args[0]]}
 
 
 def _relu_method(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -394,22 +622,25 @@ def _is_shape_query(node: torch.fx.Node) -> bool:
     return _is_whole_shape(node)
 
 
-def _is_batch_size(value: Any) -> bool:
-    """``x.size(0)``, ``x.shape[0]`` or ``x.size()[0]``."""
-    if not isinstance(value, torch.fx.Node):
-        return False
-    if value.op == "call_method" and value.target == "size":
-        return value.args[1:] == (0,) or (len(value.args) == 1 and value.kwargs == {"dim": 0})
-    return value.op == "call_function" and value.target is operator.getitem and value.args[1] == 0 \
-        and _is_whole_shape(value.args[0])
-
-
 _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.Linear: _linear,
     nn.Conv1d: _conv,
     nn.Conv2d: _conv,
+    nn.Conv3d: _conv,
+    nn.ConvTranspose1d: _conv_transpose,
+    nn.ConvTranspose2d: _conv_transpose,
+    nn.ConvTranspose3d: _conv_transpose,
     nn.BatchNorm1d: _batchnorm,
     nn.BatchNorm2d: _batchnorm,
+    nn.BatchNorm3d: _batchnorm,
+    nn.PReLU: _prelu,
+    nn.ZeroPad1d: _pad_module,
+    nn.ZeroPad2d: _pad_module,
+    nn.ZeroPad3d: _pad_module,
+    nn.ConstantPad1d: _pad_module,
+    nn.ConstantPad2d: _pad_module,
+    nn.ConstantPad3d: _pad_module,
+    nn.ChannelShuffle: _channel_shuffle_module,
     nn.ReLU: _fixed("relu"),
     nn.LeakyReLU: _by_attributes(_leaky_relu),
     nn.Identity: _fixed("identity"),
@@ -418,10 +649,13 @@ _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.Dropout2d: _fixed("identity"),
     nn.MaxPool1d: _by_attributes(_max_pool),
     nn.MaxPool2d: _by_attributes(_max_pool),
+    nn.MaxPool3d: _by_attributes(_max_pool),
     nn.AvgPool1d: _by_attributes(_avg_pool),
     nn.AvgPool2d: _by_attributes(_avg_pool),
+    nn.AvgPool3d: _by_attributes(_avg_pool),
     nn.AdaptiveAvgPool1d: _by_attributes(_adaptive_avg_pool),
     nn.AdaptiveAvgPool2d: _by_attributes(_adaptive_avg_pool),
+    nn.AdaptiveAvgPool3d: _by_attributes(_adaptive_avg_pool),
     nn.Flatten: _by_attributes(_flatten_args),
 }
 
@@ -433,13 +667,35 @@ _FUNCTIONS: dict[Callable[..., Any], Callable[[Mapping[str, Any]], dict[str, Any
     F.dropout: _with_input(_dropout),
     F.max_pool1d: _with_input(_max_pool),
     F.max_pool2d: _with_input(_max_pool),
+    F.max_pool3d: _with_input(_max_pool),
     F.avg_pool1d: _with_input(_avg_pool),
     F.avg_pool2d: _with_input(_avg_pool),
+    F.avg_pool3d: _with_input(_avg_pool),
     F.adaptive_avg_pool1d: _with_input(_adaptive_avg_pool),
     F.adaptive_avg_pool2d: _with_input(_adaptive_avg_pool),
-    torch.flatten: _with_input(_flatten_args),
+    F.adaptive_avg_pool3d: _with_input(_adaptive_avg_pool),
+    F.pad: _pad_function,
     torch.cat: _cat,
 }
+
+_PRODUCTS = (operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div)
+_MEANS = (torch.mean,)
+
+# Pure data movement, replayed on index tensors (see _Movements).
+_MOVEMENT_FUNCTIONS = (
+    torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
+    torch.unsqueeze, torch.narrow, torch.channel_shuffle, F.channel_shuffle, operator.getitem,
+)
+_MOVEMENT_METHODS = (
+    "view", "reshape", "flatten", "transpose", "permute", "contiguous", "chunk", "split", "squeeze", "unsqueeze",
+    "narrow", "__getitem__",
+)
+
+
+def _is_movement(node: torch.fx.Node) -> bool:
+    if node.op == "call_function":
+        return node.target in _MOVEMENT_FUNCTIONS
+    return node.op == "call_method" and node.target in _MOVEMENT_METHODS
 
 # torch.add's schema is ambiguous to fx's normaliser, so additions read the raw arguments.
 _ADDITIONS = (operator.add, operator.iadd, torch.add)
@@ -449,7 +705,4 @@ _METHODS: dict[str, Callable[[Sequence[Any], Mapping[str, Any]], dict[str, Any]]
     "relu_": _relu_method,
     "add": _add,
     "add_": _add,
-    "flatten": _flatten_method,
-    "view": _view_as_flatten,
-    "reshape": _view_as_flatten,
 }

@@ -12,8 +12,10 @@ so every other byte of the model (opset, producer, doc strings, untouched tensor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from math import prod
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,10 +28,13 @@ from onnx import external_data_helper, numpy_helper
 from ..errors import InputError, UnsupportedModelError
 from ..fileio import atomic_write, output_error_from
 from ..graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, Node, ReLU,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
+    Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale,
 )
 from ..model import LoadedModel
+from .movement import UnsupportedMovement, movement_layer
+from .offenders import grouped
+from .spec import LAYER_TYPES
 
 MIN_OPSET = 13
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -54,12 +59,18 @@ _SHAPE_QUERIES = ("Shape", "Size")
 _NOT_HOMOGENEOUS = {
     "Sigmoid", "Tanh", "Gelu", "Erf", "Softmax", "LogSoftmax", "LayerNormalization", "Elu", "Selu",
     "Celu", "Softplus", "Softsign", "HardSigmoid", "HardSwish", "Mish", "Exp", "Log", "Sqrt", "Pow",
-    "InstanceNormalization", "GroupNormalization", "LpNormalization",
+    "InstanceNormalization", "GroupNormalization", "LpNormalization", "Clip", "Reciprocal", "Div", "Mul",
+    "MatMul", "Einsum", "Attention", "Cos", "Sin", "Abs", "Neg", "ReduceMax", "ReduceSum", "ReduceL2", "Tan",
+    "HardSwish", "Swish", "ThresholdedRelu", "Shrink",
 }
 
 
 class _Unsupported(Exception):
     """Why one ONNX node cannot become part of the ReLU DAG (collected, never shown alone)."""
+
+
+class _NotHomogeneous(_Unsupported):
+    """The node computes a function that is not positively homogeneous (grouped by op type)."""
 
 
 # --------------------------------------------------------------------------- reading
@@ -90,6 +101,15 @@ def load_onnx(
     graph = translation.translate(graph_input.name, shape)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
+    for alias, key, node_index, position in translation.splits:
+        # One stored tensor read by several layers (torch.export deduplicates equal tensors,
+        # e.g. zero biases and running means): each extra reader gets its own copy.
+        params[alias] = params[key].clone()
+        copy = onnx.TensorProto()
+        copy.CopyFrom(translation.initializers[key])
+        copy.name = alias
+        model.graph.initializer.append(copy)
+        model.graph.node[node_index].input[position] = alias
     files = [] if isinstance(source, bytes) else [Path(source), *external]
     return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model, files=files,
                        arch_source="onnx graph")
@@ -363,9 +383,13 @@ class _Translator:
         self.node_shapes: dict[str, tuple[int | None, ...] | None] = {}
         self.node_of_value: dict[str, str] = {}
         self.activations: set[str] = set()
-        self.pending_reshapes: dict[str, str] = {}
+        # Values computed by pure data movement: (source value with a graph node, index map, the op).
+        self.moves: dict[str, tuple[str, torch.Tensor, onnx.NodeProto]] = {}
         self.aliases: dict[str, str] = {}
+        self.claimed: set[str] = set()
+        self.splits: list[tuple[str, str, int, int]] = []
         self.problems: list[str] = []
+        self.offenders: list[tuple[str, str]] = []
 
     # ---- driver
 
@@ -381,11 +405,12 @@ class _Translator:
             self.activations.update(out for out in node.output if out)
             self._translate_node(node)
         outputs = self._outputs()
-        if self.problems:
+        problems = grouped(self.offenders) + self.problems
+        if problems:
             raise UnsupportedModelError(
                 f"{self.label}: the network is not a ReLU DAG pathcond can rescale exactly; "
-                f"{len(self.problems)} problem(s):",
-                self.problems,
+                f"{len(problems)} problem(s):",
+                problems,
             )
         return Graph(list(self.nodes.values()), outputs, source=self.label)
 
@@ -393,8 +418,12 @@ class _Translator:
         handler = _HANDLERS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
         try:
             if handler is None:
+                if node.domain in DEFAULT_DOMAINS and node.op_type in _NOT_HOMOGENEOUS:
+                    raise _NotHomogeneous()
                 raise _Unsupported(_unsupported_reason(node))
             handler(self, node)
+        except _NotHomogeneous:
+            self.offenders.append((_op_label(node), _node_label(node)))
         except _Unsupported as exc:
             self.problems.append(f"node '{_node_label(node)}' ({_op_label(node)}): {exc}")
 
@@ -414,8 +443,11 @@ class _Translator:
         for value in self.graph_outputs:
             if value not in self.activations:
                 self.problems.append(f"graph output '{value}' does not depend on the network input")
-            elif value in self.pending_reshapes:
-                self.problems.append(f"graph output '{value}': {self.pending_reshapes[value]}")
+            elif value in self.moves:
+                try:
+                    outputs.append(self._source(self._materialised(value)))
+                except _Unsupported as exc:
+                    self.problems.append(f"graph output '{value}': {exc}")
             elif value in self.node_of_value:
                 outputs.append(self.node_of_value[value])
         return tuple(outputs)
@@ -442,14 +474,37 @@ class _Translator:
     def _emit_for(self, onnx_node: onnx.NodeProto, make: Callable[..., Node], *inputs: str, **attributes) -> Node:
         """Add the graph node standing for ``onnx_node`` (named after it) reading ``inputs``."""
         node = make(name=self._unique(_node_label(onnx_node)), inputs=tuple(self._source(v) for v in inputs), **attributes)
-        return self._emit(node, onnx_node.output[0])
+        return self._emit(self._claim(onnx_node, node), onnx_node.output[0])
+
+    def _claim(self, onnx_node: onnx.NodeProto, node: Node) -> Node:
+        """``node`` reading its own copy of each initializer another layer (or role) already reads.
+
+        Only initializers that are direct inputs of ``onnx_node`` are split (recorded in
+        ``splits`` and applied to the model on loading); sharing through other nodes is left
+        for the graph to report.
+        """
+        changes: dict[str, str] = {}
+        used: set[int] = set()
+        for role, key in node.parameter_keys().items():
+            positions = [i for i, v in enumerate(onnx_node.input) if v == key and i not in used]
+            used.update(positions[:1])
+            if key not in self.claimed:
+                self.claimed.add(key)
+            elif positions and key in self.initializers:
+                alias, suffix = f"{key}.{role}_of_{_node_label(onnx_node)}", 1
+                while alias in self.initializers or alias in self.producer or alias in self.claimed:
+                    alias, suffix = f"{key}.{role}_of_{_node_label(onnx_node)}_{suffix}", suffix + 1
+                self.claimed.add(alias)
+                self.splits.append((alias, key, self.onnx_nodes.index(onnx_node), positions[0]))
+                changes[role] = alias
+        return dataclasses.replace(node, **changes) if changes else node
 
     def _source(self, value: str) -> str:
         """The graph node producing activation ``value`` (its ONNX name while a problem hides it)."""
         return self.node_of_value.get(value, value)
 
     def _viewed_activation(self, node: onnx.NodeProto) -> str:
-        """Input 0, an activation that may be a reshaped view of the graph node behind it."""
+        """Input 0, an activation that may be a pending data movement of the graph node behind it."""
         value = node.input[0]
         if value not in self.activations:
             raise _Unsupported(f"input 0 ('{value}') is expected to be computed from the network input")
@@ -459,9 +514,50 @@ class _Translator:
         value = node.input[index] if index < len(node.input) else ""
         if value not in self.activations:
             raise _Unsupported(f"input {index} ('{value}') is expected to be computed from the network input")
-        if value in self.pending_reshapes:
-            raise _Unsupported(f"its input '{value}' comes from {self.pending_reshapes[value]}")
+        return self._materialised(value) if value in self.moves else value
+
+    def _materialised(self, value: str) -> str:
+        """A pending data movement turned into the graph node it amounts to (once per value)."""
+        if value in self.node_of_value:
+            return value
+        source, index, op = self.moves[value]
+        batch = index.shape[0]
+        per_example = index.numel() // batch if batch else 0
+        origin_shape = self.node_shapes.get(self._source(source)) or self._batch_free_shape(source)
+        examples = index.reshape(batch, -1) // max(prod(origin_shape), 1)
+        if per_example and not bool((examples == torch.arange(batch)[:, None]).all()):
+            raise _Unsupported(f"its input '{value}' comes from node '{_node_label(op)}' ({op.op_type}), which mixes examples of the batch")
+        try:
+            layer = movement_layer(tuple(origin_shape), index[:1])
+        except UnsupportedMovement as exc:
+            raise _Unsupported(f"its input '{value}' comes from node '{_node_label(op)}' ({op.op_type}): {exc}") from None
+        if layer is None:
+            self.node_of_value[value] = self._source(source)
+        else:
+            kind = layer.pop("type")
+            node = LAYER_TYPES[kind].node(name=self._unique(_node_label(op)), inputs=(self._source(source),), **layer)
+            self._emit(node, value)
         return value
+
+    def _move(self, node: onnx.NodeProto, transform: Callable[[torch.Tensor], torch.Tensor | list[torch.Tensor]]) -> None:
+        """Record ``node`` (Reshape, Transpose, Split, Slice, ...) as data movement of its input 0."""
+        x = self._viewed_activation(node)
+        if x in self.moves:
+            source, index, _ = self.moves[x]
+        else:
+            source = x
+            shape = self.shapes.get(x)
+            if shape is None or any(d is None for d in shape):
+                raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{x}'")
+            index = torch.arange(prod(shape)).reshape(shape)
+        try:
+            results = transform(index)
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise _Unsupported(f"cannot be replayed on its input's index map ({_one_line(exc)})") from None
+        results = results if isinstance(results, list) else [results]
+        for value, result in zip(node.output, results):
+            if value:
+                self.moves[value] = (source, result, node)
 
     def _is_static(self, value: str) -> bool:
         return bool(value) and value not in self.activations
@@ -543,6 +639,17 @@ class _Translator:
             return [_int(constant, "value_int", 0)]
         return None
 
+    def _static_floats(self, value: str) -> list[float] | None:
+        """A small float tensor stored in the model (Mul/Div constants, Pad's value), or None."""
+        key = value
+        while key not in self.initializers and key not in self.constants:
+            producer = self.producer.get(key)
+            if producer is None or producer.op_type not in ("Identity", "Cast"):
+                return None
+            key = producer.input[0]
+        proto = self.initializers.get(key) or _constant_tensor(self.constants[key])
+        return None if proto is None else [float(v) for v in numpy_helper.to_array(proto).reshape(-1)]
+
     def _axes(self, node: onnx.NodeProto) -> list[int] | None:
         """The ``axes`` of a reduction or squeeze: an input from opset 13/18 on, an attribute before."""
         if len(node.input) > 1 and node.input[1]:
@@ -569,7 +676,7 @@ class _Translator:
         if self._rank(x) != 2:
             raise _Unsupported(f"input '{x}' has rank {self._rank(x)}; only (batch, features) inputs are supported")
         if not self._is_static(weight_value):
-            raise _Unsupported("a product of two activations is not a linear layer")
+            raise _NotHomogeneous()
         if self._rank(weight_value) != 2:
             raise _Unsupported(f"weight '{weight_value}' must have rank 2")
         weight = self._weight(weight_value)
@@ -580,18 +687,96 @@ class _Translator:
     def _conv(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
         rank = self._rank(node.input[1])
-        if rank not in (3, 4):
-            raise _Unsupported(f"only 1-d and 2-d convolutions are supported (kernel rank {rank})")
+        if rank not in (3, 4, 5):
+            raise _Unsupported(f"only 1-d, 2-d and 3-d convolutions are supported (kernel rank {rank})")
+        weight = self._plain_weight(node.input[1], "kernel", rank)
+        bias = self._plain_weight(node.input[2], "bias", 1) if len(node.input) > 2 and node.input[2] else None
+        spatial = rank - 2
+        begin, end = _pads(node, spatial)
+        if begin != end:
+            # torch.export folds a ZeroPad before a conv into the conv's (asymmetric) pads.
+            pad = Pad(name=self._unique(f"{_node_label(node)}/pad"), inputs=(self._source(x),), begin=begin, end=end)
+            self._add_node(pad, None)
+            padded = f"{node.output[0]}/padded"
+            self.node_of_value[padded] = pad.name
+            x, begin = padded, (0,) * spatial
+        self._emit_for(
+            node, Conv, x, weight=weight, bias=bias,
+            stride=tuple(_ints(node, "strides", [1] * spatial)),
+            padding=begin,
+            dilation=tuple(_ints(node, "dilations", [1] * spatial)),
+            groups=_int(node, "group", 1),
+        )
+
+    def _conv_transpose(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        rank = self._rank(node.input[1])
+        if rank not in (3, 4, 5):
+            raise _Unsupported(f"only 1-d, 2-d and 3-d transposed convolutions are supported (kernel rank {rank})")
+        if _has(node, "output_shape"):
+            raise _Unsupported("an explicit output_shape is not supported; export with output_padding")
         weight = self._plain_weight(node.input[1], "kernel", rank)
         bias = self._plain_weight(node.input[2], "bias", 1) if len(node.input) > 2 and node.input[2] else None
         spatial = rank - 2
         self._emit_for(
-            node, Conv, x, weight=weight, bias=bias,
+            node, ConvTranspose, x, weight=weight, bias=bias,
             stride=tuple(_ints(node, "strides", [1] * spatial)),
             padding=_symmetric_pads(node, spatial),
+            output_padding=tuple(_ints(node, "output_padding", [0] * spatial)),
             dilation=tuple(_ints(node, "dilations", [1] * spatial)),
             groups=_int(node, "group", 1),
         )
+
+    def _prelu(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        if not self._is_static(node.input[1]):
+            raise _Unsupported("a slope computed from the network input is not a PReLU")
+        weight = self._weight(node.input[1])
+        slope_shape = tuple(self.shapes.get(node.input[1]) or ())
+        channels = self._batch_free_shape(x)[0]
+        # Broadcast against (batch, C, *spatial): one slope, or one per channel on the channel axis.
+        per_channel = len(slope_shape) >= len(self.shapes[x]) - 1 and slope_shape[-(len(self.shapes[x]) - 1)] == channels
+        if weight.transposed or not (prod(slope_shape) == 1 or (prod(slope_shape) == channels and per_channel)):
+            raise _Unsupported(f"only one slope per channel or one shared slope is supported (slope shape {slope_shape})")
+        self._emit_for(node, PReLU, x, weight=weight.key)
+
+    def _scale(self, node: onnx.NodeProto) -> None:
+        """Mul or Div by a stored scalar: a fixed edge of that weight."""
+        static = [i for i, v in enumerate(node.input) if self._is_static(v)]
+        if len(static) != 1:
+            raise _NotHomogeneous()
+        if node.op_type == "Div" and static[0] == 0:
+            raise _Unsupported("dividing a constant by an activation is not homogeneous")
+        constant = self._static_floats(node.input[static[0]])
+        if constant is None or len(constant) != 1:
+            raise _Unsupported(f"only multiplication or division by a stored scalar is supported ('{node.input[static[0]]}')")
+        factor = constant[0]
+        if node.op_type == "Div":
+            if factor == 0:
+                raise _Unsupported("division by zero")
+            factor = 1.0 / factor
+        if not math.isfinite(factor):
+            raise _Unsupported(f"the constant factor {factor} is not finite")
+        self._emit_for(node, Scale, self._activation(node, 1 - static[0]), factor=factor)
+
+    def _pad(self, node: onnx.NodeProto) -> None:
+        x = self._activation(node)
+        mode = _attribute(node, "mode", b"constant")
+        mode = mode.decode() if isinstance(mode, bytes) else mode
+        rank = self._rank(x)
+        pads = self._static_ints(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        value = self._static_floats(node.input[2]) if len(node.input) > 2 and node.input[2] else [0.0]
+        axes = self._static_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else list(range(rank))
+        if mode != "constant" or value != [0.0] and value != [0]:
+            raise _Unsupported(f"only constant zero padding is supported (mode {mode!r}, value {value})")
+        if pads is None or axes is None:
+            raise _Unsupported("its pads and axes must be stored tensors")
+        begin, end = [0] * rank, [0] * rank
+        for axis, before, after in zip(axes, pads[:len(axes)], pads[len(axes):]):
+            begin[axis % rank], end[axis % rank] = before, after
+        if begin[:2] != [0, 0] or end[:2] != [0, 0] or min(begin + end) < 0:
+            raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pads {pads})")
+        self._emit_for(node, Pad, x, begin=tuple(begin[2:]), end=tuple(end[2:]))
 
     def _batch_norm(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
@@ -653,60 +838,85 @@ class _Translator:
     def _reduce_mean(self, node: onnx.NodeProto) -> None:
         """A mean over every spatial axis is global average pooling (torch.export's form of it).
 
-        Its input may be a reshaped view of a graph node (torch.export pools 1-d maps as
-        (C, 1, L)): as long as the channel axis is kept, the mean is over the same elements.
+        Its input may be a data movement of a graph node (torch.export pools 1-d maps as
+        (C, 1, L)): as long as each channel keeps exactly its own elements, the mean is over
+        the same elements.
         """
         x = self._viewed_activation(node)
         rank, axes = self._rank(x), self._axes(node)
         if axes is None or rank < 3 or sorted(a % rank for a in axes) != list(range(2, rank)):
             raise _Unsupported(f"only a mean over all spatial axes is supported (axes {axes} of a rank-{rank} input)")
-        source = self._source(x)
-        channels, *spatial = self.node_shapes.get(source) or self._batch_free_shape(x)
-        if channels != self._batch_free_shape(x)[0] or len(spatial) not in (1, 2):
-            raise _Unsupported(f"its input '{x}' is not a 1-d or 2-d feature map of the graph")
+        if x in self.moves and x not in self.node_of_value:
+            with contextlib.suppress(_Unsupported):
+                self._materialised(x)  # a channel slice or shuffle becomes a node of its own
+        if x in self.moves and x not in self.node_of_value:
+            source, index, _ = self.moves[x]
+            channels, *spatial = self.node_shapes.get(self._source(source)) or self._batch_free_shape(source)
+            per_channel = prod(spatial)
+            own = torch.arange(channels * per_channel).reshape(1, channels, per_channel)
+            if tuple(index.shape[:2]) != (index.shape[0], channels) or not torch.equal(
+                    index[:1].reshape(1, channels, -1).sort(dim=2).values, own):
+                raise _Unsupported(f"its input '{x}' does not keep the channels of '{source}'")
+        else:
+            source = self._activation(node)
+            channels, *spatial = self.node_shapes.get(self._source(source)) or self._batch_free_shape(source)
+        if len(spatial) not in (1, 2, 3):
+            raise _Unsupported(f"its input '{x}' is not a 1-d, 2-d or 3-d feature map of the graph")
         pooled_shape = (channels,) + (1,) * len(spatial)
         pool = self._add_node(
-            AdaptiveAvgPool(name=self._unique(_node_label(node)), inputs=(source,), output_size=(1,) * len(spatial)),
+            AdaptiveAvgPool(name=self._unique(_node_label(node)), inputs=(self._source(source),),
+                            output_size=(1,) * len(spatial)),
             pooled_shape,
         )
         if not _int(node, "keepdims", 1):
             self._emit(Flatten(name=self._unique(f"{pool.name}/flatten"), inputs=(pool.name,)), node.output[0])
             return
-        self.node_of_value[node.output[0]] = pool.name
-        onnx_shape = self._batch_free_shape(node.output[0])
-        if onnx_shape != pooled_shape:
-            self.pending_reshapes[node.output[0]] = (
-                f"node '{_node_label(node)}' (ReduceMean), whose {pooled_shape} result it shapes as {onnx_shape}"
-            )
+        pooled_value = f"{node.output[0]}/pooled"
+        self.node_of_value[pooled_value] = pool.name
+        self.activations.add(pooled_value)
+        out_shape = self._batch_free_shape(node.output[0])
+        batch = self.shapes[x][0]
+        self.moves[node.output[0]] = (pooled_value, torch.arange(batch * channels).reshape(batch, *out_shape), node)
 
     def _reshape(self, node: onnx.NodeProto) -> None:
-        """Reshape, Flatten, Squeeze, Unsqueeze: a flatten to (batch, features), a no-op, or a step between.
+        """Reshape, Flatten, Squeeze, Unsqueeze: data movement to the inferred output shape."""
+        out_shape = self.shapes.get(node.output[0])
+        if out_shape is None or any(d is None for d in out_shape):
+            raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{node.output[0]}'")
+        self._move(node, lambda index: index.reshape(out_shape))
 
-        The shape is compared with that of the graph node behind the input, so a chain such
-        as two Squeezes after global pooling is one flatten; a step that ends nowhere a graph
-        node can represent is reported when something reads it.
-        """
+    def _transpose(self, node: onnx.NodeProto) -> None:
+        perm = _ints(node, "perm", None)
+        self._move(node, lambda index: index.permute(perm) if perm is not None else index.permute(*reversed(range(index.dim()))))
+
+    def _split(self, node: onnx.NodeProto) -> None:
         x = self._viewed_activation(node)
-        if node.op_type == "Flatten" and _int(node, "axis", 1) != 1:
-            raise _Unsupported(f"only axis=1 is supported (axis={_int(node, 'axis', 1)})")
-        if node.op_type in ("Squeeze", "Unsqueeze"):
-            axes = self._axes(node)
-            rank = self._rank(x if node.op_type == "Squeeze" else node.output[0])
-            if axes is None or any(a % rank == 0 for a in axes):
-                raise _Unsupported("its axes must be given and must not include the batch axis")
-        source = self._source(x)
-        before = self.node_shapes.get(source) or self._batch_free_shape(x)
-        after = self._batch_free_shape(node.output[0])
-        if after == before:
-            self._emit_for(node, Identity, x)
-        elif len(after) == 1 and len(before) >= 2 and after[0] == math.prod(before):
-            self._emit_for(node, Flatten, x)
-        else:
-            self.node_of_value[node.output[0]] = source
-            self.pending_reshapes[node.output[0]] = (
-                f"node '{_node_label(node)}' ({node.op_type}), which reshapes {before} to {after} (batch excluded): "
-                "only a flatten to (batch, features) or a no-op is supported"
-            )
+        axis = _int(node, "axis", 0) % self._rank(x)
+        sizes = self._static_ints(node.input[1]) if len(node.input) > 1 and node.input[1] else None
+        if sizes is None:
+            if len(node.input) > 1 and node.input[1]:
+                raise _Unsupported(f"its split sizes '{node.input[1]}' are not a stored tensor")
+            sizes = [self.shapes[out][axis] for out in node.output]
+        self._move(node, lambda index: list(torch.split(index, sizes, dim=axis)))
+
+    def _slice(self, node: onnx.NodeProto) -> None:
+        x = self._viewed_activation(node)
+        rank = self._rank(x)
+        starts, ends = self._static_ints(node.input[1]), self._static_ints(node.input[2])
+        axes = self._static_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else list(range(len(starts or [])))
+        steps = self._static_ints(node.input[4]) if len(node.input) > 4 and node.input[4] else [1] * len(axes or [])
+        if None in (starts, ends, axes, steps):
+            raise _Unsupported("its starts, ends, axes and steps must be stored tensors")
+        if any(step != 1 for step in steps):
+            raise _Unsupported(f"only slices with step 1 are supported (steps {steps})")
+
+        def transform(index: torch.Tensor) -> torch.Tensor:
+            key = [slice(None)] * rank
+            for start, end, axis in zip(starts, ends, axes):
+                key[axis % rank] = slice(start, end)
+            return index[tuple(key)]
+
+        self._move(node, transform)
 
     def _add(self, node: onnx.NodeProto) -> None:
         static = [v for v in node.input if self._is_static(v)]
@@ -741,8 +951,8 @@ class _Translator:
 
     def _spatial_rank(self, value: str) -> int:
         rank = self._rank(value)
-        if rank not in (3, 4):
-            raise _Unsupported(f"pooling needs a 1-d or 2-d feature map ('{value}' has rank {rank})")
+        if rank not in (3, 4, 5):
+            raise _Unsupported(f"pooling needs a 1-d, 2-d or 3-d feature map ('{value}' has rank {rank})")
         return rank - 2
 
 
@@ -750,6 +960,15 @@ _HANDLERS: dict[str, Callable[[_Translator, onnx.NodeProto], None]] = {
     "Gemm": _Translator._gemm,
     "MatMul": _Translator._matmul,
     "Conv": _Translator._conv,
+    "ConvTranspose": _Translator._conv_transpose,
+    "PRelu": _Translator._prelu,
+    "Mul": _Translator._scale,
+    "Div": _Translator._scale,
+    "Pad": _Translator._pad,
+    "Transpose": _Translator._transpose,
+    "Split": _Translator._split,
+    "Slice": _Translator._slice,
+    "Sum": _Translator._add,
     "BatchNormalization": _Translator._batch_norm,
     "Relu": _Translator._relu,
     "LeakyRelu": _Translator._leaky_relu,
@@ -806,19 +1025,24 @@ def _ints(node: onnx.NodeProto, name: str, default: list[int] | None) -> list[in
     return None if value is None else [int(v) for v in value]
 
 
-def _symmetric_pads(node: onnx.NodeProto, spatial: int) -> tuple[int, ...]:
-    """``pads`` as torch's per-axis padding; torch has no asymmetric padding for these ops."""
+def _pads(node: onnx.NodeProto, spatial: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``pads`` as per-axis (begin, end)."""
     auto_pad = _attribute(node, "auto_pad", b"NOTSET")
     auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
     if auto_pad == "VALID":
-        return (0,) * spatial
+        return (0,) * spatial, (0,) * spatial
     if auto_pad != "NOTSET":
         raise _Unsupported(f"auto_pad={auto_pad} is not supported; export with explicit pads")
     pads = _ints(node, "pads", [0] * (2 * spatial))
-    begin, end = pads[:spatial], pads[spatial:]
+    return tuple(pads[:spatial]), tuple(pads[spatial:])
+
+
+def _symmetric_pads(node: onnx.NodeProto, spatial: int) -> tuple[int, ...]:
+    """``pads`` as torch's per-axis padding; torch has no asymmetric padding for these ops."""
+    begin, end = _pads(node, spatial)
     if begin != end:
-        raise _Unsupported(f"asymmetric padding {pads} is not supported")
-    return tuple(begin)
+        raise _Unsupported(f"asymmetric padding {list(begin + end)} is not supported")
+    return begin
 
 
 def _node_label(node: onnx.NodeProto) -> str:
@@ -832,8 +1056,6 @@ def _op_label(node: onnx.NodeProto) -> str:
 def _unsupported_reason(node: onnx.NodeProto) -> str:
     if node.domain not in DEFAULT_DOMAINS:
         return f"operators of domain '{node.domain}' are not supported"
-    if node.op_type in _NOT_HOMOGENEOUS:
-        return "not positively homogeneous, so no rescaling preserves the function (pathcond needs a ReLU network)"
     return "this operator is not supported on the activation path"
 
 

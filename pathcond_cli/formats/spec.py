@@ -32,9 +32,11 @@ import yaml
 
 from ..errors import InputError
 from ..graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, Node, ReLU, node_attributes,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
+    ReLU, Scale, node_attributes,
 )
+from ..rules import Rule, rule_for
 
 FORMAT_VERSION = 1
 MAX_SPEC_BYTES = 10_000_000
@@ -132,6 +134,13 @@ LAYER_TYPES: dict[str, _LayerType] = {
         ("weight", "bias"),
         ("bias",),
     ),
+    "conv_transpose": _LayerType(
+        ConvTranspose,
+        {"stride": _Field(_ints(1), (1,)), "padding": _PADDING, "output_padding": _PADDING, "dilation": _DILATION,
+         "groups": _Field(_int(1), 1)},
+        ("weight", "bias"),
+        ("bias",),
+    ),
     "batchnorm": _LayerType(
         BatchNorm,
         {
@@ -142,7 +151,12 @@ LAYER_TYPES: dict[str, _LayerType] = {
     ),
     "relu": _LayerType(ReLU),
     "leaky_relu": _LayerType(LeakyReLU, {"negative_slope": _Field(_float("a finite number"), 0.01)}),
+    "prelu": _LayerType(PReLU, keys=("weight",)),
     "identity": _LayerType(Identity),
+    "scale": _LayerType(Scale, {"factor": _Field(_float("a finite number"))}),
+    "pad": _LayerType(Pad, {"begin": _PADDING, "end": _PADDING}),
+    "channel_shuffle": _LayerType(ChannelShuffle, {"groups": _Field(_int(1))}),
+    "channel_slice": _LayerType(ChannelSlice, {"start": _Field(_int(0), 0), "stop": _Field(_int(1))}),
     "dropout": _LayerType(Identity, ignored=("p",)),
     "maxpool": _LayerType(
         MaxPool,
@@ -161,15 +175,6 @@ LAYER_TYPES: dict[str, _LayerType] = {
     "add": _LayerType(Add),
     "concat": _LayerType(Concat),
 }
-
-# Fields whose values are given per spatial axis, expanded to the input's spatial rank.
-_PER_AXIS_FIELDS: dict[type[Node], tuple[str, ...]] = {
-    Conv: ("stride", "padding", "dilation"),
-    MaxPool: ("kernel", "stride", "padding", "dilation"),
-    AvgPool: ("kernel", "stride", "padding"),
-    AdaptiveAvgPool: ("output_size",),
-}
-_SUPPORTED_SPATIAL_RANKS = (1, 2)
 
 _TOP_LEVEL_KEYS = ("format_version", "layers", "outputs")
 _COMMON_KEYS = ("name", "type", "inputs")
@@ -447,33 +452,25 @@ def _expand_per_axis_fields(graph: Graph, problems: list[str]) -> list[Node]:
     ranks: dict[str, int] = {}
     expanded: list[Node] = []
     for node in graph.nodes:
-        if isinstance(node, Input):
-            ranks[node.name] = len(node.shape) - 1
-        elif isinstance(node, (Linear, Flatten)):
-            ranks[node.name] = 0
-        else:
-            ranks[node.name] = ranks[node.inputs[0]]
-        rank = ranks[node.inputs[0]] if node.inputs else ranks[node.name]
-        expanded.append(_expand_node(node, rank, problems))
+        rule = rule_for(node)
+        rank = ranks[node.inputs[0]] if node.inputs else 0
+        ranks[node.name] = rule.output_spatial_rank(node, rank)
+        expanded.append(_expand_node(node, rule, rank, problems))
     return expanded
 
 
-def _expand_node(node: Node, rank: int, problems: list[str]) -> Node:
+def _expand_node(node: Node, rule: Rule, rank: int, problems: list[str]) -> Node:
     label = f"layer '{node.name}' ({node.op})"
-    if isinstance(node, Linear) and rank:
-        problems.append(
-            f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it"
-        )
-    names = _PER_AXIS_FIELDS.get(type(node))
-    if names is None:
-        return node
-    if rank not in _SUPPORTED_SPATIAL_RANKS:
-        problems.append(
-            f"{label} needs an input with 1 or 2 spatial axes, but '{node.inputs[0]}' has {rank}"
-        )
+    accepted = rule.input_spatial_ranks
+    if accepted is not None and rank not in accepted:
+        if accepted == (0,):
+            problems.append(f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it")
+        else:
+            shown = " or ".join(filter(None, [", ".join(map(str, accepted[:-1])), str(accepted[-1])]))
+            problems.append(f"{label} needs an input with {shown} spatial axes, but '{node.inputs[0]}' has {rank}")
         return node
     changes = {}
-    for name in names:
+    for name in rule.per_axis_fields:
         value = getattr(node, name)
         if len(value) == 1:
             changes[name] = value * rank
@@ -482,4 +479,3 @@ def _expand_node(node: Node, rank: int, problems: list[str]) -> Node:
                 f"{label}: '{name}' has {len(value)} values, but its input has {rank} spatial axes"
             )
     return replace(node, **changes)
-

@@ -1,0 +1,632 @@
+"""What pathcond knows about each node type: one rule per type, looked up by node class.
+
+A rule holds, for its node type, everything the engine needs:
+
+* ``forward``: the real network in torch (verification, shape inference);
+* ``squared``: the parameter-free node in the squared network of SPEC §3 (fixed constants
+  ``c`` become ``c**power``, homogeneous activations the identity, max-pooling a window sum);
+  layers with DAG parameters give ``weighted`` (their parameterised part, on ψ) instead;
+* ``ties``: the channel ties of SPEC §2 (which output channel is which input channel, which
+  channels are new, which are fixed);
+* ``roles``: the checkpoint tensors it reads and their expected ranks, and for layers with
+  DAG parameters ``affine``: their canonical layout ``[O, I/groups, *kernel]`` and how a
+  rescaling is written back to the stored tensors;
+* ``per_axis_fields`` and the spatial ranks it accepts (the spec format expands scalars).
+
+The interpreters (:mod:`.evaluate`, :mod:`.diag`, :mod:`.groups`) walk the graph and ask
+each node's rule. :func:`rule_for` refuses a node type without a rule, so a new node class
+can never pass through silently (a wrong diag(G) would not be caught by verification).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from .errors import UnsupportedModelError
+from .graph import (
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
+    ReLU, Scale,
+)
+
+ParamLookup = Callable[[str | None], torch.Tensor | None]
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_ADAPTIVE_AVG_POOL = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
+SPATIAL_RANKS = (1, 2, 3)
+
+
+def spatial_rank(x: torch.Tensor) -> int:
+    """Number of spatial axes of a batched ``(N, C, *spatial)`` tensor."""
+    return x.dim() - 2
+
+
+def per_channel(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``vector`` shaped to broadcast over the channel axis of batched ``like``."""
+    return vector.reshape(1, -1, *([1] * (like.dim() - 2)))
+
+
+# --------------------------------------------------------------------------- channel ties
+
+
+class Ties:
+    """What a rule may do to the channel union-find while groups are built (SPEC §2)."""
+
+    def __init__(self, graph: Graph, shapes: Mapping[str, tuple[int, ...]]):
+        self.graph = graph
+        self.shapes = shapes
+        self.parent: list[int] = []
+        self.labels: dict[int, str] = {}
+        self.fixed: list[torch.Tensor] = []
+        self.channel_ids: dict[str, torch.Tensor] = {}
+
+    def ids(self, name: str) -> torch.Tensor:
+        """Channel element ids of node ``name``'s output (one per channel, flattened features for vectors)."""
+        return self.channel_ids[name]
+
+    def new(self, node: Node, count: int, *, fixed: bool = False) -> torch.Tensor:
+        """``count`` new channels created by ``node`` (labelled ``node:channel`` for reports)."""
+        start = len(self.parent)
+        self.parent.extend(range(start, start + count))
+        ids = torch.arange(start, start + count)
+        if fixed:
+            self.fix(ids)
+        else:
+            for c in range(count):
+                self.labels[start + c] = f"{node.name}:{c}"
+        return ids
+
+    def fix(self, ids: torch.Tensor) -> None:
+        self.fixed.append(ids)
+
+    def union(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Tie channel ``a[i]`` to ``b[i]`` for every i (a fixed edge forces one scale)."""
+        for x, y in zip(a.tolist(), b.tolist()):
+            rx, ry = self._find(x), self._find(y)
+            if rx != ry:
+                self.parent[max(rx, ry)] = min(rx, ry)
+
+    def _find(self, x: int) -> int:
+        root = x
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[x] != root:
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def roots(self) -> torch.Tensor:
+        return torch.tensor([self._find(e) for e in range(len(self.parent))], dtype=torch.long)
+
+
+# --------------------------------------------------------------------------- DAG parameters
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One checkpoint tensor a layer's rescaling changes.
+
+    ``layout`` tells how its axes relate to the canonical ``[O, I/groups, *kernel]`` weight:
+    ``weight`` (the same), ``weight_t`` (a Linear stored ``[in, out]``), ``conv_transpose``
+    (``[I, O/groups, *kernel]``) or ``vector`` (one entry per output channel). ``output_side``
+    / ``input_side``: whether ``exp(u_dst)`` / ``exp(−u_src)`` apply to it.
+    """
+
+    key: str
+    layout: str
+    output_side: bool
+    input_side: bool
+
+
+@dataclass
+class Affine:
+    """A layer's DAG parameters in float64 and canonical layout, and the tensors they come from.
+
+    ``weight`` is ``[O, I/groups, *kernel]``, ``bias`` ``[O]`` (or None). ``output`` is the
+    node whose channels are the weight's destinations (a folded BatchNorm's).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    groups: int
+    weight_label: str
+    bias_label: str | None
+    output: str
+    stored: list[Stored]
+
+
+def batchnorm_affine(bn: BatchNorm, params: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval-mode BatchNorm as ``y = scale · x + shift`` per channel, in float64."""
+    gamma = params[bn.weight].to(torch.float64)
+    mean = params[bn.running_mean].to(torch.float64)
+    scale = gamma / torch.sqrt(params[bn.running_var].to(torch.float64) + bn.eps)
+    return scale, params[bn.bias].to(torch.float64) - scale * mean
+
+
+# --------------------------------------------------------------------------- rules
+
+
+class Rule:
+    """Base of every rule; see the module docstring for what each member means."""
+
+    node_type: ClassVar[type[Node]]
+    arity: ClassVar[tuple[int, int | None]] = (1, 1)
+    roles: ClassVar[dict[str, tuple[int, ...]]] = {}
+    per_axis_fields: ClassVar[tuple[str, ...]] = ()
+    # Spatial ranks of the input the node accepts (None: any), for the spec's checks.
+    input_spatial_ranks: ClassVar[tuple[int, ...] | None] = None
+    # A layer that creates channels from DAG weights: BatchNorm right after it is folded in,
+    # and it counts in the paper's hidden units.
+    creates_channels: ClassVar[bool] = False
+
+    def forward(self, node: Node, xs: list[torch.Tensor], param: ParamLookup, train: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def squared(self, node: Node, xs: list[torch.Tensor], power: int) -> torch.Tensor:
+        """The node in the squared network (parameter-free nodes only)."""
+        raise NotImplementedError
+
+    def ties(self, node: Node, ties: Ties) -> torch.Tensor:
+        """Channel ids of the node's output, after recording its ties."""
+        raise NotImplementedError
+
+    def output_spatial_rank(self, node: Node, input_rank: int) -> int:
+        return input_rank
+
+    def affine(self, node: Node, graph: Graph, params: Mapping[str, torch.Tensor]) -> Affine | None:
+        """The node's DAG parameters, or None when it has none (or they are folded elsewhere)."""
+        return None
+
+    def weighted(self, node: Node, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The parameterised part (no bias) with a canonical-layout ``weight``."""
+        raise NotImplementedError
+
+
+class PassThrough(Rule):
+    """A node whose output channel c is input channel c (element-wise or spatial-only)."""
+
+    def ties(self, node: Node, ties: Ties) -> torch.Tensor:
+        return ties.ids(node.inputs[0])
+
+
+class HomogeneousActivation(PassThrough):
+    """Positively homogeneous of degree 1 element-wise: the identity in the squared network."""
+
+    def squared(self, node: Node, xs: list[torch.Tensor], power: int) -> torch.Tensor:
+        return xs[0]
+
+
+class InputRule(Rule):
+    node_type = Input
+    arity = (0, 0)
+
+    def ties(self, node: Input, ties: Ties) -> torch.Tensor:
+        return ties.new(node, node.shape[0], fixed=True)
+
+    def output_spatial_rank(self, node: Input, input_rank: int) -> int:
+        return len(node.shape) - 1
+
+
+class AffineLayer(Rule):
+    """Linear, Conv: weight and optional bias, a BatchNorm that follows folded in (SPEC §1)."""
+
+    creates_channels = True
+
+    def canonical_weight(self, node: Node, stored: torch.Tensor) -> torch.Tensor:
+        """The stored weight as ``[O, I/groups, *kernel]``."""
+        return stored
+
+    def weight_layout(self, node: Node) -> str:
+        return "weight"
+
+    def groups(self, node: Node) -> int:
+        return 1
+
+    def forward(self, node, xs, param, train):
+        y = self.weighted(node, xs[0], self.canonical_weight(node, param(node.weight)))
+        return y if node.bias is None else y + per_channel(param(node.bias), y)
+
+    def ties(self, node: Node, ties: Ties) -> torch.Tensor:
+        return ties.new(node, ties.shapes[node.name][0])
+
+    def out_channels(self, node: Node, params: Mapping[str, torch.Tensor]) -> int:
+        return self.canonical_weight(node, params[node.weight]).shape[0]
+
+    def affine(self, node, graph, params):
+        weight = self.canonical_weight(node, params[node.weight].to(torch.float64))
+        bias = params[node.bias].to(torch.float64) if node.bias is not None else None
+        bn = graph.batchnorm_after(node.name)
+        if bn is None:
+            stored = [Stored(node.weight, self.weight_layout(node), True, True)]
+            if node.bias is not None:
+                stored.append(Stored(node.bias, "vector", True, False))
+            return Affine(weight, bias, self.groups(node), node.weight, node.bias, node.name, stored)
+        # The output-side factor goes to γ and β, never to the pre-BatchNorm weight (SPEC §2).
+        scale, shift = batchnorm_affine(bn, params)
+        weight = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+        bias = shift + scale * (bias if bias is not None else 0.0)
+        suffix = f" (BatchNorm '{bn.name}' folded)"
+        bias_label = (node.bias if node.bias is not None else bn.bias) + suffix
+        stored = [Stored(node.weight, self.weight_layout(node), False, True),
+                  Stored(bn.weight, "vector", True, False), Stored(bn.bias, "vector", True, False)]
+        return Affine(weight, bias, self.groups(node), node.weight + suffix, bias_label, bn.name, stored)
+
+
+class LinearRule(AffineLayer):
+    node_type = Linear
+    roles = {"weight": (2,), "bias": (1,)}
+    input_spatial_ranks = (0,)
+
+    def canonical_weight(self, node: Linear, stored: torch.Tensor) -> torch.Tensor:
+        return stored.t() if node.weight_transposed else stored
+
+    def weight_layout(self, node: Linear) -> str:
+        return "weight_t" if node.weight_transposed else "weight"
+
+    def weighted(self, node, x, weight):
+        return F.linear(x, weight)
+
+    def output_spatial_rank(self, node, input_rank):
+        return 0
+
+
+class ConvRule(AffineLayer):
+    node_type = Conv
+    roles = {"weight": (3, 4, 5), "bias": (1,)}
+    per_axis_fields = ("stride", "padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def groups(self, node: Conv) -> int:
+        return node.groups
+
+    def weighted(self, node: Conv, x, weight):
+        return _CONV[weight.dim() - 2](x, weight, None, node.stride, node.padding, node.dilation, node.groups)
+
+
+class ConvTransposeRule(AffineLayer):
+    """Transposed convolution: its stored ``[I, O/groups, *k]`` weight, per group transposed,
+    is the canonical ``[O, I/groups, *k]`` (output channel o of group g reads that group's inputs)."""
+
+    node_type = ConvTranspose
+    roles = {"weight": (3, 4, 5), "bias": (1,)}
+    per_axis_fields = ("stride", "padding", "output_padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def groups(self, node: ConvTranspose) -> int:
+        return node.groups
+
+    def weight_layout(self, node: ConvTranspose) -> str:
+        return "conv_transpose"
+
+    def canonical_weight(self, node: ConvTranspose, stored: torch.Tensor) -> torch.Tensor:
+        return swap_group_axes(stored, node.groups)
+
+    def weighted(self, node: ConvTranspose, x, weight):
+        stored = swap_group_axes(weight, node.groups)
+        return _CONV_TRANSPOSE[weight.dim() - 2](x, stored, None, node.stride, node.padding, node.output_padding,
+                                                 node.groups, node.dilation)
+
+
+def swap_group_axes(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[A, B, *k]`` with ``A = groups·A'`` as ``[groups·B, A', *k]``: each group's two axes swapped.
+
+    Maps a transposed convolution's stored weight to the canonical layout and back.
+    """
+    a, b, kernel = weight.shape[0] // groups, weight.shape[1], weight.shape[2:]
+    return weight.reshape(groups, a, b, *kernel).transpose(1, 2).reshape(groups * b, a, *kernel)
+
+
+class BatchNormRule(Rule):
+    """BatchNorm: folded into the Linear/Conv before it, or a layer of its own.
+
+    Standalone (after a Concat, in pre-activation blocks) its scale is a diagonal weight
+    (a depthwise 1×1 layer, groups = channels) and its input channels are fixed: batch
+    statistics would undo a rescaling of them in train mode.
+    """
+
+    node_type = BatchNorm
+    roles = {"weight": (1,), "bias": (1,), "running_mean": (1,), "running_var": (1,)}
+
+    def forward(self, node: BatchNorm, xs, param, train):
+        return F.batch_norm(
+            xs[0], param(node.running_mean).clone(), param(node.running_var).clone(), param(node.weight),
+            param(node.bias), training=train, momentum=node.momentum, eps=node.eps,
+        )
+
+    def squared(self, node, xs, power):
+        # Only reached when folded: its scale and shift live in the producer's ψ.
+        return xs[0]
+
+    def ties(self, node: BatchNorm, ties: Ties) -> torch.Tensor:
+        if ties.graph.folded_into(node) is not None:
+            return ties.ids(node.inputs[0])
+        ties.fix(ties.ids(node.inputs[0]))
+        return ties.new(node, ties.shapes[node.name][0])
+
+    def affine(self, node: BatchNorm, graph, params):
+        if graph.folded_into(node) is not None:
+            return None
+        scale, shift = batchnorm_affine(node, params)
+        stored = [Stored(node.weight, "vector", True, False), Stored(node.bias, "vector", True, False)]
+        return Affine(scale.reshape(-1, 1), shift, len(scale), f"{node.weight} (BatchNorm scale γ/σ)",
+                      f"{node.bias} (BatchNorm shift β − γμ/σ)", node.name, stored)
+
+    def weighted(self, node, x, weight):
+        return x * per_channel(weight.reshape(-1), x)
+
+
+class ReLURule(HomogeneousActivation):
+    node_type = ReLU
+
+    def forward(self, node, xs, param, train):
+        return F.relu(xs[0])
+
+
+class LeakyReLURule(HomogeneousActivation):
+    node_type = LeakyReLU
+
+    def forward(self, node: LeakyReLU, xs, param, train):
+        return F.leaky_relu(xs[0], node.negative_slope)
+
+
+class IdentityRule(HomogeneousActivation):
+    node_type = Identity
+
+    def forward(self, node, xs, param, train):
+        return xs[0]
+
+
+class PReLURule(HomogeneousActivation):
+    """The slope tensor may carry singleton axes (ONNX stores it as ``[C, 1, 1]``)."""
+
+    node_type = PReLU
+
+    def forward(self, node: PReLU, xs, param, train):
+        return F.prelu(xs[0], param(node.weight).reshape(-1))
+
+
+class ScaleRule(PassThrough):
+    """A fixed edge of constant weight c: c**power in the squared network (c² for diag(G))."""
+
+    node_type = Scale
+
+    def forward(self, node: Scale, xs, param, train):
+        return xs[0] * node.factor
+
+    def squared(self, node: Scale, xs, power):
+        return xs[0] * node.factor**power
+
+
+class PadRule(PassThrough):
+    """Zero padding: padded positions are neurons without incoming edges (always 0)."""
+
+    node_type = Pad
+    per_axis_fields = ("begin", "end")
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def forward(self, node: Pad, xs, param, train):
+        return F.pad(xs[0], [v for begin, end in reversed(list(zip(node.begin, node.end))) for v in (begin, end)])
+
+    def squared(self, node: Pad, xs, power):
+        return self.forward(node, xs, None, False)
+
+
+class ChannelShuffleRule(Rule):
+    node_type = ChannelShuffle
+
+    @staticmethod
+    def source_channels(node: ChannelShuffle, channels: int) -> torch.Tensor:
+        """Input channel of each output channel: output j·groups + i reads input i·(C/groups) + j."""
+        if channels % node.groups:
+            raise ValueError(f"{channels} channels cannot be shuffled in {node.groups} groups")
+        return torch.arange(channels).reshape(node.groups, channels // node.groups).t().reshape(-1)
+
+    def forward(self, node, xs, param, train):
+        x = xs[0]
+        return x[:, self.source_channels(node, x.shape[1]).to(x.device)]
+
+    def squared(self, node, xs, power):
+        return self.forward(node, xs, None, False)
+
+    def ties(self, node, ties):
+        ids = ties.ids(node.inputs[0])
+        return ids[self.source_channels(node, len(ids))]
+
+
+class ChannelSliceRule(Rule):
+    """A channel subset: output channel c is input channel start + c (the others are not read)."""
+
+    node_type = ChannelSlice
+
+    def forward(self, node: ChannelSlice, xs, param, train):
+        x = xs[0]
+        if not 0 <= node.start < node.stop <= x.shape[1]:
+            raise ValueError(f"channels {node.start}:{node.stop} are not a non-empty range of {x.shape[1]}")
+        return x[:, node.start:node.stop]
+
+    def squared(self, node, xs, power):
+        return self.forward(node, xs, None, False)
+
+    def ties(self, node: ChannelSlice, ties):
+        return ties.ids(node.inputs[0])[node.start:node.stop]
+
+
+# --------------------------------------------------------------------------- pooling
+
+
+def _expand(values: Sequence[int], rank: int) -> tuple[int, ...]:
+    values = tuple(values)
+    return values if len(values) == rank else values * rank
+
+
+def pool_output_size(size: int, kernel: int, stride: int, padding: int, dilation: int, ceil_mode: bool) -> int:
+    """torch's pooling output length, ceil mode included (the last window starts inside the
+    input or the left padding)."""
+    span = size + 2 * padding - dilation * (kernel - 1) - 1
+    out = (-(-span // stride) if ceil_mode else span // stride) + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+def window_sum(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bool) -> torch.Tensor:
+    """Sum of each pooling window with zero padding: a max-pool neuron's incoming fixed edges.
+
+    A depthwise all-ones convolution; ceil mode pads the right end so the last (partial)
+    window exists, and the result is cut to torch's output size.
+    """
+    rank = spatial_rank(x)
+    kernel, stride, padding, dilation = (_expand(v, rank) for v in (kernel, stride, padding, dilation))
+    sizes = x.shape[2:]
+    outs = [pool_output_size(n, k, s, p, d, ceil_mode) for n, k, s, p, d in zip(sizes, kernel, stride, padding, dilation)]
+    pads = []
+    for n, k, s, p, d, o in zip(sizes, kernel, stride, padding, dilation, outs):
+        right = max(p, (o - 1) * s + d * (k - 1) + 1 - n - p)
+        pads.append((p, right))
+    padded = F.pad(x, [v for pair in reversed(pads) for v in pair])
+    channels = x.shape[1]
+    ones = x.new_ones(channels, 1, *kernel)
+    y = _CONV[rank](padded, ones, None, stride, 0, dilation, channels)
+    return y[(..., *(slice(0, o) for o in outs))]
+
+
+class MaxPoolRule(PassThrough):
+    node_type = MaxPool
+    per_axis_fields = ("kernel", "stride", "padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def forward(self, node: MaxPool, xs, param, train):
+        x = xs[0]
+        return _MAX_POOL[spatial_rank(x)](x, node.kernel, node.stride, node.padding, node.dilation,
+                                          ceil_mode=node.ceil_mode)
+
+    def squared(self, node: MaxPool, xs, power):
+        return window_sum(xs[0], node.kernel, node.stride, node.padding, node.dilation, node.ceil_mode)
+
+
+class AvgPoolRule(PassThrough):
+    node_type = AvgPool
+    per_axis_fields = ("kernel", "stride", "padding")
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def forward(self, node: AvgPool, xs, param, train):
+        x = xs[0]
+        return _AVG_POOL[spatial_rank(x)](x, node.kernel, node.stride, node.padding, node.ceil_mode,
+                                          node.count_include_pad)
+
+    def squared(self, node: AvgPool, xs, power):
+        """Window sum over divisor**power, the divisor exactly as torch computes it."""
+        x = xs[0]
+        ones = torch.ones_like(x[:1, :1])
+        unit = (1,) * spatial_rank(x)
+        counted = window_sum(ones, node.kernel, node.stride, node.padding, unit, node.ceil_mode)
+        mean = self.forward(node, [ones], None, False)
+        divisor = torch.where(mean > 0, counted / mean.clamp_min(1e-300), torch.zeros_like(mean))
+        summed = window_sum(x, node.kernel, node.stride, node.padding, unit, node.ceil_mode)
+        return summed / divisor**power if power else summed
+
+
+class AdaptiveAvgPoolRule(PassThrough):
+    node_type = AdaptiveAvgPool
+    per_axis_fields = ("output_size",)
+    input_spatial_ranks = SPATIAL_RANKS
+
+    def forward(self, node: AdaptiveAvgPool, xs, param, train):
+        return _ADAPTIVE_AVG_POOL[spatial_rank(xs[0])](xs[0], node.output_size)
+
+    def squared(self, node: AdaptiveAvgPool, xs, power):
+        x = xs[0]
+        sizes = torch.ones((), dtype=x.dtype, device=x.device)
+        for axis, (n, m) in enumerate(zip(x.shape[2:], node.output_size)):
+            i = torch.arange(m, device=x.device)
+            window = (((i + 1) * n + m - 1) // m - (i * n) // m).to(x.dtype)
+            sizes = sizes.unsqueeze(-1) * window.reshape((1,) * axis + (m,)) if axis else window
+        return self.forward(node, xs, None, False) * sizes ** (1 - power)
+
+
+# --------------------------------------------------------------------------- shape and wiring
+
+
+class FlattenRule(Rule):
+    """Channel-major flatten: every feature of channel c is a copy of channel c's neuron group."""
+
+    node_type = Flatten
+
+    def forward(self, node, xs, param, train):
+        return xs[0].flatten(1)
+
+    def squared(self, node, xs, power):
+        return xs[0].flatten(1)
+
+    def ties(self, node, ties):
+        source = node.inputs[0]
+        return ties.ids(source).repeat_interleave(prod(ties.shapes[source][1:]))
+
+    def output_spatial_rank(self, node, input_rank):
+        return 0
+
+
+class AddRule(Rule):
+    """Element-wise sum: identity skips tie the summed channels together."""
+
+    node_type = Add
+    arity = (2, None)
+
+    def forward(self, node, xs, param, train):
+        total = xs[0]
+        for other in xs[1:]:
+            total = total + other
+        return total
+
+    def squared(self, node, xs, power):
+        return self.forward(node, xs, None, False)
+
+    def ties(self, node, ties):
+        ids = ties.ids(node.inputs[0])
+        for other in node.inputs[1:]:
+            ties.union(ids, ties.ids(other))
+        return ids
+
+
+class ConcatRule(Rule):
+    node_type = Concat
+    arity = (1, None)
+
+    def forward(self, node, xs, param, train):
+        return torch.cat(xs, dim=1)
+
+    def squared(self, node, xs, power):
+        return torch.cat(xs, dim=1)
+
+    def ties(self, node, ties):
+        return torch.cat([ties.ids(i) for i in node.inputs])
+
+
+RULES: dict[type[Node], Rule] = {
+    rule.node_type: rule
+    for rule in (
+        InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
+        PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
+        FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(),
+    )
+}
+
+
+def rule_for(node: Node) -> Rule:
+    """The rule of ``node``'s exact type; a type without one is refused, never passed through."""
+    rule = RULES.get(type(node))
+    if rule is None:
+        raise UnsupportedModelError(
+            f"node '{node.name}' has type {type(node).__name__}, for which pathcond has no rule (forward, "
+            "squared network, channel ties): it cannot be evaluated or rescaled"
+        )
+    return rule
+

@@ -1,0 +1,152 @@
+"""Small torch modules that use the operations beyond Linear/Conv/pool/add/concat.
+
+Shared by the import tests (fx, ONNX with both exporters, spec round trip) and the parity
+test. Each entry: name -> (factory, batch-free input shape).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _randomise(module: nn.Module, seed: int = 0) -> nn.Module:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=generator) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=generator) * 0.3)
+                m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=generator) * 0.3)
+                m.running_var.copy_(torch.rand(m.running_var.shape, generator=generator) + 0.5)
+            elif isinstance(m, nn.PReLU):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=generator) * 0.5)
+    return module.eval()
+
+
+def channel_shuffle(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """torchvision's ShuffleNetV2 channel shuffle, size plumbing included."""
+    batchsize, num_channels, height, width = x.size()
+    channels_per_group = num_channels // groups
+    x = x.view(batchsize, groups, channels_per_group, height, width)
+    x = torch.transpose(x, 1, 2).contiguous()
+    return x.view(batchsize, -1, height, width)
+
+
+class ShuffleUnit(nn.Module):
+    """ShuffleNetV2: stride-1 unit (chunk, branch, cat, shuffle) and a stride-2 unit."""
+
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        half = channels // 2
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.branch = nn.Sequential(
+            nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(),
+            nn.Conv2d(half, half, 3, padding=1, groups=half, bias=False), nn.BatchNorm2d(half),
+            nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(),
+        )
+        self.down1 = nn.Sequential(nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels, bias=False),
+                                   nn.BatchNorm2d(channels), nn.Conv2d(channels, channels, 1, bias=False),
+                                   nn.BatchNorm2d(channels), nn.ReLU())
+        self.down2 = nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
+                                   nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels, bias=False),
+                                   nn.BatchNorm2d(channels))
+        self.fc = nn.Linear(2 * channels, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        left, right = x.chunk(2, dim=1)
+        x = channel_shuffle(torch.cat((left, self.branch(right)), dim=1), 2)
+        x = channel_shuffle(torch.cat((self.down1(x), self.down2(x)), dim=1), 2)
+        return self.fc(x.mean([2, 3]))
+
+
+class SliceScalePad(nn.Module):
+    """Slicing, split, zero padding (module and function), constant scaling, PReLU, mean(keepdim)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 6, 3)
+        self.act1 = nn.PReLU(6)
+        self.pad = nn.ZeroPad2d((1, 0, 2, 1))
+        self.conv2 = nn.Conv2d(2, 3, 3)
+        self.conv3 = nn.Conv2d(3, 3, 1)
+        self.act2 = nn.PReLU()
+        self.fc = nn.Linear(10, 4)
+
+    def forward(self, x):
+        y = self.act1(self.conv1(x))
+        a = y[:, :2]
+        b, c = torch.split(y[:, 2:], [3, 1], dim=1)
+        a = F.relu(self.conv2(self.pad(a))) * 0.5
+        b = self.act2(self.conv3(F.pad(b, (1, 1, 0, 0)))) / 4
+        pooled = torch.cat([a.mean((2, 3), keepdim=True), b.mean([2, 3], keepdim=True) * -2.0,
+                            F.relu(torch.mean(c, dim=(2, 3), keepdim=True)), F.adaptive_avg_pool2d(a, 1)], dim=1)
+        return self.fc(pooled.flatten(1))
+
+
+class TinyUNet(nn.Module):
+    """Encoder, ConvTranspose decoder with BatchNorm, concat skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2, bias=False)
+        self.up_bn = nn.BatchNorm2d(4)
+        self.dec = nn.Sequential(nn.Conv2d(8, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+    def forward(self, x):
+        skip = self.enc1(x)
+        y = F.relu(self.up_bn(self.up(self.enc2(skip))))
+        return self.dec(torch.cat([skip, y], dim=1))
+
+
+class Conv3dNet(nn.Module):
+    """3-D conv, BatchNorm3d, ceil-mode max and average pooling, grouped ConvTranspose3d."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv3d(1, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4), nn.ReLU(),
+            nn.MaxPool3d(3, stride=2, ceil_mode=True),
+            nn.ConvTranspose3d(4, 4, 2, stride=2, groups=2, output_padding=1, padding=1), nn.ReLU(),
+            nn.AvgPool3d(2, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+            nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 3),
+        )
+
+    def forward(self, x):
+        return self.features(x)
+
+
+class AudioNet(nn.Module):
+    """1-d CNN with a transposed convolution and ceil-mode pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv1d(2, 4, 5, stride=2, padding=2), nn.BatchNorm1d(4), nn.ReLU(),
+            nn.MaxPool1d(3, stride=2, ceil_mode=True),
+            nn.ConvTranspose1d(4, 3, 3, stride=2, padding=1), nn.LeakyReLU(0.1),
+            nn.AvgPool1d(3, stride=2, padding=1, ceil_mode=True),
+        )
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(self.body(x).mean(-1))
+
+
+OPS_MODELS = {
+    "shuffle_unit": (ShuffleUnit, (3, 8, 8)),
+    "slice_scale_pad": (SliceScalePad, (2, 7, 6)),
+    "tiny_unet": (TinyUNet, (1, 8, 8)),
+    "conv3d": (Conv3dNet, (1, 6, 5, 6)),
+    "audio": (AudioNet, (2, 23)),
+}
+
+
+def build(name: str, seed: int = 0) -> tuple[nn.Module, tuple[int, ...]]:
+    factory, shape = OPS_MODELS[name]
+    torch.manual_seed(seed)
+    return _randomise(factory(), seed), shape

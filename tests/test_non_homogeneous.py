@@ -1,0 +1,88 @@
+"""Non-homogeneous networks are refused with exit 4 and every offender, grouped by operation,
+by all three importers (fx, ONNX from the TorchScript and the torch.export exporter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from onnx_models import export
+from pathcond_cli.errors import UnsupportedModelError
+from pathcond_cli.formats.fx_import import graph_from_module
+from pathcond_cli.formats.onnx_format import load_onnx
+
+
+class ViTBlock(nn.Module):
+    """Patch embedding, pre-norm attention and GELU MLP with residuals, mean pooling, head."""
+
+    def __init__(self, dim: int = 8, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.patch = nn.Conv2d(3, dim, 4, stride=4)
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        b, n, c = tokens.shape
+        q, k, v = self.qkv(self.norm1(tokens)).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attention = (q @ k.transpose(-2, -1) * (c // self.heads) ** -0.5).softmax(dim=-1)
+        tokens = tokens + self.proj((attention @ v).transpose(1, 2).reshape(b, n, c))
+        tokens = tokens + self.mlp(self.norm2(tokens))
+        return self.head(tokens.mean(1))
+
+
+class MobileV3Block(nn.Module):
+    """Hardswish, ReLU6, SiLU and a squeeze-excitation sigmoid gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Hardswish())
+        self.expand = nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU6())
+        self.squeeze = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(16, 4, 1), nn.SiLU(), nn.Conv2d(4, 16, 1),
+                                     nn.Sigmoid())
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        y = self.expand(self.stem(x))
+        y = y * self.squeeze(y)
+        return self.head(y.mean((2, 3)))
+
+
+CASES = {
+    "vit": (ViTBlock, (3, 8, 8), {"fx": ["LayerNorm ×2", "GELU ×1", "softmax"],
+                                  "onnx": ["LayerNormalization ×2", "Softmax ×1", "MatMul"]}),
+    "mobilenet_v3": (MobileV3Block, (3, 6, 6), {"fx": ["Hardswish ×1", "ReLU6 ×1", "SiLU ×1", "Sigmoid ×1", "mul ×1"],
+                                                "onnx": ["Sigmoid", "Mul"]}),
+}
+
+
+def _check(error: UnsupportedModelError, expected: list[str]) -> None:
+    assert error.exit_code == 4
+    message = str(error)
+    for fragment in expected:
+        assert fragment in message, fragment
+    assert "not positively homogeneous" in message
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fx_refuses_with_every_offender_grouped(name):
+    factory, shape, expected = CASES[name]
+    with pytest.raises(UnsupportedModelError) as info:
+        graph_from_module(factory().eval(), shape, source=name)
+    _check(info.value, expected["fx"])
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_onnx_refuses_with_every_offender_grouped(name, exporter):
+    factory, shape, expected = CASES[name]
+    data = export(factory().eval(), torch.randn(2, *shape), exporter)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_onnx(data, name=f"{name}.onnx")
+    _check(info.value, expected["onnx"])

@@ -1,0 +1,61 @@
+"""The rule registry: every node type has exactly one rule, and a type without one is refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from pathcond_cli import rules
+from pathcond_cli.diag import diag_g, path_count
+from pathcond_cli.errors import UnsupportedModelError
+from pathcond_cli.evaluate import forward
+from pathcond_cli.graph import NODE_TYPES, Graph, Input, Linear, Node, ReLU
+from pathcond_cli.groups import build_groups
+
+
+@dataclass(frozen=True)
+class Mystery(Node):
+    """A node type pathcond has never heard of (element-wise, so the rest of the graph is valid)."""
+
+    op: ClassVar[str] = "mystery"
+
+
+def _graph(middle: Node) -> tuple[Graph, dict[str, torch.Tensor]]:
+    nodes = [Input("x", shape=(3,)), Linear("fc1", ("x",), weight="w1"), middle,
+             Linear("fc2", (middle.name,), weight="w2")]
+    params = {"w1": torch.randn(4, 3, dtype=torch.float64), "w2": torch.randn(2, 4, dtype=torch.float64)}
+    return Graph(nodes, ("fc2",)), params
+
+
+def test_every_node_type_has_a_rule():
+    assert set(NODE_TYPES.values()) == set(rules.RULES)
+
+
+def test_graph_construction_refuses_a_node_type_without_a_rule():
+    with pytest.raises(UnsupportedModelError, match="node 'm' has type Mystery, for which pathcond has no rule"):
+        _graph(Mystery("m", ("fc1",)))
+
+
+def test_forward_groups_diag_and_path_count_refuse_a_node_type_without_a_rule(monkeypatch):
+    """Even a graph that got past validation (here: a rule that disappears) never passes the
+    unknown node through: every interpreter asks the registry."""
+    monkeypatch.setitem(rules.RULES, Mystery, rules.RULES[ReLU])
+    graph, params = _graph(Mystery("m", ("fc1",)))
+    groups = build_groups(graph, params)
+    monkeypatch.delitem(rules.RULES, Mystery)
+    for run in (lambda: forward(graph, params, torch.ones(1, 3, dtype=torch.float64)),
+                lambda: build_groups(graph, params), lambda: diag_g(groups), lambda: path_count(groups)):
+        with pytest.raises(UnsupportedModelError, match="Mystery"):
+            run()
+
+
+def test_a_subclass_does_not_inherit_its_parents_rule():
+    @dataclass(frozen=True)
+    class MyReLU(ReLU):
+        op: ClassVar[str] = "my_relu"
+
+    with pytest.raises(UnsupportedModelError, match="MyReLU"):
+        _graph(MyReLU("m", ("fc1",)))
