@@ -77,7 +77,7 @@ MISSING: dict[tuple[str, str], str] = {
     ("inception_v3", "onnx"): _ILL_CONDITIONED,
 }
 #: families whose canonical-representative check needs minutes (thousands of solver passes)
-SLOW_CANONICAL = ("inception_v3",)
+SLOW_CANONICAL = ("googlenet_32", "googlenet_64", "inception_v3")
 
 DYNAMO_FAMILIES = ("resnet", "densenet", "squeezenet1_1", "shufflenet_v2")
 SLOW_DYNAMO_FAMILIES = tuple(name for name in FAMILIES if name not in DYNAMO_FAMILIES)
