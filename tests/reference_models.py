@@ -73,6 +73,7 @@ __all__ = [
     "inception_v3",
     "small_inception_v3",
     "randomize_batchnorm",
+    "calibrate_batchnorm",
     "hidden_units",
     "count_parameters",
     "REFERENCE_MODELS",
@@ -1077,3 +1078,31 @@ SMALL_MODELS: Tuple[str, ...] = (
     "grouped_conv_net",
     "conv1d_net",
 )
+
+
+@torch.no_grad()
+def calibrate_batchnorm(module: nn.Module, input_shape: Sequence[int], batches: int = 2,
+                        batch_size: int = 8) -> nn.Module:
+    """Give every BatchNorm random affine terms (:func:`randomize_batchnorm`) and the running
+    statistics training would leave: measured on random inputs (cumulative average over
+    ``batches`` train-mode passes), so each layer's statistics match its actual scale.
+
+    :func:`randomize_batchnorm` alone draws running variances unrelated to the scale of the
+    conv before them; in a deep net with small initial weights (GoogLeNet's std 0.01) every
+    folded layer then has a tiny gain, which no trained network has. Draws from the global
+    RNG (deterministic under ``torch.manual_seed``). Returns ``module`` in eval mode.
+    """
+    randomize_batchnorm(module)
+    norms = [m for m in module.modules() if isinstance(m, _BN_TYPES)]
+    if not norms:
+        return module.eval()
+    momenta = [m.momentum for m in norms]
+    for m in norms:
+        m.reset_running_stats()
+        m.momentum = None
+    module.train()
+    for _ in range(batches):
+        module(torch.randn(batch_size, *input_shape))
+    for m, momentum in zip(norms, momenta):
+        m.momentum = momentum
+    return module.eval()

@@ -1,0 +1,277 @@
+"""Issue 11 item 4: the model families pathcond must rescale exactly (``tests/families.py``).
+
+For every family (small widths by default, the published size under ``-m slow``):
+
+- the module route: ``pathcond.rescale_module`` rescales the user's ``nn.Module`` in place,
+  and torch itself (not pathcond's evaluator) runs the original and the rescaled module on
+  the same inputs in eval mode and in train mode (batch statistics, the same dropout masks):
+  fp32 relative error ≤ 1e-5;
+- the ONNX route: the module exported by ``torch.onnx.export`` (the TorchScript exporter
+  for every family, the dynamo exporter for a subset), rescaled by ``pathcond rescale``,
+  original and rescaled files run by onnxruntime on the same inputs: fp32 relative error
+  ≤ 1e-5;
+- the canonical representative: a random admissible rescaling D (random positive factors on
+  pathcond's own rescaling groups, checked by torch to leave the function unchanged) does
+  not change PathCond's result: PathCond(Dθ) = PathCond(θ) tensor by tensor, relative
+  ≤ 1e-6 in float64.
+
+Every check also asserts that the rescaling really moved the weights, so none passes by
+doing nothing. Families whose operations this branch does not support yet are marked
+``xfail`` with the missing operation named (``MISSING``): drop an entry once the operation
+lands and the check passes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+from torch import nn
+
+import pathcond_cli as pathcond
+
+from cli_support import invoke
+from families import FAMILIES
+from onnx_models import export
+from reference_models import calibrate_batchnorm, count_parameters
+
+TOLERANCE = 1e-5
+CANONICAL_TOLERANCE = 1e-6
+BATCH = 3
+MOVED = 1e-3  # the smallest max |ln λ| that counts as "the rescaling did something"
+
+_NEEDS_FX_MEAN = "needs x.mean([2, 3]) in the fx importer"
+_NEEDS_SHUFFLE = "needs channel split (chunk/Split) and channel shuffle (reshape-transpose-reshape)"
+
+_NEEDS_CONV_TRANSPOSE = "needs ConvTranspose2d"
+_NEEDS_UPSAMPLE = "needs bilinear Upsample/Resize"
+_NEEDS_3D = "needs Conv3d, BatchNorm3d and 3-D max/average pooling"
+_NEEDS_CEIL_PAD = ("needs ceil-mode MaxPool with padding (MaxPool2d(3, 1, 1, ceil_mode=True)) on the ONNX route: "
+                   "today an internal error, 'all the input array dimensions except for the concatenation axis must match'")
+_ILL_CONDITIONED = ("not pathcond's error: small Inception-v3's fp32 outputs move by ~1e-5 when its parameters are "
+                    "merely rounded to fp32 (onnxruntime vs torch on the original: 3.3e-5), and pathcond's train-mode "
+                    "verification at batch 2 (inputs > 16384 elements) fails at 4.3e-4")
+
+#: (family, route) -> why the route fails on this branch: the missing operation (issue 11 item 2),
+#: or another reason, stated.
+MISSING: dict[tuple[str, str], str] = {
+    ("shufflenet_v2", "module"): f"{_NEEDS_SHUFFLE}, and {_NEEDS_FX_MEAN}",
+    ("shufflenet_v2", "onnx"): _NEEDS_SHUFFLE,
+    ("shufflenet_v2", "dynamo"): _NEEDS_SHUFFLE,
+    ("mnasnet", "module"): _NEEDS_FX_MEAN,
+    ("unet", "module"): _NEEDS_CONV_TRANSPOSE,
+    ("unet", "onnx"): _NEEDS_CONV_TRANSPOSE,
+    ("unet_bilinear", "module"): _NEEDS_UPSAMPLE,
+    ("unet_bilinear", "onnx"): _NEEDS_UPSAMPLE,
+    ("c3d", "module"): _NEEDS_3D,
+    ("c3d", "onnx"): _NEEDS_3D,
+    ("googlenet_32", "onnx"): _NEEDS_CEIL_PAD,
+    ("googlenet_64", "onnx"): _NEEDS_CEIL_PAD,
+    ("inception_v3", "module"): _ILL_CONDITIONED,
+    ("inception_v3", "onnx"): _ILL_CONDITIONED,
+}
+#: families whose canonical-representative check needs minutes (thousands of solver passes)
+SLOW_CANONICAL = ("googlenet_32", "googlenet_64", "inception_v3")
+
+DYNAMO_FAMILIES = ("resnet", "densenet", "squeezenet1_1", "shufflenet_v2")
+SLOW_DYNAMO_FAMILIES = tuple(name for name in FAMILIES if name not in DYNAMO_FAMILIES)
+
+
+def _cases(route: str, names=tuple(FAMILIES), slow: bool = False) -> list:
+    cases = []
+    for name in names:
+        marks = [pytest.mark.slow] if slow else []
+        if (name, route) in MISSING:
+            reason = MISSING[name, route]
+            suffix = ": issue 11 item 2" if reason.startswith("needs") else ""
+            marks.append(pytest.mark.xfail(reason=reason + suffix, strict=False))
+        cases.append(pytest.param(name, marks=marks, id=name))
+    return cases
+
+
+def build(name: str, *, full: bool = False) -> tuple[nn.Module, tuple[int, ...]]:
+    """The family's network (seeded, eval mode, non-trivial BatchNorm state) and its input shape."""
+    family = FAMILIES[name]
+    torch.manual_seed(0)
+    module, shape = (family.full(), family.full_shape) if full else (family.small(), family.small_shape)
+    return calibrate_batchnorm(module, shape, batch_size=2 if full else 8), shape
+
+
+def example(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn((BATCH, *shape), generator=torch.Generator().manual_seed(7)).to(dtype)
+
+
+def run(module: nn.Module, x: torch.Tensor, *, train: bool) -> torch.Tensor:
+    """``module``'s output on a copy (so running statistics never leak between calls), with
+    the same dropout masks on every call."""
+    clone = copy.deepcopy(module).train(train)
+    with torch.random.fork_rng(), torch.no_grad():
+        torch.manual_seed(1234)
+        return clone(x)
+
+
+def relative(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.ndarray) -> float:
+    got, expected = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def largest_change(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> float:
+    return max(relative(after[key], before[key]) for key in before if before[key].is_floating_point()
+               and before[key].abs().max() > 0)
+
+
+# -- the module route ------------------------------------------------------------------------
+
+
+def check_module(name: str, *, full: bool = False) -> None:
+    module, shape = build(name, full=full)
+    original = copy.deepcopy(module)
+    x = example(shape)
+    result = pathcond.rescale_module(module, shape, device="cpu")
+    assert result.solve.converged and result.solve.u_inf > MOVED, (result.solve.converged, result.solve.u_inf)
+    assert largest_change(module.state_dict(), original.state_dict()) > MOVED
+    for train in (False, True):
+        error = relative(run(module, x, train=train), run(original, x, train=train))
+        assert error <= TOLERANCE, f"{name} ({'train' if train else 'eval'} mode): relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("name", _cases("module"))
+def test_module_rescaled_in_place_computes_the_same_function(name):
+    check_module(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _cases("module"))
+def test_full_size_module_computes_the_same_function(name):
+    check_module(name, full=True)
+
+
+# -- the ONNX route --------------------------------------------------------------------------
+
+
+def onnx_outputs(path: Path, x: torch.Tensor) -> np.ndarray:
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+
+
+def check_onnx(name: str, exporter: str, tmp_path: Path, *, full: bool = False) -> None:
+    module, shape = build(name, full=full)
+    x = example(shape)
+    source, target = tmp_path / f"{name}.onnx", tmp_path / f"{name}.pathcond.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        source.write_bytes(export(module, x, exporter))
+    result = invoke("rescale", source, "-o", target, "--json", "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["solver"]["converged"] and report["u_inf"] > MOVED, report["solver"]
+    expected = onnx_outputs(source, x)
+    assert relative(expected, run(module, x, train=False)) <= TOLERANCE  # the export is the module
+    error = relative(onnx_outputs(target, x), expected)
+    assert error <= TOLERANCE, f"{name} ({exporter} export): onnxruntime relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("name", _cases("onnx"))
+def test_torchscript_export_rescaled_by_the_cli_runs_the_same_in_onnxruntime(name, tmp_path):
+    check_onnx(name, "torchscript", tmp_path)
+
+
+@pytest.mark.parametrize("name", _cases("dynamo", DYNAMO_FAMILIES))
+def test_dynamo_export_rescaled_by_the_cli_runs_the_same_in_onnxruntime(name, tmp_path):
+    check_onnx(name, "dynamo", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _cases("dynamo", SLOW_DYNAMO_FAMILIES))
+def test_dynamo_export_of_the_other_families(name, tmp_path):
+    check_onnx(name, "dynamo", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _cases("onnx"))
+def test_full_size_torchscript_export_runs_the_same_in_onnxruntime(name, tmp_path):
+    check_onnx(name, "torchscript", tmp_path, full=True)
+
+
+# -- the canonical representative ------------------------------------------------------------
+
+
+def check_canonical(name: str, *, full: bool = False) -> None:
+    module, shape = build(name, full=full)
+    module = module.double()
+    first = copy.deepcopy(module)
+    groups = pathcond.rescale_module(first, shape, tol=1e-9, max_iter=5000, device="cpu").analysis.groups
+
+    moved = copy.deepcopy(module)
+    state = moved.state_dict()
+    shift = torch.randn(groups.num_free, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    with torch.no_grad():
+        for key, tensor in groups.apply(state, shift).items():
+            state[key].copy_(tensor)
+    assert largest_change(moved.state_dict(), module.state_dict()) > 0.1, "D must move the parameters"
+    x = example(shape, torch.float64)
+    for train in (False, True):
+        assert relative(run(moved, x, train=train), run(module, x, train=train)) < 1e-10, "D is not admissible"
+
+    pathcond.rescale_module(moved, shape, tol=1e-9, max_iter=5000, device="cpu")
+    expected, got = first.state_dict(), moved.state_dict()
+    for key, tensor in expected.items():
+        if tensor.is_floating_point() and tensor.abs().max() > 0:
+            error = relative(got[key], tensor)
+            assert error <= CANONICAL_TOLERANCE, f"{name}: PathCond(Dθ) and PathCond(θ) differ in {key} by {error:.3g}"
+
+
+@pytest.mark.parametrize("name", _cases("module", tuple(n for n in FAMILIES if n not in SLOW_CANONICAL)))
+def test_canonical_representative(name):
+    check_canonical(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _cases("module", SLOW_CANONICAL))
+def test_canonical_representative_of_slow_solves(name):
+    check_canonical(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _cases("module"))
+def test_full_size_canonical_representative(name):
+    check_canonical(name, full=True)
+
+
+# -- the architectures themselves ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n, f in FAMILIES.items() if f.torchvision_parameters])
+def test_full_size_parameter_count_is_torchvisions(name):
+    family = FAMILIES[name]
+    with torch.device("meta"):  # counts only: no memory, no initialisation
+        module = family.full()
+    assert count_parameters(module) == family.torchvision_parameters
+
+
+@pytest.mark.parametrize("name", ["squeezenet1_0", "squeezenet1_1", "googlenet_32", "googlenet_64"])
+def test_small_inputs_exercise_ceil_mode(name):
+    """At the small input size some ceil-mode pool keeps a partial last window (its output is
+    larger than floor mode's), which is the case the ceil-mode rules must get right."""
+    module, shape = build(name)
+    partial = []
+
+    def record(pool: nn.MaxPool2d, inputs: tuple[torch.Tensor], output: torch.Tensor) -> None:
+        floor = nn.functional.max_pool2d(inputs[0], pool.kernel_size, pool.stride, pool.padding, pool.dilation)
+        partial.append(output.shape[-2:] != floor.shape[-2:])
+
+    pools = [m for m in module.modules() if isinstance(m, nn.MaxPool2d) and m.ceil_mode]
+    handles = [pool.register_forward_hook(record) for pool in pools]
+    with torch.no_grad():
+        module(example(shape))
+    for handle in handles:
+        handle.remove()
+    assert pools and any(partial)
