@@ -130,13 +130,25 @@ def compare_modules(
     modes = ("eval", "train") if has_batchnorm else ("eval",)
     max_abs = max_rel = 0.0
     for mode in modes:
-        original.train(mode == "train")
-        rescaled.train(mode == "train")
+        _batchnorm_mode(original, train=mode == "train")
+        _batchnorm_mode(rescaled, train=mode == "train")
         with torch.no_grad():
             errors = _max_errors(_output_tensors(original(x)), _output_tensors(rescaled(x)))
         max_abs, max_rel = max(max_abs, errors[0]), max(max_rel, errors[1])
     keys = [k for k, t in module.state_dict().items() if t.is_floating_point()]
     return Verification(max_abs, max_rel, tolerance_for(module.state_dict(), keys or list(changed)), modes)
+
+
+def _batchnorm_mode(module: torch.nn.Module, *, train: bool) -> None:
+    """Eval mode, with only the BatchNorm layers in train mode (batch statistics) when ``train``.
+
+    Dropout and other random layers stay in eval mode: two copies would draw different masks,
+    and no rescaling could make them agree.
+    """
+    module.eval()
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+            layer.train(train)
 
 
 def independent_check(model: LoadedModel, written: Path, tolerance: float, *, seed: int = 1) -> dict[str, Any]:

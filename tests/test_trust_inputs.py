@@ -207,6 +207,15 @@ def test_rescale_module_is_verified_on_the_module_without_touching_its_statistic
     assert result.solve.u_inf > 0
 
 
+def test_rescale_module_verification_keeps_dropout_in_eval_mode_while_batchnorm_trains():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                              torch.nn.Linear(8, 3)).double().eval()
+    result = pathcond_cli.rescale_module(net, (5,))
+    assert result.verification.passed and result.verification.modes == ("eval", "train")
+    assert result.verification.max_rel_error < 1e-9
+
+
 def test_rescale_module_raises_when_the_module_disagrees(monkeypatch):
     net = _bn_net()
     before = {k: v.clone() for k, v in net.state_dict().items()}
