@@ -172,6 +172,15 @@ class ChannelSlice(Node):
 
 
 @dataclass(frozen=True)
+class ChannelGather(Node):
+    """Output channel j is input channel ``channels[j]``: any other reordering or selection of
+    whole channels (e.g. a channel shuffle followed by a chunk, as ShuffleNetV2 does)."""
+
+    channels: tuple[int, ...] = (0,)
+    op: ClassVar[str] = "channel_gather"
+
+
+@dataclass(frozen=True)
 class Identity(Node):
     """Pass-through (Identity, Dropout in inference)."""
 
@@ -232,6 +241,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice,
+        ChannelGather,
     )
 }
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
 from .graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
     ReLU, Scale,
 )
@@ -459,6 +459,24 @@ class ChannelSliceRule(Rule):
         return ties.ids(node.inputs[0])[node.start:node.stop]
 
 
+class ChannelGatherRule(Rule):
+    """Whole channels picked by index: fixed edges of weight 1, each output channel tied to its source."""
+
+    node_type = ChannelGather
+
+    def forward(self, node: ChannelGather, xs, param, train):
+        x = xs[0]
+        if not all(0 <= c < x.shape[1] for c in node.channels):
+            raise ValueError(f"channels {list(node.channels)} are not all among the input's {x.shape[1]}")
+        return x[:, list(node.channels)]
+
+    def squared(self, node, xs, power):
+        return self.forward(node, xs, None, False)
+
+    def ties(self, node: ChannelGather, ties):
+        return ties.ids(node.inputs[0])[list(node.channels)]
+
+
 # --------------------------------------------------------------------------- pooling
 
 
@@ -616,6 +634,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(),
+        ChannelGatherRule(),
     )
 }
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
     Scale,
 )
@@ -131,6 +131,11 @@ class NetBuilder:
         src = src or self.cur
         return self._push(ChannelSlice(self._name("slice"), (src,), start=start, stop=stop),
                           self.dummy[src][:, start:stop])
+
+    def gather(self, channels: tuple[int, ...], src: str | None = None) -> str:
+        src = src or self.cur
+        return self._push(ChannelGather(self._name("gather"), (src,), channels=tuple(channels)),
+                          self.dummy[src][:, list(channels)])
 
     def bn(self, eps: float = 1e-5) -> str:
         name = self._name("bn")
@@ -381,6 +386,16 @@ def shuffle_split_net(seed=0, dtype=torch.float64):
     return b.build()
 
 
+def gather_net(seed=0, dtype=torch.float64):
+    """A shuffle followed by a chunk is a strided channel selection; a repeated channel too."""
+    b = NetBuilder((1, 3, 3), seed, dtype)
+    stem = b.relu(b.conv(4, 1))
+    odd = b.gather((1, 3), src=stem)
+    b.conv(2, 1, src=b.gather((2, 0, 2), src=stem)); right = b.relu()
+    b.concat(odd, right); b.conv(2, 3, padding=1); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
 def conv_transpose_net(seed=0, dtype=torch.float64):
     """U-Net-style decoder: a grouped strided ConvTranspose with BatchNorm, then a dilated one."""
     b = NetBuilder((2, 2, 2), seed, dtype)
@@ -431,6 +446,7 @@ NEW_OPS = {
     "prelu_scale": prelu_scale_net,
     "pad": pad_net,
     "shuffle_split": shuffle_split_net,
+    "gather": gather_net,
     "conv_transpose": conv_transpose_net,
     "conv_transpose_1d": conv_transpose_1d_net,
     "conv3d": conv3d_net,

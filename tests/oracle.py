@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
     Scale,
 )
@@ -97,6 +97,8 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             y = xs[0].reshape(n, node.groups, c // node.groups, *xs[0].shape[2:]).transpose(1, 2).reshape(xs[0].shape)
         elif isinstance(node, ChannelSlice):
             y = xs[0][:, node.start:node.stop]
+        elif isinstance(node, ChannelGather):
+            y = xs[0][:, list(node.channels)]
         elif isinstance(node, MaxPool):
             y = _MAXP[xs[0].dim()](xs[0], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode)
         elif isinstance(node, AvgPool):
@@ -549,12 +551,14 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                 for ipos in itertools.product(*(range(n) for n in sp)):
                     opos = tuple(ipos[j] + node.begin[j] for j in range(r))
                     edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))], const=1.0)
-        elif isinstance(node, (ChannelShuffle, ChannelSlice)):
+        elif isinstance(node, (ChannelShuffle, ChannelSlice, ChannelGather)):
             C, sp = ishape[0], ishape[1:]
             per = math.prod(sp)
             if isinstance(node, ChannelShuffle):
                 g = node.groups
                 source_of = {j * g + i: i * (C // g) + j for i in range(g) for j in range(C // g)}
+            elif isinstance(node, ChannelGather):
+                source_of = dict(enumerate(node.channels))
             else:
                 source_of = {c - node.start: c for c in range(node.start, node.stop)}
             out = new_neurons(node.name, (len(source_of), *sp), "sum")

@@ -2,8 +2,9 @@
 
 Importers replay a chain of such operations on an index tensor (each element holds its own
 flat position in the source) and ask :func:`movement_layer` what the chain amounts to: the
-identity, a flatten, a channel slice or a channel shuffle. Anything else mixes neurons of
-different channels or of the batch and is refused with the reason.
+identity, a flatten, a channel slice, a channel shuffle, or any other selection of whole
+channels (a gather). Anything else mixes neurons of different channels or of the batch and
+is refused with the reason.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
                 if shape[0] % groups == 0 and len(channels) == shape[0] and torch.equal(
                         channels, torch.arange(shape[0]).reshape(groups, -1).t().reshape(-1)):
                     return {"type": "channel_shuffle", "groups": groups}
-            raise UnsupportedMovement("it reorders channels in a way that is not a channel shuffle")
+            return {"type": "channel_gather", "channels": channels.tolist()}
     raise UnsupportedMovement(
         f"it reshapes {shape} to {tuple(index.shape)} (batch excluded): only a flatten to (batch, features), "
-        "a channel slice or split, or a channel shuffle is supported"
+        "or a selection of whole channels (slice, split, shuffle, gather) is supported"
     )

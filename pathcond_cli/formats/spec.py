@@ -32,7 +32,7 @@ import yaml
 
 from ..errors import InputError
 from ..graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelShuffle, ChannelSlice, Concat, Conv,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
     ReLU, Scale, node_attributes,
 )
@@ -157,6 +157,7 @@ LAYER_TYPES: dict[str, _LayerType] = {
     "pad": _LayerType(Pad, {"begin": _PADDING, "end": _PADDING}),
     "channel_shuffle": _LayerType(ChannelShuffle, {"groups": _Field(_int(1))}),
     "channel_slice": _LayerType(ChannelSlice, {"start": _Field(_int(0), 0), "stop": _Field(_int(1))}),
+    "channel_gather": _LayerType(ChannelGather, {"channels": _Field(_ints(0))}),
     "dropout": _LayerType(Identity, ignored=("p",)),
     "maxpool": _LayerType(
         MaxPool,
