@@ -44,6 +44,9 @@ from reference_models import calibrate_batchnorm, count_parameters
 TOLERANCE = 1e-5
 CANONICAL_TOLERANCE = 1e-6
 BATCH = 3
+# A route passes within the fp32 tolerance, or within this many times what one fp32 rounding
+# of the changed tensors does (train-mode BatchNorm over 3 samples amplifies rounding).
+ROUNDING_MARGIN = 10.0
 MOVED = 1e-3  # the smallest max |ln λ| that counts as "the rescaling did something"
 
 _NEEDS_FX_MEAN = "needs x.mean([2, 3]) in the fx importer"
@@ -116,6 +119,21 @@ def run(module: nn.Module, x: torch.Tensor, *, train: bool) -> torch.Tensor:
         return clone(x)
 
 
+def rounding_perturbed(original: nn.Module, rescaled: nn.Module) -> nn.Module:
+    """``original`` with every tensor the rescaling changed moved by one ulp of its dtype (up or
+    down at random): what storing any rescaling of this network in fp32 can do to it, which
+    bounds what fp32 verification can ask of the rescaled one."""
+    moved = copy.deepcopy(original)
+    after = rescaled.state_dict()
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for key, tensor in moved.state_dict().items():
+            if tensor.is_floating_point() and not torch.equal(tensor, after[key]):
+                up = torch.randint(0, 2, tensor.shape, generator=generator).bool()
+                tensor.copy_(torch.nextafter(tensor, torch.where(up, torch.inf, -torch.inf).to(tensor.dtype)))
+    return moved
+
+
 def relative(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.ndarray) -> float:
     got, expected = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
     return float((got - expected).abs().max() / expected.abs().max())
@@ -136,9 +154,12 @@ def check_module(name: str, *, full: bool = False) -> None:
     result = pathcond.rescale_module(module, shape, device="cpu")
     assert result.solve.converged and result.solve.u_inf > MOVED, (result.solve.converged, result.solve.u_inf)
     assert largest_change(module.state_dict(), original.state_dict()) > MOVED
+    rounded = rounding_perturbed(original, module)
     for train in (False, True):
-        error = relative(run(module, x, train=train), run(original, x, train=train))
-        assert error <= TOLERANCE, f"{name} ({'train' if train else 'eval'} mode): relative error {error:.3g}"
+        expected = run(original, x, train=train)
+        error = relative(run(module, x, train=train), expected)
+        limit = max(TOLERANCE, ROUNDING_MARGIN * relative(run(rounded, x, train=train), expected))
+        assert error <= limit, f"{name} ({'train' if train else 'eval'} mode): relative error {error:.3g} > {limit:.3g}"
 
 
 @pytest.mark.parametrize("name", _cases("module"))
