@@ -801,21 +801,25 @@ class _Translator:
             raise _Unsupported(f"mode {mode!r} is not supported (nearest and linear only)")
         if rank not in (3, 4, 5):
             raise _Unsupported(f"only 1-d, 2-d and 3-d feature maps can be resized ('{x}' has rank {rank})")
-        in_shape, out_shape = self._batch_free_shape(x), self._batch_free_shape(node.output[0])
-        if in_shape[0] != out_shape[0]:
+        has_scales = len(node.input) > 2 and bool(node.input[2])
+        if has_scales == (len(node.input) > 3 and bool(node.input[3])):
+            raise _Unsupported("exactly one of scales and sizes must be given")
+        in_shape = self._batch_free_shape(x)
+        if has_scales:
+            scales = self._concatenated_floats(node.input[2])
+            if scales is None or len(scales) != rank or min(scales) <= 0:
+                raise _Unsupported(f"its scales must be a stored constant of {rank} positive numbers (got {scales})")
+            # Shape inference does not follow scales through a Concat: the output size as ONNX defines it.
+            out_shape = tuple(math.floor(n * scale) for n, scale in zip(in_shape, scales[1:]))
+            self.shapes[node.output[0]] = (self.shapes[x][0], *out_shape)
+            resize: dict[str, tuple] = {"scale_factor": tuple(scales[2:])}
+        else:
+            out_shape = self._batch_free_shape(node.output[0])
+            resize = {"size": tuple(out_shape[1:])}
+        if in_shape[0] != out_shape[0] or (has_scales and scales[0] != 1):
             raise _Unsupported("resizing the batch or channel axis is not supported")
         if transform == "pytorch_half_pixel" and 1 in out_shape[1:]:
             raise _Unsupported("pytorch_half_pixel with an output size of 1 does not match torch's interpolation")
-        has_scales = len(node.input) > 2 and bool(node.input[2])
-        has_sizes = len(node.input) > 3 and bool(node.input[3])
-        if has_sizes == has_scales:
-            raise _Unsupported("exactly one of scales and sizes must be given")
-        resize: dict[str, tuple] = {"size": tuple(out_shape[1:])}
-        if has_scales:
-            scales = self._concatenated_floats(node.input[2])
-            if scales is None or len(scales) != rank or scales[:2] != [1.0, 1.0] or min(scales) <= 0:
-                raise _Unsupported(f"its scales must be a constant with 1 for batch and channels (got {scales})")
-            resize = {"scale_factor": tuple(scales[2:])}
         self._emit_for(node, Upsample, x, mode=mode, align_corners=transform == "align_corners", **resize)
 
     def _concatenated_floats(self, value: str) -> list[float] | None:

@@ -95,8 +95,14 @@ def _float(requirement: str, accept: Callable[[float], bool] = math.isfinite) ->
     return convert
 
 
+def _optional_sizes(value: Any) -> tuple[int, ...]:
+    """An output size, or none (``null`` or ``[]``) when a scale factor is given instead."""
+    return () if value is None or value == [] else _ints(1)(value)
+
+
 def _positive_floats(value: Any) -> tuple[float, ...]:
-    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    """Scale factors, or none (``null`` or ``[]``) when an output size is given instead."""
+    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
     convert = _float("a number > 0", lambda x: x > 0)
     try:
         return tuple(convert(v) for v in items) if items else ()
@@ -177,7 +183,7 @@ LAYER_TYPES: dict[str, _LayerType] = {
     "channel_slice": _LayerType(ChannelSlice, {"start": _Field(_int(0), 0), "stop": _Field(_int(1))}),
     "upsample": _LayerType(
         Upsample,
-        {"mode": _Field(_choice("nearest", "linear"), "nearest"), "size": _Field(_ints(1), ()),
+        {"mode": _Field(_choice("nearest", "linear"), "nearest"), "size": _Field(_optional_sizes, ()),
          "scale_factor": _Field(_positive_floats, ()), "align_corners": _Field(_bool, False)},
     ),
     "dropout": _LayerType(Identity, ignored=("p",)),
