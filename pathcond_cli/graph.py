@@ -155,6 +155,23 @@ class Pad(Node):
 
 
 @dataclass(frozen=True)
+class Upsample(Node):
+    """Nearest or (bi/tri)linear resize (nn.Upsample, F.interpolate, ONNX Resize).
+
+    ``mode`` is ``nearest`` (torch's 'nearest', ONNX asymmetric/floor) or ``linear`` (linear,
+    bilinear or trilinear by the input's spatial rank). Exactly one of ``size`` (output
+    spatial size) and ``scale_factor`` is given; a single value applies to every spatial axis.
+    Output channel c is input channel c times fixed non-negative coefficients.
+    """
+
+    mode: str = "nearest"
+    size: tuple[int, ...] = ()
+    scale_factor: tuple[float, ...] = ()
+    align_corners: bool = False
+    op: ClassVar[str] = "upsample"
+
+
+@dataclass(frozen=True)
 class ChannelShuffle(Node):
     """ShuffleNet's channel shuffle: view ``(groups, C/groups)``, transpose, flatten back."""
 
@@ -240,7 +257,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     cls.op: cls
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
-        MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice,
+        MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
         ChannelGather,
     )
 }

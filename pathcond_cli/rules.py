@@ -32,7 +32,7 @@ from .errors import UnsupportedModelError
 from .graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
-    ReLU, Scale,
+    ReLU, Scale, Upsample,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
@@ -477,6 +477,60 @@ class ChannelGatherRule(Rule):
         return ties.ids(node.inputs[0])[list(node.channels)]
 
 
+class UpsampleRule(PassThrough):
+    """Nearest or (bi/tri)linear resize: fixed edges, output channel c from input channel c.
+
+    Each spatial axis is resized independently (torch and ONNX interpolate separably), so the
+    op is ``x ↦ x ×_axis M_axis`` with one ``[out, in]`` coefficient matrix per axis, read off
+    1-d interpolation of an identity basis. The squared network applies ``M_axis**power``
+    (for power 0 the 0/1 pattern of the non-zero coefficients: one edge per non-zero entry).
+    """
+
+    node_type = Upsample
+    input_spatial_ranks = SPATIAL_RANKS
+    _LINEAR_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+    @staticmethod
+    def resize_arguments(node: Upsample, rank: int) -> tuple[tuple[int, ...] | None, tuple[float, ...] | None]:
+        """``(size, scale_factor)`` for ``F.interpolate`` on ``rank`` spatial axes (one of them None)."""
+        if node.mode not in ("nearest", "linear"):
+            raise ValueError(f"mode {node.mode!r} is not supported (nearest or linear)")
+        if bool(node.size) == bool(node.scale_factor):
+            raise ValueError("exactly one of 'size' and 'scale_factor' must be given")
+        values = node.size or node.scale_factor
+        if len(values) not in (1, rank):
+            raise ValueError(f"{len(values)} resize values for {rank} spatial axes")
+        values = tuple(values) * (rank // len(values))
+        return (values, None) if node.size else (None, values)
+
+    def _interpolate(self, node: Upsample, x: torch.Tensor, size, scale_factor) -> torch.Tensor:
+        linear = node.mode == "linear"
+        return F.interpolate(x, size=size, scale_factor=scale_factor,
+                             mode=self._LINEAR_MODES[spatial_rank(x)] if linear else "nearest",
+                             align_corners=node.align_corners if linear else None)
+
+    def forward(self, node: Upsample, xs, param, train):
+        return self._interpolate(node, xs[0], *self.resize_arguments(node, spatial_rank(xs[0])))
+
+    def axis_matrices(self, node: Upsample, x: torch.Tensor) -> list[torch.Tensor]:
+        """Per spatial axis, the ``[out, in]`` coefficients (1-d interpolation of each unit impulse)."""
+        size, scale_factor = self.resize_arguments(node, spatial_rank(x))
+        matrices = []
+        for axis, n in enumerate(x.shape[2:]):
+            basis = torch.eye(n, dtype=torch.float64, device=x.device).unsqueeze(0)
+            resized = self._interpolate(node, basis, size and (size[axis],),
+                                        scale_factor and (scale_factor[axis],))
+            matrices.append(resized[0].t().to(x.dtype))
+        return matrices
+
+    def squared(self, node: Upsample, xs, power):
+        y = xs[0]
+        for axis, matrix in enumerate(self.axis_matrices(node, y)):
+            coefficients = matrix**power if power else (matrix != 0).to(matrix.dtype)
+            y = (y.movedim(2 + axis, -1) @ coefficients.t()).movedim(-1, 2 + axis)
+        return y
+
+
 # --------------------------------------------------------------------------- pooling
 
 
@@ -633,7 +687,7 @@ RULES: dict[type[Node], Rule] = {
     for rule in (
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
-        FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(),
+        FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
         ChannelGatherRule(),
     )
 }

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pathcond_cli.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
-    Scale,
+    Scale, Upsample,
 )
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -123,6 +123,16 @@ class NetBuilder:
         node = Pad(self._name("pad"), (self.cur,), begin=tup(begin), end=tup(end))
         pads = [v for b, e in reversed(list(zip(node.begin, node.end))) for v in (b, e)]
         return self._push(node, F.pad(self.dummy[self.cur], pads))
+
+    def upsample(self, mode: str = "nearest", size=(), scale_factor=(), align_corners: bool = False) -> str:
+        x = self.dummy[self.cur]
+        r = x.dim() - 2
+        torch_mode = "nearest" if mode == "nearest" else {1: "linear", 2: "bilinear", 3: "trilinear"}[r]
+        y = F.interpolate(x, size=tuple(size) or None, scale_factor=tuple(scale_factor) or None, mode=torch_mode,
+                          align_corners=align_corners if mode == "linear" else None)
+        node = Upsample(self._name("up"), (self.cur,), mode=mode, size=tuple(size), scale_factor=tuple(scale_factor),
+                        align_corners=align_corners)
+        return self._push(node, y)
 
     def shuffle(self, groups: int) -> str:
         return self._push(ChannelShuffle(self._name("shuffle"), (self.cur,), groups=groups), self.dummy[self.cur])
@@ -410,6 +420,26 @@ def conv_transpose_1d_net(seed=0, dtype=torch.float64):
     return b.build()
 
 
+def upsample_net(seed=0, dtype=torch.float64, shape=(1, 2, 3), resizes=(("nearest", (), (2.0, 2.0), False),)):
+    """Resizes between a conv and a conv (the rescaled channels feed and leave fixed edges)."""
+    b = NetBuilder(shape, seed, dtype)
+    b.conv(2, 1); b.relu()
+    for mode, size, scale_factor, align_corners in resizes:
+        b.upsample(mode, size, scale_factor, align_corners)
+    b.conv(2, 2); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+UPSAMPLES = {
+    "upsample_nearest2d": ((1, 2, 3), (("nearest", (), (2.0, 2.0), False),)),
+    "upsample_nearest1d_frac": ((1, 4), (("nearest", (), (1.7,), False),)),
+    "upsample_bilinear_frac": ((1, 3, 2), (("linear", (), (1.5, 2.0), False),)),
+    "upsample_bilinear_corners_size": ((1, 2, 3), (("linear", (3, 5), (), True),)),
+    "upsample_linear1d_down_up": ((1, 5), (("linear", (3,), (), False), ("linear", (), (2.5,), False))),
+    "upsample_trilinear_nearest": ((1, 2, 1, 2), (("linear", (3, 2, 3), (), False), ("nearest", (), (1.0, 2.0, 1.0), False))),
+}
+
+
 def conv3d_net(seed=0, dtype=torch.float64, ceil_mode=True, count_include_pad=False):
     """3-D conv, ConvTranspose, max and average pooling (ceil mode, padding)."""
     b = NetBuilder((1, 3, 3, 2), seed, dtype)
@@ -452,6 +482,8 @@ NEW_OPS = {
     "conv3d": conv3d_net,
     "conv3d_floor_incl": lambda seed=0, dtype=torch.float64: conv3d_net(seed, dtype, False, True),
     **CEIL_POOLS,
+    **{name: (lambda seed=0, dtype=torch.float64, shape=shape, resizes=resizes: upsample_net(seed, dtype, shape, resizes))
+       for name, (shape, resizes) in UPSAMPLES.items()},
 }
 
 CATALOGUE = {

@@ -137,7 +137,64 @@ class AudioNet(nn.Module):
         return self.fc(self.body(x).mean(-1))
 
 
+class UpsampleUNet(nn.Module):
+    """A two-level U-Net decoding with every 2-d resize torch offers as fixed edges: nearest
+    (module), bilinear with a non-integer scale (F.interpolate), UpsamplingBilinear2d
+    (align_corners=True) and bilinear to a size; concatenated skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc1 = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU())
+        self.enc2 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+        self.up_nearest = nn.Upsample(scale_factor=2)
+        self.up_corners = nn.UpsamplingBilinear2d(scale_factor=2)
+        self.dec = nn.Sequential(nn.Conv2d(15, 3, 3, padding=1), nn.ReLU())
+        self.head = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        skip = self.enc1(x)
+        deep = self.enc2(skip)
+        wide = F.interpolate(deep, scale_factor=1.5, mode="bilinear")
+        y = torch.cat([skip, self.up_nearest(deep), self.up_corners(deep),
+                       F.interpolate(wide, size=skip.shape[2:], mode="bilinear", align_corners=False)], dim=1)
+        return self.head(self.dec(y))
+
+
+class Upsample1d(nn.Module):
+    """1-d linear resize to a size with align_corners=True, then nearest by a non-integer scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv1d(2, 3, 3, padding=1)
+        self.conv2 = nn.Conv1d(3, 3, 3)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        x = F.interpolate(F.relu(self.conv1(x)), size=13, mode="linear", align_corners=True)
+        x = F.interpolate(F.relu(self.conv2(x)), scale_factor=1.7)
+        return self.fc(x.mean(-1))
+
+
+class Upsample3d(nn.Module):
+    """3-d trilinear (per-axis scales) and nearest resizes, concatenated."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv3d(1, 2, 3, padding=1)
+        self.up = nn.Upsample(scale_factor=(2, 1, 2), mode="trilinear")
+        self.conv2 = nn.Conv3d(4, 3, 1)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = torch.cat([self.up(x), F.interpolate(x, scale_factor=(2, 1, 2))], dim=1)
+        return self.fc(F.relu(self.conv2(x)).mean([2, 3, 4]))
+
+
 OPS_MODELS = {
+    "upsample_unet": (UpsampleUNet, (1, 6, 8)),
+    "upsample_1d": (Upsample1d, (2, 9)),
+    "upsample_3d": (Upsample3d, (1, 3, 4, 3)),
     "shuffle_unit": (ShuffleUnit, (3, 8, 8)),
     "slice_scale_pad": (SliceScalePad, (2, 7, 6)),
     "tiny_unet": (TinyUNet, (1, 8, 8)),

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from pathcond_cli.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
-    Scale,
+    Scale, Upsample,
 )
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
@@ -99,6 +99,8 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             y = xs[0][:, node.start:node.stop]
         elif isinstance(node, ChannelGather):
             y = xs[0][:, list(node.channels)]
+        elif isinstance(node, Upsample):
+            y = _interpolate(node, xs[0])
         elif isinstance(node, MaxPool):
             y = _MAXP[xs[0].dim()](xs[0], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode)
         elif isinstance(node, AvgPool):
@@ -117,6 +119,17 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             raise TypeError(node)
         vals[node.name] = y
     return {o: vals[o] for o in graph.outputs}
+
+
+def _interpolate(node: Upsample, x: torch.Tensor) -> torch.Tensor:
+    """torch's own N-d interpolation (never separated per axis)."""
+    r = x.dim() - 2
+    values = node.size or node.scale_factor
+    values = tuple(values) * (r // len(values))
+    linear = node.mode == "linear"
+    return F.interpolate(x, size=values if node.size else None, scale_factor=None if node.size else values,
+                         mode={1: "linear", 2: "bilinear", 3: "trilinear"}[r] if linear else "nearest",
+                         align_corners=node.align_corners if linear else None)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -565,6 +578,21 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             for oc, ic in source_of.items():
                 for f in range(per):
                     edge(src[ic * per + f], out[oc * per + f], const=1.0)
+        elif isinstance(node, Upsample):
+            # One fixed edge per non-zero coefficient, read off torch's response to each unit impulse.
+            C, sp = ishape[0], ishape[1:]
+            responses = {}
+            for ipos in itertools.product(*(range(n) for n in sp)):
+                impulse = torch.zeros((1, 1, *sp), dtype=torch.float64)
+                impulse[(0, 0, *ipos)] = 1.0
+                responses[ipos] = _interpolate(node, impulse)[0, 0]
+            osp = tuple(next(iter(responses.values())).shape)
+            out = new_neurons(node.name, (C, *osp), "sum")
+            for c in range(C):
+                for ipos, response in responses.items():
+                    for opos in response.nonzero().tolist():
+                        edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))],
+                             const=float(response[tuple(opos)]))
         elif isinstance(node, Flatten):
             out = new_neurons(node.name, (math.prod(ishape),), "sum")
             for a, b_ in zip(src, out):  # channel-major flattening = same flat order

@@ -53,7 +53,6 @@ _NEEDS_FX_MEAN = "needs x.mean([2, 3]) in the fx importer"
 _NEEDS_SHUFFLE = "needs channel split (chunk/Split) and channel shuffle (reshape-transpose-reshape)"
 
 _NEEDS_CONV_TRANSPOSE = "needs ConvTranspose2d"
-_NEEDS_UPSAMPLE = "needs bilinear Upsample/Resize"
 _NEEDS_3D = "needs Conv3d, BatchNorm3d and 3-D max/average pooling"
 _NEEDS_CEIL_PAD = ("needs ceil-mode MaxPool with padding (MaxPool2d(3, 1, 1, ceil_mode=True)) on the ONNX route: "
                    "today an internal error, 'all the input array dimensions except for the concatenation axis must match'")
@@ -70,8 +69,6 @@ MISSING: dict[tuple[str, str], str] = {
     ("mnasnet", "module"): _NEEDS_FX_MEAN,
     ("unet", "module"): _NEEDS_CONV_TRANSPOSE,
     ("unet", "onnx"): _NEEDS_CONV_TRANSPOSE,
-    ("unet_bilinear", "module"): _NEEDS_UPSAMPLE,
-    ("unet_bilinear", "onnx"): _NEEDS_UPSAMPLE,
     ("c3d", "module"): _NEEDS_3D,
     ("c3d", "onnx"): _NEEDS_3D,
     ("googlenet_32", "onnx"): _NEEDS_CEIL_PAD,

@@ -219,6 +219,32 @@ def test_configurations_outside_the_dag_are_explained():
     assert "a parameter or constant used outside its module" in message
 
 
+class RefusedResizes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cubic = nn.Upsample(scale_factor=2, mode="bicubic")
+        self.area = nn.Upsample(size=(2, 2), mode="area")
+
+    def forward(self, x):
+        return torch.cat([
+            self.cubic(x)[:, :, :2, :2], self.area(x),
+            F.interpolate(x, scale_factor=1.0, mode="bilinear", antialias=True)[:, :, :2, :2],
+            F.interpolate(x, scale_factor=1.0, recompute_scale_factor=True)[:, :, :2, :2],
+            F.interpolate(x, scale_factor=1.0, mode="nearest-exact")[:, :, :2, :2],
+        ], dim=1)
+
+
+def test_resizes_other_than_nearest_and_linear_are_refused_with_the_reason():
+    with pytest.raises(UnsupportedModelError) as info:
+        graph_from_module(RefusedResizes(), (1, 3, 3), source="resize")
+    message = str(info.value)
+    assert "node 'cubic'" in message and "mode='bicubic' is not supported" in message
+    assert "mode='area' is not supported" in message
+    assert "antialias=True is not supported" in message
+    assert "recompute_scale_factor=True is not supported" in message
+    assert "mode='nearest-exact' is not supported" in message
+
+
 class DataDependent(nn.Module):
     def forward(self, x):
         return x if x.sum() > 0 else -x

@@ -271,3 +271,45 @@ def test_missing_and_misshapen_tensors_are_named():
         graph.check_parameters({"fc.weight": torch.ones(2, 4)})
     with pytest.raises(InputError, match=r"tensor 'fc.weight' \(weight\) has shape \(8,\), expected rank 2"):
         graph.check_parameters({"fc.weight": torch.ones(8), "fc.bias": torch.ones(2)})
+
+
+UPSAMPLE_SPEC = {
+    "format_version": 1,
+    "layers": [
+        {"name": "x", "type": "input", "shape": [2, 3, 4]},
+        {"name": "near", "type": "upsample", "scale_factor": 2},
+        {"name": "lin", "type": "upsample", "inputs": ["x"], "mode": "linear", "size": [6, 8], "align_corners": True},
+        {"name": "frac", "type": "upsample", "inputs": ["x"], "mode": "linear", "scale_factor": [1.5, 2]},
+        {"name": "down", "type": "upsample", "inputs": ["frac"], "size": [6, 8], "scale_factor": None},
+        {"name": "cat", "type": "concat", "inputs": ["near", "lin", "down"]},
+    ],
+    "outputs": ["cat"],
+}
+
+
+def test_upsample_layers_compute_torch_interpolate_and_round_trip():
+    graph = build(UPSAMPLE_SPEC)
+    assert graph_from_spec(spec_from_graph(graph), source=SOURCE) == graph
+    x = torch.randn(3, 2, 3, 4, dtype=torch.float64)
+    frac = F.interpolate(x, scale_factor=(1.5, 2.0), mode="bilinear", align_corners=False)
+    expected = torch.cat([F.interpolate(x, scale_factor=2.0),
+                          F.interpolate(x, size=(6, 8), mode="bilinear", align_corners=True),
+                          F.interpolate(frac, size=(6, 8))], dim=1)
+    assert torch.equal(forward(graph, {}, x)["cat"], expected)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"mode": "bicubic", "scale_factor": 2}, "'mode' must be one of 'nearest', 'linear'"),
+    ({"scale_factor": 0}, "'scale_factor' must be a number > 0"),
+    ({"size": [4, 4], "scale_factor": 2}, "exactly one of 'size' and 'scale_factor'"),
+    ({}, "exactly one of 'size' and 'scale_factor'"),
+    ({"size": [4, 4, 4]}, "3 resize values for 2 spatial axes"),
+])
+def test_upsample_problems_name_the_layer(fields, message):
+    from pathcond_cli.evaluate import infer_shapes
+
+    spec = {"format_version": 1, "layers": [{"name": "x", "type": "input", "shape": [1, 3, 4]},
+                                            {"name": "up", "type": "upsample", **fields}]}
+    with pytest.raises(InputError) as info:
+        infer_shapes(build(spec), {})
+    assert message in str(info.value) and "'up'" in str(info.value)

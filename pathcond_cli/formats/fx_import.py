@@ -30,7 +30,7 @@ from .spec import graph_from_spec
 SUPPORTED_SUMMARY = (
     "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
     "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero padding, "
-    "multiplication or division by a constant, flatten, channel slices/chunks/splits and shuffles, "
+    "multiplication or division by a constant, nearest and (bi/tri)linear Upsample/interpolate, flatten, channel slices/chunks/splits and shuffles, "
     "residual add and torch.cat(dim=1)"
 )
 
@@ -335,6 +335,8 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         kwargs = normalized.kwargs
         if translate_function is _pad_function:
             return [_pad_function(kwargs, _rank(kwargs["input"], values))]
+        if translate_function is _interpolate_function:
+            return [_interpolate_function(kwargs, values[node])]
         return [translate_function(kwargs)]
     if node.op == "call_method":
         if node.target in ("mul", "mul_", "div", "div_"):
@@ -581,6 +583,43 @@ def _mean(args: Sequence[Any], kwargs: Mapping[str, Any], values: Mapping[torch.
     return [pool] if keepdim else [pool, {"type": "flatten"}]
 
 
+_RESIZE_MODES = {"nearest": "nearest", "linear": "linear", "bilinear": "linear", "trilinear": "linear"}
+
+
+def _upsample(args: Mapping[str, Any]) -> dict[str, Any]:
+    """nn.Upsample (attributes) and F.interpolate (kwargs): nearest or (bi/tri)linear only."""
+    mode = args.get("mode", "nearest")
+    if mode not in _RESIZE_MODES:
+        raise _Unsupported(
+            f"mode={mode!r} is not supported (nearest, linear, bilinear, trilinear): bicubic weights are negative "
+            "and torch and ONNX runtimes disagree at the borders, area is adaptive average pooling"
+        )
+    if args.get("antialias"):
+        raise _Unsupported("antialias=True is not supported")
+    if args.get("recompute_scale_factor"):
+        raise _Unsupported("recompute_scale_factor=True is not supported; pass the output size instead")
+    size, scale_factor = args.get("size"), args.get("scale_factor")
+    if (size is None) == (scale_factor is None):
+        raise _Unsupported("exactly one of size and scale_factor must be given")
+    layer: dict[str, Any] = {"type": "upsample", "mode": _RESIZE_MODES[mode],
+                             "align_corners": bool(args.get("align_corners") or False)}
+    if size is not None:
+        layer["size"] = list(size) if isinstance(size, (list, tuple)) else size
+    else:
+        layer["scale_factor"] = list(scale_factor) if isinstance(scale_factor, (list, tuple)) else scale_factor
+    return layer
+
+
+def _interpolate_function(kwargs: Mapping[str, Any], output: Any) -> dict[str, Any]:
+    """F.interpolate; a size computed from other tensors' shapes (``size=skip.shape[2:]``) is
+    the one the traced run produced, a constant for the input shape the graph is built for."""
+    size = kwargs.get("size")
+    sizes = size if isinstance(size, (list, tuple)) else [size]
+    if size is not None and not all(isinstance(v, int) for v in sizes) and isinstance(output, torch.Tensor):
+        kwargs = {**kwargs, "size": list(output.shape[2:])}
+    return {**_upsample(kwargs), "inputs": [kwargs["input"]]}
+
+
 def _dropout(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if kwargs.get("training", True):
         raise _Unsupported("training=True applies dropout at inference too")
@@ -657,6 +696,9 @@ _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.AdaptiveAvgPool2d: _by_attributes(_adaptive_avg_pool),
     nn.AdaptiveAvgPool3d: _by_attributes(_adaptive_avg_pool),
     nn.Flatten: _by_attributes(_flatten_args),
+    nn.Upsample: _by_attributes(_upsample),
+    nn.UpsamplingNearest2d: _by_attributes(_upsample),
+    nn.UpsamplingBilinear2d: _by_attributes(_upsample),
 }
 
 _FUNCTIONS: dict[Callable[..., Any], Callable[[Mapping[str, Any]], dict[str, Any]]] = {
@@ -675,6 +717,8 @@ _FUNCTIONS: dict[Callable[..., Any], Callable[[Mapping[str, Any]], dict[str, Any
     F.adaptive_avg_pool2d: _with_input(_adaptive_avg_pool),
     F.adaptive_avg_pool3d: _with_input(_adaptive_avg_pool),
     F.pad: _pad_function,
+    F.interpolate: _interpolate_function,
+    F.upsample: _interpolate_function,
     torch.cat: _cat,
 }
 

@@ -29,7 +29,7 @@ from ..errors import InputError, UnsupportedModelError
 from ..fileio import atomic_write, output_error_from
 from ..graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
-    Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale,
+    Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
 )
 from ..model import LoadedModel
 from .movement import UnsupportedMovement, movement_layer
@@ -761,8 +761,7 @@ class _Translator:
 
     def _pad(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
-        mode = _attribute(node, "mode", b"constant")
-        mode = mode.decode() if isinstance(mode, bytes) else mode
+        mode = _string(node, "mode", "constant")
         rank = self._rank(x)
         pads = self._static_ints(node.input[1]) if len(node.input) > 1 and node.input[1] else None
         value = self._static_floats(node.input[2]) if len(node.input) > 2 and node.input[2] else [0.0]
@@ -777,6 +776,59 @@ class _Translator:
         if begin[:2] != [0, 0] or end[:2] != [0, 0] or min(begin + end) < 0:
             raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pads {pads})")
         self._emit_for(node, Pad, x, begin=tuple(begin[2:]), end=tuple(end[2:]))
+
+    def _resize(self, node: onnx.NodeProto) -> None:
+        """Resize as torch exports nn.Upsample/F.interpolate: nearest (asymmetric, floor) or linear
+        (half_pixel, pytorch_half_pixel, align_corners), with constant scales or known sizes."""
+        x = self._activation(node)
+        mode, transform, nearest = (_string(node, name, default) for name, default in
+                                    (("mode", "nearest"), ("coordinate_transformation_mode", "half_pixel"),
+                                     ("nearest_mode", "round_prefer_floor")))
+        if _int(node, "antialias", 0) or _string(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
+            raise _Unsupported("antialias and keep_aspect_ratio_policy other than stretch are not supported")
+        rank = self._rank(x)
+        if _has(node, "axes") and sorted(a % rank for a in _ints(node, "axes", [])) != list(range(rank)):
+            raise _Unsupported("resizing a subset of the axes (axes attribute) is not supported")
+        if mode == "nearest" and (transform, nearest) != ("asymmetric", "floor"):
+            raise _Unsupported(
+                f"nearest mode is supported as torch's 'nearest' exports it (coordinate_transformation_mode "
+                f"asymmetric, nearest_mode floor), not {transform}/{nearest}"
+            )
+        if mode == "linear" and transform not in ("half_pixel", "pytorch_half_pixel", "align_corners"):
+            raise _Unsupported(f"linear mode with coordinate_transformation_mode {transform!r} is not supported "
+                               "(half_pixel, pytorch_half_pixel, align_corners)")
+        if mode not in ("nearest", "linear"):
+            raise _Unsupported(f"mode {mode!r} is not supported (nearest and linear only)")
+        if rank not in (3, 4, 5):
+            raise _Unsupported(f"only 1-d, 2-d and 3-d feature maps can be resized ('{x}' has rank {rank})")
+        has_scales = len(node.input) > 2 and bool(node.input[2])
+        if has_scales == (len(node.input) > 3 and bool(node.input[3])):
+            raise _Unsupported("exactly one of scales and sizes must be given")
+        in_shape = self._batch_free_shape(x)
+        if has_scales:
+            scales = self._concatenated_floats(node.input[2])
+            if scales is None or len(scales) != rank or min(scales) <= 0:
+                raise _Unsupported(f"its scales must be a stored constant of {rank} positive numbers (got {scales})")
+            # Shape inference does not follow scales through a Concat: the output size as ONNX defines it.
+            out_shape = tuple(math.floor(n * scale) for n, scale in zip(in_shape, scales[1:]))
+            self.shapes[node.output[0]] = (self.shapes[x][0], *out_shape)
+            resize: dict[str, tuple] = {"scale_factor": tuple(scales[2:])}
+        else:
+            out_shape = self._batch_free_shape(node.output[0])
+            resize = {"size": tuple(out_shape[1:])}
+        if in_shape[0] != out_shape[0] or (has_scales and scales[0] != 1):
+            raise _Unsupported("resizing the batch or channel axis is not supported")
+        if transform == "pytorch_half_pixel" and 1 in out_shape[1:]:
+            raise _Unsupported("pytorch_half_pixel with an output size of 1 does not match torch's interpolation")
+        self._emit_for(node, Upsample, x, mode=mode, align_corners=transform == "align_corners", **resize)
+
+    def _concatenated_floats(self, value: str) -> list[float] | None:
+        """A stored float tensor, or a Concat of them (the TorchScript exporter without folding)."""
+        producer = self.producer.get(value)
+        if producer is not None and producer.op_type == "Concat":
+            parts = [self._static_floats(v) for v in producer.input]
+            return None if None in parts else [f for part in parts for f in part]
+        return self._static_floats(value)
 
     def _batch_norm(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
@@ -965,6 +1017,7 @@ _HANDLERS: dict[str, Callable[[_Translator, onnx.NodeProto], None]] = {
     "Mul": _Translator._scale,
     "Div": _Translator._scale,
     "Pad": _Translator._pad,
+    "Resize": _Translator._resize,
     "Transpose": _Translator._transpose,
     "Split": _Translator._split,
     "Slice": _Translator._slice,
@@ -1010,6 +1063,11 @@ def _attribute(node: onnx.NodeProto, name: str, default):
         if a.name == name:
             return onnx.helper.get_attribute_value(a)
     return default
+
+
+def _string(node: onnx.NodeProto, name: str, default: str) -> str:
+    value = _attribute(node, name, default)
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _int(node: onnx.NodeProto, name: str, default: int) -> int:

@@ -34,7 +34,7 @@ from ..errors import InputError
 from ..graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
-    ReLU, Scale, node_attributes,
+    ReLU, Scale, Upsample, node_attributes,
 )
 from ..rules import Rule, rule_for
 
@@ -91,6 +91,30 @@ def _float(requirement: str, accept: Callable[[float], bool] = math.isfinite) ->
         if number is None or not math.isfinite(number) or not accept(number):
             raise ValueError(f"must be {requirement}")
         return number
+
+    return convert
+
+
+def _optional_sizes(value: Any) -> tuple[int, ...]:
+    """An output size, or none (``null`` or ``[]``) when a scale factor is given instead."""
+    return () if value is None or value == [] else _ints(1)(value)
+
+
+def _positive_floats(value: Any) -> tuple[float, ...]:
+    """Scale factors, or none (``null`` or ``[]``) when an output size is given instead."""
+    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    convert = _float("a number > 0", lambda x: x > 0)
+    try:
+        return tuple(convert(v) for v in items) if items else ()
+    except ValueError:
+        raise ValueError("must be a number > 0 or a list of them") from None
+
+
+def _choice(*choices: str) -> Callable[[Any], str]:
+    def convert(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(repr, choices))}")
+        return value
 
     return convert
 
@@ -158,6 +182,11 @@ LAYER_TYPES: dict[str, _LayerType] = {
     "channel_shuffle": _LayerType(ChannelShuffle, {"groups": _Field(_int(1))}),
     "channel_slice": _LayerType(ChannelSlice, {"start": _Field(_int(0), 0), "stop": _Field(_int(1))}),
     "channel_gather": _LayerType(ChannelGather, {"channels": _Field(_ints(0))}),
+    "upsample": _LayerType(
+        Upsample,
+        {"mode": _Field(_choice("nearest", "linear"), "nearest"), "size": _Field(_optional_sizes, ()),
+         "scale_factor": _Field(_positive_floats, ()), "align_corners": _Field(_bool, False)},
+    ),
     "dropout": _LayerType(Identity, ignored=("p",)),
     "maxpool": _LayerType(
         MaxPool,
