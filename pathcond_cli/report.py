@@ -172,6 +172,8 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
             "tolerance": verification.tolerance,
             "modes": list(verification.modes),
             "passed": verification.passed,
+            "by_mode": {mode: {"max_rel_error": _finite(error), "tolerance": verification.tolerances[mode]}
+                        for mode, error in verification.errors.items()},
             "independent": verification.independent,
         },
         "output": output,
@@ -246,6 +248,11 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
         summary.add_row("verification", f"max abs {_fmt(verification['max_abs_error'])} · max rel "
                         f"{_fmt(verification['max_rel_error'])} (tol {verification['tolerance']:g}, "
                         f"{'+'.join(verification['modes'])}) {check}")
+        independent = verification.get("independent")
+        if independent:
+            runtime = independent["runtime"] or "no runtime"
+            summary.add_row("independent check", f"{runtime}: {independent['status']}"
+                            + (f" ({independent['detail']})" if independent["status"] != "passed" else ""))
         summary.add_row("output", report["output"])
     summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
     console.print(summary)

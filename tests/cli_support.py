@@ -274,6 +274,9 @@ def _check_rescale(report: dict, seconds: dict) -> None:
     assert verification["passed"] is True
     assert verification["max_rel_error"] <= verification["tolerance"]
     assert "eval" in verification["modes"]
+    assert set(verification["by_mode"]) == set(verification["modes"])
+    for mode in verification["by_mode"].values():
+        assert mode["max_rel_error"] <= mode["tolerance"] <= verification["tolerance"]
     assert isinstance(report["output"], str)
     for stage in ("load", "groups", "diag_g", "path_count", "solve", "apply", "write", "verify_written", "total"):
         assert stage in seconds, stage
