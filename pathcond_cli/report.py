@@ -84,7 +84,8 @@ def analysis_report(
     model, groups, summary = analysis.model, analysis.groups, analysis.summary
     if degenerate is None:
         degenerate = int(degenerate_mask(groups, analysis.diag).sum())
-    unused = unused_parameters(groups)
+    # A parameter on no path has g = 0: without zeros in diag(G) there is nothing to look for.
+    unused = unused_parameters(groups) if any(layer.zeros for layer in summary.layers) else {}
     return {
         "schema": SCHEMA_VERSION,
         "pathcond_version": __version__,
