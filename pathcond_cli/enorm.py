@@ -104,17 +104,6 @@ def enorm(
         history.append(current.log_total)
         if progress is not None:
             progress(iterations, current.log_total, current.kkt_residual)
-    return SolveResult(
-        method=METHOD,
-        u=u.to("cpu"),
-        objective=history,
-        kkt_residual=current.kkt_residual,
-        converged=current.kkt_residual <= tol,
-        iterations=iterations,
-        passes=objective.passes,
-        degenerate=torch.nonzero(frozen.cpu()).flatten().tolist(),
-        seconds=time.perf_counter() - start,
-        tol=tol,
-        max_iter=max_iter,
-    )
+    return SolveResult.of_run(METHOD, u, history, current.kkt_residual, iterations, objective.passes, frozen, start,
+                              tol, max_iter)
 

@@ -63,6 +63,18 @@ class SolveResult:
     max_iter: int = DEFAULT_MAX_ITER
     max_log_scale: float | None = None
 
+    @classmethod
+    def of_run(cls, method: str, u: torch.Tensor, history: list[float], kkt_residual: float, iterations: int,
+               passes: int, frozen: torch.Tensor, started: float, tol: float, max_iter: int,
+               max_log_scale: float | None = None) -> SolveResult:
+        """The result of a run begun at ``started`` (``time.perf_counter``) with ``frozen`` groups."""
+        return cls(
+            method=method, u=u.detach().to("cpu"), objective=history, kkt_residual=kkt_residual,
+            converged=kkt_residual <= tol, iterations=iterations, passes=passes,
+            degenerate=torch.nonzero(frozen.cpu()).flatten().tolist(), seconds=time.perf_counter() - started,
+            tol=tol, max_iter=max_iter, max_log_scale=max_log_scale,
+        )
+
     @property
     def groups_at_bound(self) -> int:
         """Groups whose |u_h| sits on ``max_log_scale`` (0 without a bound)."""
@@ -115,20 +127,8 @@ def solve(
     first = objective.evaluate(u, frozen)
     run = {"newton": _newton, "block": _block, "lbfgs": _lbfgs, "sequential": _sequential}[method]
     u, history, final, iterations = run(objective, u, frozen, first, tol, max_iter, progress)
-    return SolveResult(
-        method=method,
-        u=u.detach().to("cpu"),
-        objective=history,
-        kkt_residual=final.kkt_residual,
-        converged=final.kkt_residual <= tol,
-        iterations=iterations,
-        passes=objective.passes,
-        degenerate=torch.nonzero(frozen.cpu()).flatten().tolist(),
-        seconds=time.perf_counter() - start,
-        tol=tol,
-        max_iter=max_iter,
-        max_log_scale=max_log_scale,
-    )
+    return SolveResult.of_run(method, u, history, final.kkt_residual, iterations, objective.passes, frozen, start,
+                              tol, max_iter, max_log_scale)
 
 
 def _report(progress: ProgressCallback | None, iteration: int, ev: Evaluation) -> None:
