@@ -250,9 +250,8 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
                         f"{_fmt(verification['max_rel_error'])} (tol {verification['tolerance']:g}, "
                         f"{'+'.join(verification['modes'])}) {check}")
         independent = verification.get("independent")
-        if independent:
-            runtime = independent["runtime"] or "no runtime"
-            summary.add_row("independent check", f"{runtime}: {independent['status']}"
+        if independent and independent["runtime"]:
+            summary.add_row("independent check", f"{independent['runtime']}: {independent['status']}"
                             + (f" ({independent['detail']})" if independent["status"] != "passed" else ""))
         summary.add_row("output", report["output"])
     summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
