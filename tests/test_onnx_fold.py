@@ -8,6 +8,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from pathcond_cli.errors import UnsupportedModelError
 from pathcond_cli.evaluate import forward
 from pathcond_cli.formats.onnx_fold import fold_shape_arithmetic
 from pathcond_cli.formats.onnx_format import _infer_shapes, load_onnx
@@ -71,6 +72,9 @@ def test_batch_dependent_value_read_as_data_is_not_folded():
     folded = fold_shape_arithmetic(inferred, _other_batch)
     kept = {n.output[0]: n.op_type for n in folded.graph.node}
     assert kept["batch_float"] == "Cast" and kept["target"] == "Constant" and kept["half"] == "Constant"
+    assert kept["batch"] == "Gather"  # its Cast reader stays: a Constant batch would read as a fixed scale
+    with pytest.raises(UnsupportedModelError, match="batch_float"):
+        load_onnx(_shuffle_view([cast, scale], output="z").SerializeToString(), name="view.onnx")
 
 
 def test_without_other_batch_only_shape_readers_get_batch_dependent_constants():

@@ -30,14 +30,14 @@ def fold_shape_arithmetic(
     """A copy of shape-inferred ``model`` whose run-time shape arithmetic is replaced by constants.
 
     A node is folded when every input is stored, folded, or the ``Shape``/``Size`` of a value
-    whose inferred shape is fully known; a node computed from stored float tensors alone only
-    where it is read as a shape (:data:`SHAPE_INPUTS`), since those tensors may be parameters. Each folded
-    node becomes, in place, a ``Constant`` of the same name and output, so node positions
-    and value names are kept; ``model`` itself is returned when nothing folds. ``other_batch``
-    infers a model's shapes for another batch size (None if it cannot): a folded value that
-    differs between the two batches is kept folded only where every reader that is not
-    folded itself reads it as a shape (:data:`SHAPE_INPUTS`); without it every folded value
-    is treated as depending on the batch.
+    whose inferred shape is fully known; a node computed from stored float tensors alone is
+    folded only where it is read as a shape (:data:`SHAPE_INPUTS`), since those tensors may
+    be parameters. Each folded node becomes, in place, a ``Constant`` of the same name and
+    output, so node positions and value names are kept; ``model`` itself is returned when
+    nothing folds. ``other_batch`` infers a model's shapes for another batch size (None if it
+    cannot): a value that differs between the two batches is folded only where each reader
+    is itself folded or reads it as a shape; without ``other_batch`` every value is treated
+    as depending on the batch.
     """
     values, from_floats = _evaluate(model)
     if not values:
@@ -52,7 +52,10 @@ def fold_shape_arithmetic(
     for node in nodes:
         for position, value in enumerate(node.input):
             readers.setdefault(value, []).append((node, position))
-    for index, node in enumerate(nodes):
+    # Readers come after their producers: deciding from the last node back, whether a value's
+    # folded readers become constants themselves is known when the value is decided.
+    replaced: set[str] = set()
+    for node in reversed(nodes):
         output = node.output[0] if len(node.output) == 1 else None
         if output not in folded_outputs:
             continue
@@ -61,13 +64,17 @@ def fold_shape_arithmetic(
         parameter_free = output not in from_floats
         batch_free = parameter_free and output in variant_values and _equal(values[output], variant_values[output])
         read_as_shape = all(
-            (parameter_free and reader.output and reader.output[0] in folded_outputs)
+            (parameter_free and reader.output and reader.output[0] in replaced)
             or (reader.op_type, position) in SHAPE_INPUTS
             for reader, position in readers.get(output, [])
         )
         if batch_free or read_as_shape:
+            replaced.add(output)
+    for index, node in enumerate(nodes):
+        if len(node.output) == 1 and node.output[0] in replaced:
             nodes[index].CopyFrom(onnx.helper.make_node(
-                "Constant", [], [output], name=node.name, value=numpy_helper.from_array(values[output], output)
+                "Constant", [], [node.output[0]], name=node.name,
+                value=numpy_helper.from_array(values[node.output[0]], node.output[0]),
             ))
     return folded
 
