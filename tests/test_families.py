@@ -49,15 +49,12 @@ BATCH = 3
 ROUNDING_MARGIN = 10.0
 MOVED = 1e-3  # the smallest max |ln λ| that counts as "the rescaling did something"
 
-_RUNTIME_SHAPES = ("the TorchScript exporter computes ShuffleNet's chunk bounds and view shapes from Shape nodes at "
-                   "run time, which pathcond does not evaluate (fx and torch.export imports of the same model pass)")
 _ILL_CONDITIONED = ("not pathcond's error: onnxruntime and torch already disagree by 3.3e-5 on small Inception-v3's "
                     "original export (fp32 kernels on a network that amplifies rounding), above the 1e-5 asked of "
                     "the rescaled file")
 
 #: (family, route) -> why the route is a known gap, stated.
 MISSING: dict[tuple[str, str], str] = {
-    ("shufflenet_v2", "onnx"): _RUNTIME_SHAPES,
     ("inception_v3", "onnx"): _ILL_CONDITIONED,
 }
 #: families whose canonical-representative check needs minutes (thousands of solver passes)

@@ -86,15 +86,7 @@ def test_rescaled_file_computes_the_same_function(name, exporter, tmp_path):
 UPSAMPLE_MODELS = [name for name in sorted(ops_models.OPS_MODELS) if name.startswith("upsample")]
 
 
-def _resize_case(name: str, exporter: str):
-    if (name, exporter) == ("upsample_unet", "torchscript-unfolded"):
-        # Shape inference cannot follow the size computed from Shape nodes after an unfolded
-        # scales Concat; the folded export of the same network is read.
-        return pytest.param(name, exporter, marks=pytest.mark.xfail(strict=True, reason="run-time size chain"))
-    return pytest.param(name, exporter)
-
-
-@pytest.mark.parametrize("name, exporter", [_resize_case(n, e) for n in UPSAMPLE_MODELS for e in EXPORTERS])
+@pytest.mark.parametrize("name, exporter", [(n, e) for n in UPSAMPLE_MODELS for e in EXPORTERS])
 def test_resize_computes_the_torch_function_and_survives_rescaling(name, exporter, tmp_path):
     """Resize as both exporters write torch's nearest and (bi/tri)linear resizes: the graph
     computes the module, and the rescaled file computes the same by ONNX's own evaluator."""

@@ -32,12 +32,8 @@ ARCHITECTURES = {
 }
 
 
-# The TorchScript exporter computes chunk/split bounds, pad widths and the shuffle's view
-# shape from Shape nodes at run time; pathcond reads only stored bounds and inferred shapes.
 # torch.export turns 1-d linear interpolation into index arithmetic instead of a Resize.
 KNOWN_GAPS = {
-    ("shuffle_unit", "onnx-torchscript"): "chunk bounds and view shapes computed from Shape nodes",
-    ("slice_scale_pad", "onnx-torchscript"): "slice bounds, pad widths and PReLU slope computed at run time",
     ("upsample_1d", "onnx-dynamo"): "torch.export decomposes 1-d linear interpolation into GatherND index arithmetic",
 }
 IMPORTERS = ("spec", "onnx-torchscript", "onnx-dynamo")

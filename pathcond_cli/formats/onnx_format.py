@@ -33,6 +33,7 @@ from ..graph import (
 )
 from ..model import LoadedModel
 from .movement import UnsupportedMovement, movement_layer
+from .onnx_fold import SHAPE_QUERIES, fold_shape_arithmetic
 from .offenders import grouped
 from .spec import LAYER_TYPES
 
@@ -53,8 +54,6 @@ _FLOAT8_TYPES = {
     onnx.TensorProto.FLOAT8E5M2FNUZ: torch.float8_e5m2fnuz,
 }
 
-# Ops whose output describes the activation's shape, not its values: shape arithmetic.
-_SHAPE_QUERIES = ("Shape", "Size")
 
 _NOT_HOMOGENEOUS = {
     "Sigmoid", "Tanh", "Gelu", "Erf", "Softmax", "LogSoftmax", "LayerNormalization", "Elu", "Selu",
@@ -94,7 +93,7 @@ def load_onnx(
     _check(model, label)
     graph_input = _single_input(model, label)
     shape = _input_shape(graph_input, input_shape, label)
-    inferred = _infer_shapes(model, graph_input.name, shape, label)
+    inferred = _folded(_infer_shapes(model, graph_input.name, shape, label), graph_input.name, shape, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
     translation = _Translator(inferred, label)
@@ -252,15 +251,21 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
     return tuple(declared[1:])
 
 
-def _infer_shapes(model: onnx.ModelProto, input_name: str, shape: tuple[int, ...], label: str) -> onnx.ModelProto:
-    """A copy of ``model`` with the input's non-batch dimensions fixed and every value's shape inferred."""
+def _infer_shapes(
+    model: onnx.ModelProto, input_name: str, shape: tuple[int, ...], label: str, batch: int | None = None
+) -> onnx.ModelProto:
+    """A copy of ``model`` with the input's non-batch dimensions fixed and every value's shape inferred.
+
+    The batch is ``batch`` if given, else the declared one, else 2.
+    """
     copy = onnx.ModelProto()
     copy.CopyFrom(model)
     graph_input = next(i for i in copy.graph.input if i.name == input_name)
     dims = graph_input.type.tensor_type.shape.dim
     # A concrete batch lets inference resolve the Shape → Gather → Concat → Reshape chains that
     # exporters emit for ``x.view(x.size(0), -1)``; 2 cannot be mistaken for a squeezable axis.
-    batch = dims[0].dim_value if len(dims) and dims[0].HasField("dim_value") else 2
+    if batch is None:
+        batch = dims[0].dim_value if len(dims) and dims[0].HasField("dim_value") else 2
     del dims[:]
     for d in (batch, *shape):
         dims.add().dim_value = d
@@ -274,6 +279,29 @@ def _infer_shapes(model: onnx.ModelProto, input_name: str, shape: tuple[int, ...
         raise InputError(
             f"{label}: ONNX shape inference fails for input shape {shape}: {_one_line(exc)}"
         ) from None
+
+
+def _folded(inferred: onnx.ModelProto, input_name: str, shape: tuple[int, ...], label: str) -> onnx.ModelProto:
+    """``inferred`` with its run-time shape arithmetic folded to constants, shapes inferred again."""
+    batch = next(i for i in inferred.graph.input if i.name == input_name).type.tensor_type.shape.dim[0].dim_value
+
+    def other_batch(model: onnx.ModelProto) -> onnx.ModelProto | None:
+        try:
+            return _infer_shapes(model, input_name, shape, label, batch=batch + 1)
+        except InputError:
+            return None  # a graph fixed to its batch: every folded value counts as batch-dependent
+
+    # Each pass can make more shapes known (a Slice with folded bounds gets an inferred shape
+    # that later Shape nodes read): fold until nothing new becomes a constant.
+    while True:
+        folded = fold_shape_arithmetic(inferred, other_batch)
+        if _constant_count(folded) == _constant_count(inferred):
+            return inferred
+        inferred = _infer_shapes(folded, input_name, shape, label, batch=batch)
+
+
+def _constant_count(model: onnx.ModelProto) -> int:
+    return sum(node.op_type == "Constant" for node in model.graph.node)
 
 
 def check_memory(shapes: dict[str, tuple[int | None, ...]], model: onnx.ModelProto, label: str) -> None:
@@ -400,7 +428,7 @@ class _Translator:
         for node in self.onnx_nodes:
             if not any(out in needed for out in node.output):
                 continue
-            if node.op_type in _SHAPE_QUERIES or not any(value in self.activations for value in node.input):
+            if node.op_type in SHAPE_QUERIES or not any(value in self.activations for value in node.input):
                 continue
             self.activations.update(out for out in node.output if out)
             self._translate_node(node)
@@ -434,7 +462,7 @@ class _Translator:
         """
         needed = set(self.graph_outputs)
         for node in reversed(self.onnx_nodes):
-            if node.op_type not in _SHAPE_QUERIES and any(out in needed for out in node.output):
+            if node.op_type not in SHAPE_QUERIES and any(out in needed for out in node.output):
                 needed.update(v for v in node.input if v)
         return needed
 
