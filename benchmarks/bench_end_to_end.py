@@ -85,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model = (export_safetensors if fmt == "safetensors" else export_onnx)(args.model, Path(scratch))
         size_mib = Path(model[0]).stat().st_size / 2**20
-        command = [sys.executable, "-m", "pathcond_cli.cli", args.command, *model, "--json", "--device", args.device]
+        command = [sys.executable, "-m", "pathcond_cli", args.command, *model, "--json", "--device", args.device]
         if args.command == "rescale":
             command += ["-o", str(Path(scratch) / f"out.{fmt}")]
         for _ in range(args.repeat):
@@ -96,7 +96,7 @@ def main() -> None:
                 sys.exit(f"pathcond exited {finished.returncode}:\n{finished.stderr}")
             runs.append((wall, json.loads(finished.stdout)))
         import_torch = min(_seconds([sys.executable, "-c", "import torch"]) for _ in range(args.repeat))
-        help_seconds = min(_seconds([sys.executable, "-m", "pathcond_cli.cli", "--help"]) for _ in range(args.repeat))
+        help_seconds = min(_seconds([sys.executable, "-m", "pathcond_cli", "--help"]) for _ in range(args.repeat))
     wall, report = min(runs, key=lambda run: run[0])
     seconds = report["seconds"]
     staged = sum(seconds.get(stage, 0.0) for stage in IN_PROCESS_STAGES)

@@ -542,6 +542,3 @@ def _interrupted(signum, frame) -> None:
     os.write(2, f"interrupted: {_what_is_on_disk()}\n".encode("utf-8", "backslashreplace"))
     os._exit(EXIT_CODES["interrupted"])
 
-
-if __name__ == "__main__":
-    main()

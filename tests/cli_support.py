@@ -41,7 +41,7 @@ def invoke(*args: object, input: bytes | None = None):
 
 
 def module_command(*args: object) -> list[str]:
-    return [sys.executable, "-m", "pathcond_cli.cli", *map(str, args)]
+    return [sys.executable, "-m", "pathcond_cli", *map(str, args)]
 
 
 def assert_clean_exit(result, code: int, *needles: str) -> str:

@@ -151,7 +151,7 @@ def test_the_cli_module_imports_neither_torch_nor_onnx():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**CLEAN_ENV, "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    version = subprocess.run([sys.executable, "-m", "pathcond_cli.cli", "--version"], cwd=ROOT,
+    version = subprocess.run([sys.executable, "-m", "pathcond_cli", "--version"], cwd=ROOT,
                              env={**CLEAN_ENV, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
     assert version.returncode == 0 and version.stdout == f"pathcond {__version__}\n"
 
