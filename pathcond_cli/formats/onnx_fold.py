@@ -40,14 +40,15 @@ def fold_shape_arithmetic(
     as depending on the batch.
     """
     values, from_floats = _evaluate(model)
-    if not values:
+    folded_outputs = {n.output[0] for n in model.graph.node
+                      if n.output and n.output[0] in values and n.op_type != "Constant"}
+    if not folded_outputs:
         return model
     variant = other_batch(model) if other_batch is not None else None
     variant_values = _evaluate(variant)[0] if variant is not None else {}
     folded = onnx.ModelProto()
     folded.CopyFrom(model)
     nodes = folded.graph.node
-    folded_outputs = {n.output[0] for n in nodes if n.output and n.output[0] in values and n.op_type != "Constant"}
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in nodes:
         for position, value in enumerate(node.input):
