@@ -39,13 +39,18 @@ def fold_shape_arithmetic(
     is itself folded or reads it as a shape; without ``other_batch`` every value is treated
     as depending on the batch.
     """
-    values, from_floats = _evaluate(model)
+    values, from_floats, from_shapes = _evaluate(model)
     folded_outputs = {n.output[0] for n in model.graph.node
                       if n.output and n.output[0] in values and n.op_type != "Constant"}
     if not folded_outputs:
         return model
-    variant = other_batch(model) if other_batch is not None else None
-    variant_values = _evaluate(variant)[0] if variant is not None else {}
+    if other_batch is None:
+        variant_values: dict[str, np.ndarray] = {}
+    elif folded_outputs & from_shapes:
+        variant = other_batch(model)
+        variant_values = _evaluate(variant)[0] if variant is not None else {}
+    else:
+        variant_values = values  # only a Shape or Size can bring in the batch: none is read
     folded = onnx.ModelProto()
     folded.CopyFrom(model)
     nodes = folded.graph.node
@@ -84,9 +89,9 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
 
 
-def _evaluate(model: onnx.ModelProto) -> tuple[dict[str, np.ndarray], set[str]]:
+def _evaluate(model: onnx.ModelProto) -> tuple[dict[str, np.ndarray], set[str], set[str]]:
     """The value of every single-output node computable from stored tensors and known shapes,
-    by output name, and those computed from stored float tensors alone."""
+    by output name; those computed from stored float tensors alone; those that read a shape."""
     shapes = _known_shapes(model)
     opsets = {o.domain or "": o.version for o in model.opset_import}
     stored: dict[str, onnx.TensorProto | onnx.NodeProto] = {t.name: t for t in model.graph.initializer}
@@ -102,6 +107,7 @@ def _evaluate(model: onnx.ModelProto) -> tuple[dict[str, np.ndarray], set[str]]:
 
     derived: dict[str, np.ndarray] = {}
     from_floats: set[str] = set()
+    from_shapes: set[str] = set()
     for node in model.graph.node:
         if len(node.output) != 1 or node.domain not in ("", "ai.onnx") or node.op_type == "Constant":
             continue
@@ -109,6 +115,7 @@ def _evaluate(model: onnx.ModelProto) -> tuple[dict[str, np.ndarray], set[str]]:
             shape = shapes.get(node.input[0])
             if shape is not None:
                 derived[node.output[0]] = _query(node, shape)
+                from_shapes.add(node.output[0])
             continue
         inputs = [v for v in node.input if v]
         if not inputs or not all(v in derived or (v in stored and stored_value(v) is not None) for v in inputs):
@@ -118,7 +125,9 @@ def _evaluate(model: onnx.ModelProto) -> tuple[dict[str, np.ndarray], set[str]]:
         value = _run(node, opsets, {v: derived[v] if v in derived else static[v] for v in inputs})
         if value is not None:
             derived[node.output[0]] = value
-    return derived, from_floats
+            if any(v in from_shapes for v in inputs):
+                from_shapes.add(node.output[0])
+    return derived, from_floats, from_shapes
 
 
 def _run(node: onnx.NodeProto, opsets: dict[str, int], feeds: dict[str, np.ndarray]) -> np.ndarray | None:
