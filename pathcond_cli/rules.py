@@ -168,15 +168,15 @@ class Rule:
     creates_channels: ClassVar[bool] = False
 
     def forward(self, node: Node, xs: list[torch.Tensor], param: ParamLookup, train: bool) -> torch.Tensor:
-        raise NotImplementedError
+        raise self._missing("forward", node)
 
     def squared(self, node: Node, xs: list[torch.Tensor], power: int) -> torch.Tensor:
         """The node in the squared network (parameter-free nodes only)."""
-        raise NotImplementedError
+        raise self._missing("squared", node)
 
     def ties(self, node: Node, ties: Ties) -> torch.Tensor:
         """Channel ids of the node's output, after recording its ties."""
-        raise NotImplementedError
+        raise self._missing("ties", node)
 
     def output_spatial_rank(self, node: Node, input_rank: int) -> int:
         return input_rank
@@ -187,7 +187,12 @@ class Rule:
 
     def weighted(self, node: Node, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The parameterised part (no bias) with a canonical-layout ``weight``."""
-        raise NotImplementedError
+        raise self._missing("weighted", node)
+
+    def _missing(self, member: str, node: Node) -> NotImplementedError:
+        """A rule asked for what its kind of node does not have (Input has no forward, a layer
+        with DAG parameters no squared form): a bug in pathcond, named, never a silent result."""
+        return NotImplementedError(f"{type(self).__name__} has no '{member}' (node '{node.name}', {node.op})")
 
 
 class PassThrough(Rule):

@@ -102,13 +102,15 @@ def _measure(run: Runner, original: Mapping[str, torch.Tensor], changed: Mapping
     max_abs = max_rel = 0.0
     errors: dict[str, float] = {}
     tolerances: dict[str, float] = {}
+    rounded: dict[str, torch.Tensor] | None = None
     for mode in modes:
         train = mode == "train"
         before = run(None, train)
         mode_abs, mode_rel = _max_errors(before, run(changed, train))
         limit = tolerance
         if math.isfinite(mode_rel) and mode_rel > tolerance:
-            floor = _max_errors(before, run(_rounding_floor(original, changed, seed), train))[1]
+            rounded = rounded if rounded is not None else _rounding_floor(original, changed, seed)
+            floor = _max_errors(before, run(rounded, train))[1]
             limit = max(tolerance, ROUNDING_MARGIN * floor) if math.isfinite(floor) else tolerance
         errors[mode], tolerances[mode] = mode_rel, limit
         max_abs, max_rel = max(max_abs, mode_abs), max(max_rel, mode_rel)
@@ -219,7 +221,9 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type.type.tensor_type.elem_type)
     x = np.random.default_rng(seed).standard_normal((1, *graph_input.shape)).astype(dtype)
     try:
-        before = runner(model.payload.SerializeToString(), None, x)
+        # The original as the user holds it: its own file when it came from one (the in-memory
+        # model may carry initializers split for reading), else the bytes it was read from.
+        before = runner(None, model.files[0], x) if model.files else runner(model.payload.SerializeToString(), None, x)
         after = runner(None, written, x)
     except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: reported, not fatal
         text = " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -59,3 +59,9 @@ def test_a_subclass_does_not_inherit_its_parents_rule():
 
     with pytest.raises(UnsupportedModelError, match="MyReLU"):
         _graph(MyReLU("m", ("fc1",)))
+
+
+def test_a_member_a_rule_lacks_is_named_not_silent():
+    node = Input("x", shape=(3,))
+    with pytest.raises(NotImplementedError, match="InputRule has no 'forward' \\(node 'x', input\\)"):
+        rules.rule_for(node).forward(node, [], lambda key: None, False)
