@@ -62,8 +62,8 @@ class ScaledHessian:
 
 class LayerAggregates:
     """A partition of the free groups by the layer that names them (a residual stream's
-    channels share the name of its first layer), with, per tensor, the aggregates its source
-    groups fall in. Built once per solve."""
+    channels share the name of its first layer), and, per tensor, which side of it lies in a
+    single aggregate. Built once per solve."""
 
     def __init__(self, objective: Objective):
         groups = objective.groups
@@ -73,6 +73,8 @@ class LayerAggregates:
         self.of_group = torch.tensor([index[n] for n in names] + [self.count], dtype=torch.long, device=objective.device)
         self.sources = [sorted(set(self.of_group[dp.src].reshape(-1).tolist()) - {self.count})
                         for dp in groups.dag_params]
+        self.single_source = [self.of_group[dp.src].unique().numel() == 1 for dp in groups.dag_params]
+        self.single_destination = [self.of_group[dp.dst].unique().numel() == 1 for dp in groups.dag_params]
 
 
 class CoarseCorrection:
@@ -80,28 +82,48 @@ class CoarseCorrection:
 
     Z holds one column per layer aggregate, ∝ sqrt(d_h) on its groups and of unit norm (a
     constant shift of u over the layer): the slowly varying modes across depth that make CG on
-    a deep network's Laplacian slow. E is the scaled Hessian summed over aggregates (entries of
-    order 1 whatever the spread of w), assembled from one row-sum product per (tensor, source
-    aggregate) and factorised once; if rounding leaves it indefinite, no correction is used.
+    a deep network's Laplacian slow. With n_I² = Σ_{h∈I} d_h, E's coupling between aggregates I
+    and J is Σ_{i∈I, j∈J} (p/S) w_ij / (n_I n_J): a block sum of w, which the evaluation at the
+    same point already holds as per-tensor row sums (a tensor whose sources lie in one
+    aggregate) or column sums (destinations in one aggregate). Only a tensor with neither, or
+    whose inactive groups carry weight on the summed side, needs products with its coupling
+    matrix (about one pass, counted). E is factorised once; if rounding leaves it indefinite,
+    no correction is used.
     """
 
-    def __init__(self, hessian: ScaledHessian, aggregates: LayerAggregates):
+    def __init__(self, hessian: ScaledHessian, aggregates: LayerAggregates, current: Evaluation):
         objective = hessian.objective
         self.aggregates = aggregates
         n = aggregates.count
         agg = aggregates.of_group[:-1]
-        objective.passes += 1
         log_norm = group_logsumexp(agg, hessian.log_d, n)
-        self.basis = torch.exp(0.5 * (hessian.log_d - log_norm[agg])) * hessian.active
+        self.basis = torch.where(hessian.active, torch.exp(0.5 * (hessian.log_d - log_norm[agg])), 0.0)
+        # (p/S)^{1/2} / n_I per group, so that a block sum times the two sides' factors is E's entry
+        half_scale = torch.where(torch.isfinite(log_norm), 0.5 * (objective.log_p - current.log_total - log_norm),
+                                 -torch.inf)
+        half_ext = torch.cat([half_scale, half_scale.new_full((1,), -torch.inf)])[aggregates.of_group]
+        active_ext = objective.groups.extend(hessian.active.to(torch.float64)) > 0
         basis_ext = objective.groups.extend(self.basis)
         coarse = torch.zeros((n + 1) * (n + 1), dtype=torch.float64, device=objective.device)
-        for dp, part, sources in zip(objective.groups.dag_params, hessian.coupling.parts, aggregates.sources):
-            if part is None:
+        needs_products = False
+        for t, (dp, part, sources) in enumerate(zip(objective.groups.dag_params, hessian.coupling.parts,
+                                                    aggregates.sources)):
+            if part is None or not sources:
                 continue
-            dst_agg = aggregates.of_group[dp.dst].reshape(-1)
-            for j in sources:
-                rows = hessian.coupling.rows(part, (basis_ext * (aggregates.of_group == j))[dp.src]) * basis_ext[dp.dst]
-                coarse.index_add_(0, dst_agg * (n + 1) + j, -rows.reshape(-1))
+            dst_agg, src_agg = aggregates.of_group[dp.dst], aggregates.of_group[dp.src]
+            log_rows, log_cols = current.tensor_log_rows[t], current.tensor_log_cols[t]
+            if aggregates.single_source[t] and _silent(log_cols, active_ext[dp.src]):
+                block = torch.exp(log_rows + half_ext[dp.dst] + half_ext[dp.src[:, :1]]) * active_ext[dp.dst]
+                coarse.index_add_(0, (dst_agg * (n + 1) + src_agg[:, :1]).reshape(-1), -block.reshape(-1))
+            elif aggregates.single_destination[t] and _silent(log_rows, active_ext[dp.dst]):
+                block = torch.exp(log_cols + half_ext[dp.src] + half_ext[dp.dst[:, :1]]) * active_ext[dp.src]
+                coarse.index_add_(0, (dst_agg[:, :1] * (n + 1) + src_agg).reshape(-1), -block.reshape(-1))
+            else:
+                needs_products = True
+                for j in sources:
+                    rows = hessian.coupling.rows(part, (basis_ext * (aggregates.of_group == j))[dp.src]) * basis_ext[dp.dst]
+                    coarse.index_add_(0, (dst_agg * (n + 1) + j).reshape(-1), -rows.reshape(-1))
+        objective.passes += needs_products
         coarse = coarse.reshape(n + 1, n + 1)[:-1, :-1]
         coarse = coarse + coarse.T
         diagonal = torch.zeros(n, dtype=torch.float64, device=objective.device)
@@ -122,6 +144,12 @@ class CoarseCorrection:
         projected.index_add_(0, agg, self.basis * residual)
         solved = torch.cholesky_solve(projected[:, None], self.factor)[:, 0]
         return residual + self.basis * solved[agg]
+
+
+def _silent(log_sums: torch.Tensor, active: torch.Tensor) -> bool:
+    """Whether the groups left out (inactive) carry no weight in these sums, so that summing
+    over them adds nothing."""
+    return bool((active | torch.isneginf(log_sums)).all())
 
 
 def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: float, max_steps: int,

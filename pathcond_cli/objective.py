@@ -31,7 +31,9 @@ SAFE_RANGE = 650.0
 @dataclass
 class Evaluation:
     """F(u) and, per free group, the shares a_h = p·A_h/S and c_h = p·C_h/S, kept as logs
-    (``log_a``, ``log_c``) because they can lie far outside float64's range."""
+    (``log_a``, ``log_c``) because they can lie far outside float64's range. Per tensor, the
+    logs of the row sums ``[G, O/G]`` and column sums ``[G, I/G]`` of w (self-loops included)
+    they came from, which the Newton solver's coarse correction aggregates by layer."""
 
     value: float
     log_a: torch.Tensor
@@ -39,6 +41,8 @@ class Evaluation:
     gradient: torch.Tensor
     kkt_residual: float
     log_total: torch.Tensor
+    tensor_log_rows: list[torch.Tensor]
+    tensor_log_cols: list[torch.Tensor]
 
     @property
     def a(self) -> torch.Tensor:
@@ -137,11 +141,12 @@ class Objective:
         ranges = self.tensor_ranges(-2 * u_ext, 2 * u_ext)
         for t, dp in enumerate(self.groups.dag_params):
             rows, cols = self._tensor_sums(t, -2 * u_ext[dp.dst], 2 * u_ext[dp.src], ranges[t])
-            row_logs.append(rows.reshape(-1))
-            col_logs.append(cols.reshape(-1))
+            row_logs.append(rows)
+            col_logs.append(cols)
             dst_index.append(dp.dst.reshape(-1))
             src_index.append(dp.src.reshape(-1))
-        rows, cols = torch.cat(row_logs), torch.cat(col_logs)
+        rows = torch.cat([r.reshape(-1) for r in row_logs])
+        cols = torch.cat([c.reshape(-1) for c in col_logs])
         log_total = torch.logsumexp(rows, dim=0)
         log_in = _minus(group_logsumexp(torch.cat(dst_index), rows, H + 1)[:H], self.self_loop_log)
         log_out = _minus(group_logsumexp(torch.cat(src_index), cols, H + 1)[:H], self.self_loop_log)
@@ -151,7 +156,7 @@ class Objective:
         if frozen is not None:
             gradient = torch.where(frozen, torch.zeros_like(gradient), gradient)
         residual = float((self.feasible_gradient(u, gradient).abs() / (2 * self.degree)).max()) if H else 0.0
-        return Evaluation(value, log_a, log_c, gradient, residual, log_total)
+        return Evaluation(value, log_a, log_c, gradient, residual, log_total, row_logs, col_logs)
 
     def feasible_gradient(self, u: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
         """The gradient with the components that push a group out of the box at its bound set

@@ -34,6 +34,7 @@ from .curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_
 from .diag import DiagG
 from .defaults import BOUNDED_SOLVERS, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 from .groups import RescalingGroups
+from .layer_shift import layer_shift_start
 from .objective import Evaluation, Objective, block_step, degenerate_mask, paper_step
 MIN_STEP = 1e-10
 MAX_FIRST_STEP = 20.0
@@ -162,7 +163,9 @@ def _project(objective: Objective, u: torch.Tensor) -> torch.Tensor:
 def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress):
     """Inexact (projected) Newton with an Armijo line search on F; F never increases.
 
-    CG is stopped at a relative residual of min(0.5, √KKT) (quadratic convergence; no tighter
+    It starts from the minimiser of F over layer shifts (:mod:`.layer_shift`) when that lowers
+    F: on MnasNet- and Inception-style networks most of the way to u* (‖u*‖∞ ≈ 90), which
+    damped Newton steps would travel in 20–30 iterations. CG is stopped at a relative residual of min(0.5, √KKT) (quadratic convergence; no tighter
     than the tolerance needs) or after 40 products; each group's move is damped towards about
     10 (:class:`ScaledHessian`) and the first trial step moves no u_h by more than 20. Differences of
     F too small for F's own rounding are computed accurately (:meth:`Objective.change`), so the
@@ -172,13 +175,21 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
     history = [current.value]
     iterations = 0
     aggregates = LayerAggregates(objective)
+    if current.kkt_residual > tol and max_iter > 0:
+        start = _project(objective, layer_shift_start(objective, aggregates.of_group, aggregates.count, frozen))
+        candidate = objective.evaluate(start, frozen)
+        if candidate.value < current.value:
+            u, current = start, candidate
+            iterations += 1
+            history.append(current.value)
+            _report(progress, iterations, current)
     while current.kkt_residual > tol and iterations < max_iter:
         pinned = objective.feasible_gradient(u, current.gradient) != current.gradient
         active = ~frozen & ~pinned
         gradient = current.gradient * active
         hessian = ScaledHessian(objective, u, current, active, NEWTON_REACH)
         forcing = min(0.5, max(current.kkt_residual**0.5, 0.1 * tol / current.kkt_residual))
-        direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS, CoarseCorrection(hessian, aggregates))
+        direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS, CoarseCorrection(hessian, aggregates, current))
         t = min(1.0, MAX_FIRST_STEP / max(float(direction.abs().max()), 1e-300))
         while True:
             target = _project(objective, u + t * direction)

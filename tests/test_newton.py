@@ -18,6 +18,7 @@ from pathcond_cli.diag import diag_g
 from pathcond_cli.dtype_limits import check_storage, ensure_storable, safe_log_scale
 from pathcond_cli.errors import VerificationError
 from pathcond_cli.groups import build_groups
+from pathcond_cli.layer_shift import layer_shift_start
 from pathcond_cli.model import LoadedModel
 from pathcond_cli.objective import Objective, degenerate_mask
 from pathcond_cli.solvers import BOUNDED_SOLVERS, solve
@@ -79,19 +80,30 @@ def test_newton_direction_solves_the_newton_system(nets, arch):
     assert np.allclose(direction, expected, rtol=1e-7, atol=1e-9 * np.abs(expected).max())
 
 
-@pytest.mark.parametrize("arch", ["bottleneck", "concat", "self_loop", "conv_bn"])
-def test_coarse_matrix_is_the_hessian_on_layer_aggregates(nets, arch):
-    """E (as factorised) equals Zᵀ(M − r̂r̂ᵀ/p)Z computed column by column with the operator."""
+@pytest.mark.parametrize("arch", ["bottleneck", "concat", "self_loop", "conv_bn", "grouped_conv", "residual"])
+@pytest.mark.parametrize("inactive", [False, True])
+def test_coarse_matrix_is_the_hessian_on_layer_aggregates(nets, arch, inactive):
+    """E (as factorised) equals Zᵀ(M − r̂r̂ᵀ/p)Z computed column by column with the operator.
+
+    With every group active E comes from the evaluation's row and column sums alone (no pass
+    counted); with every other group left out (as if pinned at a bound) some tensor has an
+    inactive group carrying weight on both sides and falls back to products with its coupling
+    matrix."""
     *_, groups, ob = _setup(nets, arch)
     u = torch.tensor(np.random.default_rng(4).normal(scale=0.5, size=groups.num_free))
+    active = (torch.arange(groups.num_free) % 2 == 1) if inactive else torch.ones_like(u, dtype=torch.bool)
     objective = Objective(groups, diag_g(groups))
     current = objective.evaluate(u)
-    hessian = ScaledHessian(objective, u, current, torch.ones_like(u, dtype=torch.bool), reach=10.0)
+    hessian = ScaledHessian(objective, u, current, active, reach=10.0)
     aggregates = LayerAggregates(objective)
-    coarse = CoarseCorrection(hessian, aggregates)
+    passes = objective.passes
+    coarse = CoarseCorrection(hessian, aggregates, current)
+    assert objective.passes - passes == (1 if inactive else 0)
     assert coarse.usable and aggregates.count >= 2
     columns = torch.stack([coarse.basis * (aggregates.of_group[:-1] == j) for j in range(aggregates.count)], dim=1)
     expected = columns.T @ torch.stack([hessian(c) for c in columns.T], dim=1)
+    empty = columns.abs().sum(0) == 0
+    expected += torch.diag(empty.to(torch.float64))
     assert torch.allclose(coarse.factor @ coarse.factor.T, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -295,3 +307,65 @@ def test_cli_refuses_a_rescaling_the_dtype_cannot_hold(tmp_path, monkeypatch):
     result = invoke("rescale", checkpoint, "--arch", spec, "-o", target)
     stderr = assert_clean_exit(result, 5, "float16", "--max-log-scale", "nothing was written")
     assert "'" in stderr and not target.exists()
+
+
+LAYER_SHIFT_ARCHS = ["mlp", "residual", "bottleneck", "concat", "conv_bn", "self_loop", "grouped_conv"]
+
+
+def _layer_shift_case(nets, arch, dead: bool):
+    graph, params = nets.catalogue[arch](0)
+    params = dict(params)
+    layers = sorted({k.split(".")[0] for k in params if k.endswith("weight")})
+    # layer scales 1e±4 put F's optimum far from 0 along layer shifts
+    params = {k: v * (1e4 if k.startswith(layers[0] + ".") else 1e-4 if k.startswith(layers[-1] + ".") else 1.0)
+              for k, v in params.items()}
+    if dead:  # every weight out of one hidden unit of the first layer is zero: a frozen group
+        second = next(k for k in params if k.startswith(layers[1] + ".") and k.endswith("weight"))
+        params[second] = params[second].clone()
+        params[second][:, 0] = 0
+    dag = build_neuron_dag(graph, params)
+    groups = build_groups(graph, params)
+    diag = diag_g(groups)
+    return groups, diag, oracle_objective(dag, groups)
+
+
+@pytest.mark.parametrize("arch, dead", [(arch, False) for arch in LAYER_SHIFT_ARCHS] + [("mlp", True)])
+def test_layer_shift_start_minimises_f_over_layer_shifts(nets, arch, dead):
+    """The start is constant over each layer aggregate, 0 on frozen groups, and attains the
+    minimum of the oracle's F over that subspace (scipy on the dense F(Zc))."""
+    groups, diag, ob = _layer_shift_case(nets, arch, dead)
+    objective = Objective(groups, diag)
+    frozen = degenerate_mask(groups, diag)
+    assert bool(frozen.any()) == dead
+    aggregates = LayerAggregates(objective)
+    passes = objective.passes
+    start = layer_shift_start(objective, aggregates.of_group, aggregates.count, frozen).numpy()
+    assert objective.passes == passes + 1
+    layer = aggregates.of_group[:-1].numpy()
+    free = ~frozen.numpy()
+    assert (start[~free] == 0).all()
+    basis = np.zeros((groups.num_free, aggregates.count))
+    basis[np.nonzero(free)[0], layer[free]] = 1.0
+    used = basis.any(0)
+    basis = basis[:, used]
+    assert np.allclose(basis @ np.linalg.lstsq(basis, start, rcond=None)[0], start, rtol=0, atol=1e-12)
+    res = minimize(lambda c: ob.value(basis @ c), np.zeros(basis.shape[1]), jac=lambda c: basis.T @ ob.grad(basis @ c),
+                   method="L-BFGS-B", options={"maxiter": 20000, "ftol": 1e-16, "gtol": 1e-12})
+    assert ob.value(start) <= ob.value(np.zeros(groups.num_free))
+    assert ob.value(start) == pytest.approx(res.fun, rel=1e-9, abs=1e-9)
+    assert np.abs(start).max() > 1.0  # the scales really put the optimum away from 0
+
+
+@pytest.mark.parametrize("arch", ["mlp", "bottleneck", "concat"])
+def test_newton_takes_the_layer_shift_start_and_reaches_the_optimum(nets, arch):
+    """Newton's first iterate is the layer-shift start (F drops at least as far as the oracle's
+    minimum over layer shifts allows), and the solve still ends at the oracle's F*."""
+    groups, diag, ob = _layer_shift_case(nets, arch, dead=False)
+    res = solve(groups, diag, tol=1e-10)
+    objective = Objective(groups, diag)
+    aggregates = LayerAggregates(objective)
+    start = layer_shift_start(objective, aggregates.of_group, aggregates.count,
+                              degenerate_mask(groups, diag))
+    assert res.objective[1] == pytest.approx(ob.value(start.numpy()), rel=1e-12)
+    _, f_star = ob.minimise()
+    assert res.converged and res.objective[-1] == pytest.approx(f_star, rel=1e-10)
