@@ -9,6 +9,7 @@ Run by hand, not by the test suite:
     python benchmarks/bench_solvers.py --models mlp3 resnet50 --sequential-budget 300
     python benchmarks/bench_solvers.py --models mnasnet inception_v3 --solvers newton lbfgs --threads 1
     python benchmarks/bench_solvers.py --device cuda
+    python benchmarks/bench_solvers.py --models families --solvers newton --threads 1   # issue 11's 20 families, published sizes
 
 Each model runs in its own process so that its peak resident memory is its own. Prints one
 table row per solver and the ratios against the sequential baseline; ``--json`` writes the
@@ -28,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+FAMILY = "family:"
 MODELS = ["mlp1", "mlp2", "mlp3", "mlp4", "mlp5", "mlp6", "mlp7", "mlp8", "mlp9", "cifar_nv", "resnet18", "resnet50",
           "densenet", "mnasnet", "inception_v3"]
 
@@ -37,6 +39,10 @@ def build(name: str):
 
     import reference_models as zoo
 
+    if name.startswith(FAMILY):
+        from test_families import build as build_family
+
+        return build_family(name[len(FAMILY):], full=True)
     torch.manual_seed(0)
     if name.startswith("mlp"):
         return zoo.mlp(int(name[3:])), (3072,)
@@ -128,6 +134,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="append raw rows to this JSON-lines file")
     parser.add_argument("--single", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if "families" in args.models:
+        from families import FAMILIES
+
+        at = args.models.index("families")
+        args.models[at:at + 1] = [FAMILY + name for name in FAMILIES]
     if args.single:
         if args.threads:
             import torch
