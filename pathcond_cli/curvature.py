@@ -106,16 +106,17 @@ class CoarseCorrection:
         basis_ext = objective.groups.extend(self.basis)
         coarse = torch.zeros((n + 1) * (n + 1), dtype=torch.float64, device=objective.device)
         needs_products = False
+        silent_sources, silent_destinations = _silent_sides(objective, current, active_ext)
         for t, (dp, part, sources) in enumerate(zip(objective.groups.dag_params, hessian.coupling.parts,
                                                     aggregates.sources)):
             if part is None or not sources:
                 continue
             dst_agg, src_agg = aggregates.of_group[dp.dst], aggregates.of_group[dp.src]
             log_rows, log_cols = current.tensor_log_rows[t], current.tensor_log_cols[t]
-            if aggregates.single_source[t] and _silent(log_cols, active_ext[dp.src]):
+            if aggregates.single_source[t] and silent_sources[t]:
                 block = torch.exp(log_rows + half_ext[dp.dst] + half_ext[dp.src[:, :1]]) * active_ext[dp.dst]
                 coarse.index_add_(0, (dst_agg * (n + 1) + src_agg[:, :1]).reshape(-1), -block.reshape(-1))
-            elif aggregates.single_destination[t] and _silent(log_rows, active_ext[dp.dst]):
+            elif aggregates.single_destination[t] and silent_destinations[t]:
                 block = torch.exp(log_cols + half_ext[dp.src] + half_ext[dp.dst[:, :1]]) * active_ext[dp.src]
                 coarse.index_add_(0, (dst_agg[:, :1] * (n + 1) + src_agg).reshape(-1), -block.reshape(-1))
             else:
@@ -146,10 +147,16 @@ class CoarseCorrection:
         return residual + self.basis * solved[agg]
 
 
-def _silent(log_sums: torch.Tensor, active: torch.Tensor) -> bool:
-    """Whether the groups left out (inactive) carry no weight in these sums, so that summing
-    over them adds nothing."""
-    return bool((active | torch.isneginf(log_sums)).all())
+def _silent_sides(objective: Objective, current: Evaluation, active_ext: torch.Tensor) -> tuple[list[bool], list[bool]]:
+    """Per tensor: whether its inactive source groups carry no weight (so its row sums hold
+    only active columns), and the same for its destination groups and column sums. Fetched in
+    one host transfer."""
+    flags = [torch.stack([(active_ext[dp.src] | torch.isneginf(cols)).all(), (active_ext[dp.dst] | torch.isneginf(rows)).all()])
+             for dp, rows, cols in zip(objective.groups.dag_params, current.tensor_log_rows, current.tensor_log_cols)]
+    if not flags:
+        return [], []
+    sources, destinations = torch.stack(flags).T.tolist()
+    return sources, destinations
 
 
 def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: float, max_steps: int,

@@ -51,10 +51,11 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
                                                                      log_rows.reshape(-1), size * size))
     shift_k = torch.zeros(size, dtype=torch.float64, device=objective.device).index_add(
         0, aggregate[:-1], objective.k)[:count]
-    present = torch.isfinite(log_blocks)
-    pairs = torch.nonzero(present).flatten()
-    shifts = _minimise(log_blocks[pairs], pairs // size, pairs % size, shift_k, count, objective.p)
-    return torch.cat([shifts, shifts.new_zeros(1)])[aggregate[:-1]]
+    # a few hundred unknowns: solved on the CPU whatever the device, without a sync per step
+    log_blocks = log_blocks.cpu()
+    pairs = torch.nonzero(torch.isfinite(log_blocks)).flatten()
+    shifts = _minimise(log_blocks[pairs], pairs // size, pairs % size, shift_k.cpu(), count, objective.p)
+    return torch.cat([shifts, shifts.new_zeros(1)]).to(objective.device)[aggregate[:-1]]
 
 
 def _minimise(log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: torch.Tensor, count: int,
