@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 _PUBLIC = {
     "Analysis": "api", "RescaleResult": "api", "analyse": "api", "load": "api", "rescale": "api",

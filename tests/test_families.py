@@ -57,8 +57,6 @@ _ILL_CONDITIONED = ("not pathcond's error: onnxruntime and torch already disagre
 MISSING: dict[tuple[str, str], str] = {
     ("inception_v3", "onnx"): _ILL_CONDITIONED,
 }
-#: families whose canonical-representative check needs minutes (thousands of solver passes)
-SLOW_CANONICAL = ("googlenet_32", "googlenet_64", "inception_v3")
 
 DYNAMO_FAMILIES = ("resnet", "densenet", "squeezenet1_1", "shufflenet_v2")
 SLOW_DYNAMO_FAMILIES = tuple(name for name in FAMILIES if name not in DYNAMO_FAMILIES)
@@ -227,14 +225,8 @@ def check_canonical(name: str, *, full: bool = False) -> None:
             assert error <= CANONICAL_TOLERANCE, f"{name}: PathCond(Dθ) and PathCond(θ) differ in {key} by {error:.3g}"
 
 
-@pytest.mark.parametrize("name", _cases("module", tuple(n for n in FAMILIES if n not in SLOW_CANONICAL)))
+@pytest.mark.parametrize("name", _cases("module"))
 def test_canonical_representative(name):
-    check_canonical(name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", _cases("module", SLOW_CANONICAL))
-def test_canonical_representative_of_slow_solves(name):
     check_canonical(name)
 
 
