@@ -51,9 +51,7 @@ def fold_shape_arithmetic(
         variant_values = _evaluate(variant)[0] if variant is not None else {}
     else:
         variant_values = values  # only a Shape or Size can bring in the batch: none is read
-    folded = onnx.ModelProto()
-    folded.CopyFrom(model)
-    nodes = folded.graph.node
+    nodes = model.graph.node
     readers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in nodes:
         for position, value in enumerate(node.input):
@@ -76,6 +74,11 @@ def fold_shape_arithmetic(
         )
         if batch_free or read_as_shape:
             replaced.add(output)
+    if not replaced:
+        return model  # e.g. Identity nodes that share stored weights: evaluated, but no shape reads them
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    nodes = folded.graph.node
     for index, node in enumerate(nodes):
         if len(node.output) == 1 and node.output[0] in replaced:
             nodes[index].CopyFrom(onnx.helper.make_node(

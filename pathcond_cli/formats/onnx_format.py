@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from math import prod
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,10 @@ from .offenders import grouped
 from .spec import LAYER_TYPES
 
 MIN_OPSET = 13
+# Initializers larger than this are weights to shape inference: it reads their dims, never their values.
+SHAPE_DATA_MAX_ELEMENTS = 1024
+_TENSOR_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
+                       "string_data")
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 _FLOAT_TYPES = {
@@ -89,8 +94,9 @@ def load_onnx(
     through ``Identity`` nodes, one copy per such Identity keyed by its output name.
     """
     label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
-    model, external = _parse(source, label)
-    _check(model, label)
+    model, external, serialized = _parse(source, label)
+    _check(model, serialized, label)
+    del serialized  # the whole file (97 MB for ResNet-50): not held through the rest of the load
     graph_input = _single_input(model, label)
     shape = _input_shape(graph_input, input_shape, label)
     inferred = _folded(_infer_shapes(model, graph_input.name, shape, label), graph_input.name, shape, label)
@@ -114,13 +120,23 @@ def load_onnx(
                        arch_source="onnx graph")
 
 
-def _parse(source: str | Path | bytes, label: str) -> tuple[onnx.ModelProto, list[Path]]:
-    """The model with its external data loaded, and the external data files it was read from."""
+def _parse(source: str | Path | bytes, label: str) -> tuple[onnx.ModelProto, list[Path], bytes | None]:
+    """The model with its external data loaded, the external data files it was read from, and
+    the binary protobuf it was parsed from when that is the whole model (None when it was text
+    or its tensors were read from external data)."""
     try:
         if isinstance(source, bytes):
+            serialized = source
             model = onnx.load_from_string(source)
         else:
-            model = onnx.load(str(source), load_external_data=False)
+            # The format onnx.load would pick from the extension (text formats included); the
+            # bytes are kept so that the checker need not serialise the model again.
+            suffix = os.path.splitext(str(source))[1]
+            file_format = onnx.serialization.registry.get_format_from_file_extension(suffix) or "protobuf"
+            with open(source, "rb") as handle:
+                data = handle.read()
+            model = onnx.load_model_from_string(data, format=file_format)
+            serialized = data if file_format == "protobuf" else None
     except FileNotFoundError as exc:
         raise InputError(f"cannot read '{label}': {exc.strerror or exc} ({exc.filename}).") from None
     except IsADirectoryError:
@@ -135,13 +151,13 @@ def _parse(source: str | Path | bytes, label: str) -> tuple[onnx.ModelProto, lis
     if not model.HasField("graph") or model.ir_version == 0 or not model.opset_import:
         raise InputError(f"cannot read '{label}': it is not an ONNX model (no graph, IR version or opset).")
     if not _external_tensors(model):
-        return model, []
+        return model, [], serialized
     if isinstance(source, bytes):
         raise InputError(
             f"cannot read '{label}': its tensors live in external data files, which can only be found "
             "from the model's path; pass the .onnx file itself rather than its bytes."
         )
-    return model, _load_external_data(model, Path(source), label)
+    return model, _load_external_data(model, Path(source), label), None
 
 
 def _external_tensors(model: onnx.ModelProto) -> list[onnx.TensorProto]:
@@ -193,9 +209,11 @@ def external_data_files(path: Path) -> list[Path]:
     return [contained_file(path.parent, location, str(path), "external data") for location in locations]
 
 
-def _check(model: onnx.ModelProto, label: str) -> None:
+def _check(model: onnx.ModelProto, serialized: bytes | None, label: str) -> None:
+    """onnx's checker on ``model``, given as ``serialized`` when those are its bytes (serialising
+    a large model again costs more than checking it)."""
     try:
-        onnx.checker.check_model(model)
+        onnx.checker.check_model(serialized if serialized is not None else model)
     except (onnx.checker.ValidationError, ValueError) as exc:
         raise InputError(f"'{label}' is not a valid ONNX model: {_one_line(exc)}") from None
     opset = _default_opset(model)
@@ -258,8 +276,7 @@ def _infer_shapes(
 
     The batch is ``batch`` if given, else the declared one, else 2.
     """
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
+    copy, weights = _without_weight_data(model)
     graph_input = next(i for i in copy.graph.input if i.name == input_name)
     dims = graph_input.type.tensor_type.shape.dim
     # A concrete batch lets inference resolve the Shape → Gather → Concat → Reshape chains that
@@ -274,11 +291,36 @@ def _infer_shapes(
     for output in copy.graph.output:
         output.type.tensor_type.ClearField("shape")
     try:
-        return onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as exc:
         raise InputError(
             f"{label}: ONNX shape inference fails for input shape {shape}: {_one_line(exc)}"
         ) from None
+    initializers = inferred.graph.initializer
+    for index, tensor in weights.items():
+        initializers[index].CopyFrom(tensor)
+    return inferred
+
+
+def _without_weight_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[int, onnx.TensorProto]]:
+    """A copy of ``model`` whose initializers of more than :data:`SHAPE_DATA_MAX_ELEMENTS`
+    elements hold no data, and those initializers (by position) to put back.
+
+    Shape inference reads stored values only where they are shapes, sizes, bounds or scales
+    (a handful of elements) and otherwise only the dims and element type; without the weights
+    the model it serialises, infers and parses back is a few kilobytes instead of the whole
+    checkpoint.
+    """
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    weights = {}
+    for index, tensor in enumerate(model.graph.initializer):
+        if prod(tensor.dims) > SHAPE_DATA_MAX_ELEMENTS:
+            weights[index] = tensor
+            stripped = copy.graph.initializer[index]
+            for data_field in _TENSOR_DATA_FIELDS:
+                stripped.ClearField(data_field)
+    return copy, weights
 
 
 def _folded(inferred: onnx.ModelProto, input_name: str, shape: tuple[int, ...], label: str) -> onnx.ModelProto:
@@ -1234,7 +1276,7 @@ def _set_tensor_data(proto: onnx.TensorProto, tensor: torch.Tensor) -> None:
     data = tensor.detach().to("cpu", dtype).contiguous()
     if dtype == torch.bfloat16:
         data = data.view(torch.int16)
-    for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data", "external_data"):
+    for field in (*_TENSOR_DATA_FIELDS, "external_data"):
         proto.ClearField(field)
     proto.data_location = onnx.TensorProto.DEFAULT
     array = data.numpy()
