@@ -1,24 +1,28 @@
 """The ``pathcond`` command and ``python -m pathcond_cli``.
 
-Ctrl-C is handled from the first instruction on: the handler is installed before the command
-line modules (typer, rich) are imported, and :func:`pathcond_cli.cli.main` replaces it with the
-one that knows what a command has written.
+Ctrl-C is handled from this module's first instructions on: the handler is installed when the
+module is imported, through the C-level ``_signal`` module (loaded at interpreter start-up,
+unlike ``signal``, whose enum classes take a moment to build), before the command line modules
+(typer, rich) are imported; :func:`pathcond_cli.cli.main` replaces it with the one that knows
+what a command has written.
 """
 
+import _signal
 import os
-import signal
-
-
-def main() -> None:
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
-    from .cli import main as run
-
-    run()
 
 
 def _interrupted_while_starting(signum, frame) -> None:
     os.write(2, b"interrupted: nothing was written; the input is unchanged.\n")
     os._exit(130)
+
+
+_signal.signal(_signal.SIGINT, _interrupted_while_starting)
+
+
+def main() -> None:
+    from .cli import main as run
+
+    run()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from .defaults import (
     BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
 )
 from .errors import EXIT_CODES, InputError, OutputError, PathcondError
-from .fileio import atomic_write, check_destination, describe, resolve_destination, written_files
+from .fileio import atomic_write, check_destination, describe, resolve_destination, sigint_deferred, written_files
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
@@ -155,10 +155,19 @@ def _parse_device(text: str) -> str:
     return value
 
 
+def _import_library() -> None:
+    """Import what every command's work needs (torch first) with Ctrl-C held back until it is
+    loaded: delivered then, at most a second late, before any command code has run."""
+    with sigint_deferred():
+        for name in ("torch", "pathcond_cli.api", "pathcond_cli.formats", "pathcond_cli.report"):
+            importlib.import_module(name)
+
+
 @contextlib.contextmanager
 def _errors_to_exit_codes() -> Iterator[None]:
     """One paragraph on stderr and a distinct exit code; never a traceback."""
     global _guarded, _stdout_started
+    _import_library()
     _guarded, _stdout_started = True, False
     written_files.clear()
     try:

@@ -17,6 +17,7 @@ import shutil
 import signal
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,7 +159,7 @@ def atomic_path(destination: Path) -> Iterator[Path]:
         yield tmp
         _fsync_file(tmp)
         _set_mode(tmp, destination)
-        with _sigint_deferred():
+        with sigint_deferred():
             os.replace(tmp, destination)
             if not directory.name.endswith(TMP_SUFFIX):
                 written_files.append(destination)
@@ -202,17 +203,28 @@ class Stage:
 
 
 @contextlib.contextmanager
-def _sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C back while a file is renamed into place and recorded as written, so that an
-    interrupt never falls between the two and the report of what is on disk stays true."""
-    if not hasattr(signal, "pthread_sigmask"):
+def sigint_deferred() -> Iterator[None]:
+    """Hold Ctrl-C back for the block; it is delivered, not lost, when the block ends.
+
+    Used where an interrupt must not land: between renaming a file into place and recording it
+    as written (the report of what is on disk stays true), and inside the C++ initialisation of
+    torch and onnxruntime, where a KeyboardInterrupt raised by the handler was measured to abort
+    the process (pybind11 terminate) or to be swallowed by an import fallback. The Python-level
+    handler is swapped for one that only takes note, rather than the signal masked: a signal
+    sent to the process goes to any thread that does not mask it, and torch runs threads of its
+    own. Only the main thread handles signals, so elsewhere there is nothing to hold back.
+    """
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -251,7 +263,7 @@ def staged_output(destination: Path) -> Iterator[Stage]:
                 moved.append(final)
             _fsync_directory(directory)
             _set_mode(stage.path, destination)
-            with _sigint_deferred():
+            with sigint_deferred():
                 os.replace(stage.path, destination)
                 stage.committed = True
                 written_files.append(destination)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .evaluate import forward
+from .fileio import sigint_deferred
 from .graph import BatchNorm, Graph
 from .model import LoadedModel
 
@@ -239,7 +240,8 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
 def _onnx_runner(model: LoadedModel):
     """(run(model_bytes, model_path, x) -> outputs, runtime name, why unavailable)."""
     try:
-        import onnxruntime
+        with sigint_deferred():
+            import onnxruntime
     except ImportError:
         onnxruntime = None
     if onnxruntime is not None:

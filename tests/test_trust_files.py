@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import pickle
+import signal
 import stat
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from cli_support import (
     CLEAN_ENV, assert_clean_exit, assert_unchanged, invoke, leftovers, mlp_spec, mlp_tensors, module_command,
     onnx_mlp_model, parse_single_json, snapshot, write_mlp, write_onnx_mlp,
 )
+from pathcond_cli.fileio import sigint_deferred
 from pathcond_cli.verify import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -482,9 +484,48 @@ def test_stale_staging_of_dead_processes_is_removed_by_the_next_run(tmp_path):
     assert live.exists() and foreign.exists()
 
 
+def _python_call() -> None:
+    """A call into Python code: where the interpreter runs pending signal handlers."""
+
+
+def test_sigint_inside_a_deferred_block_is_delivered_when_it_ends():
+    """Held back, not lost, even with torch's worker threads running (a signal sent to the
+    process may land on any of them): the handler runs once, after the block."""
+    torch.ones(1 << 16).sum()  # torch's intra-op threads exist
+    calls = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append("handler"))
+    try:
+        with sigint_deferred():
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGINT)
+                _python_call()
+            calls.append("inside")
+        _python_call()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert calls == ["inside", "handler"]
+
+
+def test_commands_import_the_libraries_with_sigint_held_back(monkeypatch):
+    """torch and the library load before the command's guard with Ctrl-C held back: an interrupt
+    raised inside their C++ initialisation aborted the process or was swallowed (exit 0)."""
+    handlers = {}
+    real_import = pathcond_cli.cli.importlib.import_module
+
+    def recording_import(name, *args):
+        handlers[name] = signal.getsignal(signal.SIGINT)
+        return real_import(name, *args)
+
+    monkeypatch.setattr(pathcond_cli.cli.importlib, "import_module", recording_import)
+    outside = signal.getsignal(signal.SIGINT)
+    with pathcond_cli.cli._errors_to_exit_codes():
+        assert signal.getsignal(signal.SIGINT) is outside
+    assert handlers and next(iter(handlers)) == "torch"
+    assert all(handler is not outside for handler in handlers.values())
+
+
 def test_sigint_in_a_subprocess_exits_130_without_traceback(tmp_path):
     """At any moment, start-up imports included: exit 130, no traceback, the truth about the disk."""
-    import signal
     import time
 
     checkpoint, spec = write_mlp(tmp_path)
@@ -499,6 +540,8 @@ def test_sigint_in_a_subprocess_exits_130_without_traceback(tmp_path):
             continue  # finished before the signal
         if process.returncode == -signal.SIGINT and not stderr:
             continue  # the interpreter itself was still starting: no Python code had run yet
+        if b"KeyboardInterrupt" in stderr and f'File "{ROOT / "pathcond_cli"}'.encode() not in stderr:
+            continue  # Python's own start-up (site, runpy): no frame of pathcond's code had run yet
         assert process.returncode == 130, stderr
         assert b"Traceback" not in stderr
         out = tmp_path / "out.safetensors"
