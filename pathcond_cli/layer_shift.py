@@ -40,15 +40,12 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
     aggregate = layer_of_group.clone()
     aggregate[:-1][frozen] = count
     size = count + 1
-    log_blocks = torch.full((size * size,), -torch.inf, dtype=torch.float64, device=objective.device)
-    for dp, log_gbar in zip(objective.groups.dag_params, objective.log_gbar):
-        dst, src = aggregate[dp.dst], aggregate[dp.src]
-        sources = src.unique().tolist()
-        for source in sources:
-            from_source = log_gbar if len(sources) == 1 else torch.where((src == source)[:, None, :], log_gbar, -torch.inf)
-            log_rows = torch.logsumexp(from_source, dim=2)
-            log_blocks = torch.logaddexp(log_blocks, group_logsumexp((dst * size + source).reshape(-1),
-                                                                     log_rows.reshape(-1), size * size))
+    blocks, log_rows = [], []
+    for t, dp in enumerate(objective.groups.dag_params):
+        sources, local = torch.unique(aggregate[dp.src], return_inverse=True)
+        log_rows.append(_log_rows_by_source(objective, t, local, len(sources)).reshape(-1))
+        blocks.append((aggregate[dp.dst][:, :, None] * size + sources).reshape(-1))
+    log_blocks = group_logsumexp(torch.cat(blocks), torch.cat(log_rows), size * size)
     shift_k = torch.zeros(size, dtype=torch.float64, device=objective.device).index_add(
         0, aggregate[:-1], objective.k)[:count]
     # a few hundred unknowns: solved on the CPU whatever the device, without a sync per step
@@ -56,6 +53,20 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
     pairs = torch.nonzero(torch.isfinite(log_blocks)).flatten()
     shifts = _minimise(log_blocks[pairs], pairs // size, pairs % size, shift_k.cpu(), count, objective.p)
     return torch.cat([shifts, shifts.new_zeros(1)]).to(objective.device)[aggregate[:-1]]
+
+
+def _log_rows_by_source(objective: Objective, t: int, local: torch.Tensor, count: int) -> torch.Tensor:
+    """log Σ_j ḡ_ij over the columns j of tensor ``t`` whose source lies in each of its ``count``
+    source aggregates (``local`` numbers them per column): ``[G, O/G, count]``. One batched
+    product with the columns' one-hot aggregate matrix, in linear scale wherever the objective
+    keeps ḡ there (its range cannot underflow a positive term); by logsumexp per aggregate
+    otherwise."""
+    log_gbar = objective.log_gbar[t]
+    if objective.gbar[t] is not None:
+        one_hot = torch.nn.functional.one_hot(local, count).to(torch.float64)
+        return torch.log(torch.bmm(objective.gbar[t], one_hot)) + objective.gbar_shift[t]
+    return torch.stack([torch.logsumexp(torch.where((local == j)[:, None, :], log_gbar, -torch.inf), dim=2)
+                        for j in range(count)], dim=2)
 
 
 def _minimise(log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: torch.Tensor, count: int,
