@@ -170,10 +170,16 @@ def check_onnx(name: str, exporter: str, tmp_path: Path, *, full: bool = False) 
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["solver"]["converged"] and report["u_inf"] > MOVED, report["solver"]
+    tolerance = TOLERANCE
+    if full:
+        # At published sizes fp32 itself moves the outputs by about 1e-5 (torch fp32 against
+        # fp64: 1.4e-5 on ResNet-50), so 1e-5 would test the runtimes' rounding, not pathcond.
+        fp32_floor = relative(run(module, x, train=False), run(copy.deepcopy(module).double(), x.double(), train=False))
+        tolerance = max(TOLERANCE, ROUNDING_MARGIN * fp32_floor)
     expected = onnx_outputs(source, x)
-    assert relative(expected, run(module, x, train=False)) <= TOLERANCE  # the export is the module
+    assert relative(expected, run(module, x, train=False)) <= tolerance  # the export is the module
     error = relative(onnx_outputs(target, x), expected)
-    assert error <= TOLERANCE, f"{name} ({exporter} export): onnxruntime relative error {error:.3g}"
+    assert error <= tolerance, f"{name} ({exporter} export): onnxruntime relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("name", _cases("onnx"))
