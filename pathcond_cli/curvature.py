@@ -71,9 +71,9 @@ class LayerAggregates:
         index = {name: i for i, name in enumerate(dict.fromkeys(names))}
         self.count = len(index)
         self.of_group = torch.tensor([index[n] for n in names] + [self.count], dtype=torch.long, device=objective.device)
-        self.sources = [sorted(set(self.of_group[dp.src].reshape(-1).tolist()) - {self.count})
-                        for dp in groups.dag_params]
-        self.single_source = [self.of_group[dp.src].unique().numel() == 1 for dp in groups.dag_params]
+        source_sets = [set(self.of_group[dp.src].unique().tolist()) for dp in groups.dag_params]
+        self.sources = [sorted(aggregates - {self.count}) for aggregates in source_sets]
+        self.single_source = [len(aggregates) == 1 for aggregates in source_sets]
         self.single_destination = [self.of_group[dp.dst].unique().numel() == 1 for dp in groups.dag_params]
 
 

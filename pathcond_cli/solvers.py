@@ -165,12 +165,13 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
 
     It starts from the minimiser of F over layer shifts (:mod:`.layer_shift`) when that lowers
     F: on MnasNet- and Inception-style networks most of the way to u* (‖u*‖∞ ≈ 90), which
-    damped Newton steps would travel in 20–30 iterations. CG is stopped at a relative residual of min(0.5, √KKT) (quadratic convergence; no tighter
-    than the tolerance needs) or after 40 products; each group's move is damped towards about
-    10 (:class:`ScaledHessian`) and the first trial step moves no u_h by more than 20. Differences of
-    F too small for F's own rounding are computed accurately (:meth:`Objective.change`), so the
-    line search keeps working down to the tolerance; if it still fails, the block solver, whose
-    updates compare no F values, takes over from the same point.
+    damped Newton steps would travel in 20–30 iterations. CG is stopped at a relative residual
+    of min(0.5, √KKT) (quadratic convergence; no tighter than the tolerance needs) or after 40
+    products; each group's move is damped towards about 10 (:class:`ScaledHessian`) and the
+    first trial step moves no u_h by more than 20. Differences of F too small for F's own
+    rounding are computed accurately (:meth:`Objective.change`), so the line search keeps
+    working down to the tolerance; if it still fails, the block solver, whose updates compare
+    no F values, takes over from the same point.
     """
     history = [current.value]
     iterations = 0
