@@ -18,7 +18,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -31,13 +32,17 @@ from . import __version__
 from .defaults import (
     BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
 )
-from .errors import EXIT_CODES, InputError, OutputError, PathcondError
-from .fileio import atomic_write, check_destination, describe, resolve_destination, sigint_deferred, written_files
+from .errors import EXIT_CODES, InputError, OutputError, PathcondError, batch_exit_code
+from .fileio import (
+    PlannedOutput, atomic_write, check_batch_destinations, check_destination, check_output_directory, describe,
+    resolve_destination, sigint_deferred, written_files,
+)
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
     "4 unsupported architecture · 5 verification failed (output removed) · "
-    "6 output not writable · 7 NaN/Inf weights · 130 interrupted."
+    "6 output not writable · 7 NaN/Inf weights · 130 interrupted. "
+    "Several MODELs: 0 if every file succeeded, else the code their failures share, else 9."
 )
 
 DEBUG_VARIABLE = "PATHCOND_DEBUG"
@@ -80,9 +85,11 @@ def _root(
 
 stderr = Console(stderr=True)
 
-ModelArg = Annotated[str, typer.Argument(
+ModelArg = Annotated[list[str], typer.Argument(
     metavar="MODEL",
-    help="Checkpoint: .onnx, .safetensors, .safetensors.index.json (sharded), or - to read from stdin.",
+    help="Checkpoint: .onnx, .safetensors, .safetensors.index.json (sharded), or - to read from stdin. "
+    "Several MODELs are processed one after another in this process: with --json one JSON document per "
+    "file (JSON Lines), a line per file on stderr, and a failed file does not stop the others.",
 )]
 ArchOpt = Annotated[Optional[str], typer.Option(
     "--arch",
@@ -172,9 +179,6 @@ def _errors_to_exit_codes() -> Iterator[None]:
     written_files.clear()
     try:
         yield
-    except PathcondError as exc:
-        stderr.print(f"[bold red]error:[/] {_printable(str(exc))}", highlight=False, markup=True, soft_wrap=True)
-        raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         stderr.print(f"[bold red]interrupted:[/] {_what_is_on_disk()}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
@@ -184,24 +188,31 @@ def _errors_to_exit_codes() -> Iterator[None]:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         stderr.print("[bold red]error:[/] stdout was closed before the output was complete.")
         raise typer.Exit(EXIT_CODES["output_not_written"]) from None
-    except MemoryError:
-        stderr.print("[bold red]error:[/] out of memory; try --device cuda or a machine with more memory.")
-        raise typer.Exit(1) from None
     except (typer.Exit, typer.Abort, typer.TyperException):
         raise  # usage errors and deliberate exits: typer reports them itself
     except Exception as exc:
-        # A bug in pathcond, not a problem with the input: one paragraph, unless asked for more.
-        if os.environ.get(DEBUG_VARIABLE):
-            raise
-        stderr.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {_printable(str(exc))}\n"
-            f"This is a bug in pathcond {__version__}; please report it with the command line. "
-            f"Set {DEBUG_VARIABLE}=1 to see the traceback.",
-            highlight=False, markup=True, soft_wrap=True,
-        )
-        raise typer.Exit(1) from None
+        code, label, message = _failure(exc)
+        stderr.print(f"[bold red]{label}:[/] {_printable(message)}", highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(code) from None
     finally:
         _guarded = False
+
+
+def _failure(exc: Exception) -> tuple[int, str, str]:
+    """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure.
+    A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
+    if isinstance(exc, PathcondError):
+        return exc.exit_code, "error", str(exc)
+    if isinstance(exc, MemoryError):
+        return 1, "error", "out of memory; try --device cuda or a machine with more memory."
+    if isinstance(exc, typer.TyperException):  # a usage error met while processing one of several files
+        return exc.exit_code, "error", exc.format_message()
+    if os.environ.get(DEBUG_VARIABLE):
+        raise exc
+    return 1, "internal error", (
+        f"{type(exc).__name__}: {exc}\nThis is a bug in pathcond {__version__}; please report it with the "
+        f"command line. Set {DEBUG_VARIABLE}=1 to see the traceback."
+    )
 
 
 def _printable(text: str) -> str:
@@ -350,10 +361,14 @@ def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> N
 
 @app.command(epilog=EXIT_HELP)
 def rescale(
-    model: ModelArg,
+    models: ModelArg,
     output: Annotated[Optional[str], typer.Option(
         "-o", "--output", help="Where to write the rescaled checkpoint (same format), or - for stdout. "
-        "Default: <stem>.pathcond<suffix> beside the input.",
+        "Default: <stem>.pathcond<suffix> beside the input. One MODEL only.",
+    )] = None,
+    output_dir: Annotated[Optional[Path], typer.Option(
+        "--output-dir", help="Write each rescaled checkpoint into this existing directory as "
+        "<stem>.pathcond<suffix> (several MODELs; outputs that would collide are refused before any work).",
     )] = None,
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
@@ -382,6 +397,8 @@ def rescale(
     """Rescale MODEL, write the result, verify it computes the same function, and report.
 
     Example: pathcond rescale model.safetensors --arch model.yaml -o model.pc.safetensors
+
+    Several: pathcond rescale runs/*.safetensors --arch model.yaml --output-dir rescaled --json > reports.jsonl
     """
     if solver not in SOLVERS:
         raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
@@ -400,6 +417,17 @@ def rescale(
     if max_log_scale is not None and solver not in BOUNDED_SOLVERS:
         raise typer.BadParameter(f"solver '{solver}' is unconstrained; with --max-log-scale use one of "
                                  f"{', '.join(BOUNDED_SOLVERS)}", param_hint="--solver")
+    if len(models) > 1 or output_dir is not None:
+        _check_batch_options(models, as_json=as_json, output=output, report_file=report_file, plot=plot)
+        if in_place and output_dir is not None:
+            raise typer.BadParameter("--in-place replaces each input; --output-dir writes elsewhere: choose one",
+                                     param_hint="--in-place")
+        solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": _parse_device(device),
+                         "criterion": criterion, "max_log_scale": max_log_scale}
+        _rescale_batch(models, output_dir, arch, _parse_shape(input_shape), in_place, as_json, quiet, allow_unused,
+                       solve_options)
+        return
+    (model,) = models
     if output == "-" and as_json:
         raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
     if model == "-" and output is None:
@@ -486,9 +514,132 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
     return report, result
 
 
+def _check_batch_options(models: list[str], *, as_json: bool, output: str | None = None,
+                         report_file: Path | None = None, plot: Path | None = None) -> None:
+    """The usage errors of a run over several MODELs (or with --output-dir), before any work."""
+    if "-" in models:
+        raise typer.BadParameter("'-' reads one model from stdin; it cannot be one of several MODELs or go to "
+                                 "--output-dir", param_hint="MODEL")
+    if output is not None:
+        raise typer.BadParameter("-o names the output of one MODEL; with several (or --output-dir), use "
+                                 "--output-dir DIR", param_hint="-o")
+    if report_file is not None:
+        raise typer.BadParameter("--report FILE holds one report; with several MODELs, --json prints one per line: "
+                                 "--json > FILE", param_hint="--report")
+    if plot is not None:
+        raise typer.BadParameter("--plot draws one model; with several MODELs, plot them one at a time",
+                                 param_hint="--plot")
+    if as_json and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but --json writes the reports to it", param_hint="--json")
+
+
+def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in_place: bool) -> list[PlannedOutput]:
+    """Where each of several MODELs is written: ``<stem>.pathcond<suffix>`` in ``output_dir``,
+    beside the input without it, the input itself with ``in_place``. Refuses, before any work, a
+    missing ``output_dir`` and outputs that collide with each other or with an input."""
+    if output_dir is not None:
+        check_output_directory(output_dir)
+    planned = []
+    for model in models:
+        source = Path(model)
+        try:
+            inputs = _input_files(source, arch)
+        except (PathcondError, OSError):
+            inputs = [source]  # unreadable: reported, with its exit code, when its turn comes
+        if in_place:
+            destination = source
+        elif output_dir is not None:
+            destination = output_dir / _default_output(source).name
+        else:
+            destination = _default_output(source)
+        planned.append(PlannedOutput(source, inputs, resolve_destination(destination)))
+    check_batch_destinations(planned, in_place=in_place)
+    return planned
+
+
+def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused, solve_options) -> None:
+    """Several MODELs, one after another, each exactly as a single run writing to its planned output."""
+    with _errors_to_exit_codes():
+        planned = _batch_plan(models, output_dir, arch, in_place)
+
+        def rescale_one(index: int) -> dict[str, Any]:
+            report, _ = _rescale_to(models[index], str(planned[index].destination), arch, shape, in_place, None,
+                                    quiet, allow_unused, solve_options)
+            return report
+
+        _run_batch("rescale", models, rescale_one, as_json=as_json, quiet=quiet)
+
+
+def _run_batch(command: str, models: list[str], process: Callable[[int], dict[str, Any]], *, as_json: bool,
+               quiet: bool) -> None:
+    """Process each MODEL in turn (``process(i)`` returns the report of ``models[i]``): with --json
+    one JSON line per file, in order; on stderr a line per file; a failure is reported with its
+    exit code and the next file processed; the exit status is :func:`batch_exit_code`'s."""
+    from .report import error_document, failure_report, render_warnings, summary_line
+
+    total, failures, position, reported = len(models), [], 0, 0
+    try:
+        for position, model in enumerate(models, start=1):
+            tag = f"[{position}/{total}]"
+            try:
+                report = process(position - 1)
+            except BrokenPipeError:
+                raise
+            except Exception as exc:
+                code, label, message = _failure(exc)
+                failures.append(code)
+                stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
+                             highlight=False, markup=True, soft_wrap=True)
+                report = failure_report(command, describe(Path(model)), error_document(exc, code, message))
+            else:
+                if not quiet:
+                    render_warnings(report, stderr)
+                    stderr.print(f"{tag} {summary_line(report)}", highlight=False, markup=False, soft_wrap=True)
+            if as_json:
+                # Whole or absent, and in one write: lines of parallel runs sharing a file never interleave.
+                with sigint_deferred():
+                    sys.stdout.flush()
+                    sys.stdout.buffer.write((json.dumps(report, allow_nan=False) + "\n").encode())
+                    sys.stdout.buffer.flush()
+            reported = len(written_files)
+        if not quiet:
+            stderr.print(_batch_summary(command, total, failures), highlight=False, markup=False, soft_wrap=True)
+    except KeyboardInterrupt:
+        stderr.print(f"[bold red]interrupted:[/] {_printable(_batch_on_disk(command, position, total, reported))}",
+                     highlight=False, markup=True, soft_wrap=True)
+        raise typer.Exit(EXIT_CODES["interrupted"]) from None
+    code = batch_exit_code(failures)
+    if code:
+        raise typer.Exit(code)
+
+
+def _batch_summary(command: str, total: int, failures: list[int]) -> str:
+    """The last line of a run over several files: how many succeeded, how many failed with which code."""
+    done = "written and verified" if command == "rescale" else "inspected"
+    text = f"pathcond {command}: {total - len(failures)} of {total} {done}"
+    if failures:
+        counts = sorted(Counter(failures).items())
+        text += ("; failed: " + ", ".join(f"{count} with exit {code}" for code, count in counts)
+                 + f"; exit status {batch_exit_code(failures)}")
+    return text + "."
+
+
+def _batch_on_disk(command: str, position: int, total: int, reported: int) -> str:
+    """The truth about the files after an interrupt in a run over several files."""
+    if command == "inspect":
+        return f"{max(position - 1, 0)} of {total} models were inspected before the interrupt; nothing was written."
+    if not written_files:
+        return "nothing was written; the inputs are unchanged."
+    text = (f"{len(written_files)} of {total} outputs were completely written and verified before the interrupt "
+            f"(the last: '{describe(written_files[-1])}'); nothing else was written.")
+    if len(written_files) > reported:
+        text += " The interrupt came before the last one's report was printed."
+    return text
+
+
 @app.command(epilog=EXIT_HELP)
 def inspect(
-    model: ModelArg,
+    models: ModelArg,
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
@@ -503,27 +654,41 @@ def inspect(
     """
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
+    if len(models) > 1:
+        _check_batch_options(models, as_json=as_json, plot=plot)
+        with _errors_to_exit_codes():
+            _run_batch("inspect", models, lambda index: _inspect_one(models[index], arch, shape, device, allow_unused,
+                                                                     quiet)[0],
+                       as_json=as_json, quiet=quiet)
+        return
+    (model,) = models
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes():
         _check_plot(plot)
-        from .api import analyse
-        from .formats import load_model
-        from .report import analysis_report
-
-        started = time.perf_counter()
-        with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
-            source, _, name = _read_source(model)
-            stages.stage("loading")
-            loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
-            load_seconds = time.perf_counter() - started
-            stages.stage("analysing: groups, diag(G), path count")
-            analysis = analyse(loaded, device=device)
-            report = analysis_report(analysis)
-        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
-                             "total": round(time.perf_counter() - started, 6)}
+        report, analysis = _inspect_one(model, arch, shape, device, allow_unused, quiet)
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
         _draw(plot, report, analysis)
+
+
+def _inspect_one(model, arch, shape, device, allow_unused, quiet):
+    """Load and analyse one model; returns the JSON report and the analysis."""
+    from .api import analyse
+    from .formats import load_model
+    from .report import analysis_report
+
+    started = time.perf_counter()
+    with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
+        source, _, name = _read_source(model)
+        stages.stage("loading")
+        loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
+        load_seconds = time.perf_counter() - started
+        stages.stage("analysing: groups, diag(G), path count")
+        analysis = analyse(loaded, device=device)
+        report = analysis_report(analysis)
+    report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
+                         "total": round(time.perf_counter() - started, 6)}
+    return report, analysis
 
 
 @app.command()

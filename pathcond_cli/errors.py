@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class PathcondError(Exception):
     """Base class: a clear, one-paragraph message for the user and a distinct exit code."""
@@ -54,4 +56,16 @@ EXIT_CODES = {
     "output_not_written": OutputError.exit_code,
     "invalid_weights": InvalidWeightsError.exit_code,
     "interrupted": 130,
+    "several_failures": 9,
 }
+
+
+def batch_exit_code(failures: Iterable[int]) -> int:
+    """The exit status of a run over several files, from the exit codes of those that failed:
+    0 when none failed, the code they share when every failure has the same one, else 9."""
+    codes = set(failures)
+    if not codes:
+        return EXIT_CODES["success"]
+    if len(codes) == 1:
+        return codes.pop()
+    return EXIT_CODES["several_failures"]

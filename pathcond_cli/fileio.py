@@ -18,7 +18,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +89,63 @@ def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_plac
                     f"refusing to overwrite '{describe(source)}', a file of the input: choose another -o path, "
                     "or pass --in-place to replace the input deliberately."
                 )
+
+
+def check_output_directory(directory: Path) -> None:
+    """Refuse before any work an ``--output-dir`` that is missing, not a directory or not writable."""
+    shown = describe(directory)
+    try:
+        if not directory.is_dir():
+            reason = "is not a directory" if os.path.lexists(directory) else "does not exist (create it first)"
+            raise OutputError(f"cannot write into '{shown}': it {reason}. Nothing was written.")
+        if not os.access(directory, os.W_OK):
+            raise OutputError(f"cannot write into '{shown}': no write permission. Nothing was written.")
+    except OSError as exc:
+        raise OutputError(f"cannot write into '{shown}': {_reason(exc)}. Nothing was written.") from None
+
+
+@dataclass
+class PlannedOutput:
+    """One file of a run over several: the input as named, every file it reads, where it goes."""
+
+    source: Path
+    inputs: list[Path]
+    destination: Path
+
+
+def check_batch_destinations(planned: Sequence[PlannedOutput], *, in_place: bool = False) -> None:
+    """Refuse before any work a run over several files whose outputs collide: two inputs written
+    to one file, or an output that is a file some other input reads (or, without ``in_place``,
+    its own input). Files are compared as :func:`same_file` does, by resolved path and by inode."""
+    owners: dict[tuple, int] = {}
+    for index, plan in enumerate(planned):
+        for key in _identities(plan.destination):
+            other = owners.setdefault(key, index)
+            if other != index:
+                raise OutputError(
+                    f"refusing to write: '{describe(planned[other].source)}' and '{describe(plan.source)}' would "
+                    f"both be written to '{describe(plan.destination)}'. Nothing was written; rename one of them "
+                    "or process them into different output directories."
+                )
+    for index, plan in enumerate(planned):
+        for path in plan.inputs:
+            owner = next((owners[key] for key in _identities(path) if key in owners), None)
+            if owner is None or (in_place and owner == index):
+                continue
+            whose = "its own input" if owner == index else f"an input of '{describe(plan.source)}'"
+            raise OutputError(
+                f"refusing to overwrite '{describe(path)}', {whose}, with the output of "
+                f"'{describe(planned[owner].source)}'. Nothing was written; choose another output directory."
+            )
+
+
+def _identities(path: Path) -> list[tuple]:
+    """What makes two names one file: the resolved path and, for a file that exists, its inode."""
+    keys: list[tuple] = [("path", os.path.realpath(path))]
+    with contextlib.suppress(OSError, ValueError):
+        status = os.stat(path)
+        keys.append(("inode", status.st_dev, status.st_ino))
+    return keys
 
 
 def _non_regular_kind(path: Path) -> str | None:

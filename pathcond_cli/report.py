@@ -113,6 +113,18 @@ def analysis_report(
     }
 
 
+def error_document(error: BaseException, exit_code: int, message: str) -> dict[str, Any]:
+    """The ``error`` object of the JSON document of a failed run: the exit code, the exception's
+    class name and the one paragraph printed on stderr."""
+    return {"exit_code": exit_code, "type": type(error).__name__, "message": message}
+
+
+def failure_report(command: str, model: str, error: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document of a file that failed in a run over several files."""
+    return {"schema": SCHEMA_VERSION, "pathcond_version": __version__, "command": command, "model": model,
+            "error": error}
+
+
 def _unused_warning(unused: dict[str, int], model) -> list[str]:
     if not unused:
         return []
