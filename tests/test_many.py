@@ -314,13 +314,43 @@ def test_the_xargs_recipe_of_docs_clusters_runs(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_the_slurm_array_task_of_docs_clusters_runs_its_line(tmp_path):
-    """The job script's body, as one array task runs it (sbatch only adds the environment)."""
+def test_the_slurm_array_recipes_of_docs_clusters_run_their_lines(tmp_path):
+    """The job scripts' bodies, as array tasks run them (sbatch only adds the environment)."""
     checkpoints, env = _cluster_folder(tmp_path, 3)
-    (tmp_path / "job.sh").write_text(_recipe("slurm-job"))
     subprocess.run(["bash", "-c", _recipe("slurm-list")], cwd=tmp_path, env=env, check=True, timeout=60)
+    assert (tmp_path / "files.txt").read_text().split() == [f"checkpoints/run{i}.safetensors" for i in range(3)]
+    (tmp_path / "job.sh").write_text(_recipe("slurm-job"))
     completed = subprocess.run(["bash", "job.sh"], cwd=tmp_path, env={**env, "SLURM_ARRAY_TASK_ID": "2"},
                                capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr
     assert [p.name for p in (tmp_path / "rescaled").iterdir()] == ["run1.pathcond.safetensors"]
+    check_report(json.loads((tmp_path / "reports" / "2.json").read_text()), rescale=True)
+
+    block = subprocess.run(["bash", "-c", "set -euo pipefail\n" + _recipe("slurm-block")], cwd=tmp_path,
+                           env={**env, "SLURM_ARRAY_TASK_ID": "0"}, capture_output=True, text=True, timeout=600)
+    assert block.returncode == 0, block.stderr
+    documents = _json_lines((tmp_path / "reports" / "0.jsonl").read_text())
+    assert [d["model"] for d in documents] == [f"checkpoints/run{i}.safetensors" for i in range(3)]
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="needs torchrun")
+def test_the_torchrun_recipe_of_docs_clusters_runs_one_process_per_device(tmp_path):
+    """Two processes; without a GPU here, on the CPU (the recipe's only two GPU words replaced)."""
+    checkpoints, env = _cluster_folder(tmp_path, 5)
+    subprocess.run(["bash", "-c", _recipe("slurm-list")], cwd=tmp_path, env=env, check=True, timeout=60)
+    rank = _recipe("rank")
+    launch = _recipe("torchrun")
+    if not torch.cuda.is_available():
+        assert "--device cuda" in rank and "--nproc-per-node=gpu" in launch
+        rank, launch = rank.replace("--device cuda", "--device cpu"), launch.replace("=gpu", "=2")
+    (tmp_path / "rank.sh").write_text(rank)
+    completed = subprocess.run(["bash", "-c", launch], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"},
+                               capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr
+    ranks = [_json_lines((tmp_path / "reports" / f"rank{r}.jsonl").read_text()) for r in (0, 1)]
+    assert [d["model"] for d in ranks[0]] == [f"checkpoints/run{i}.safetensors" for i in (0, 2, 4)]
+    assert [d["model"] for d in ranks[1]] == [f"checkpoints/run{i}.safetensors" for i in (1, 3)]
+    assert sorted(p.name for p in (tmp_path / "rescaled").iterdir()) == \
+        sorted(f"run{i}.pathcond.safetensors" for i in range(5))
     assert leftovers(tmp_path) == []
