@@ -292,7 +292,8 @@ def _cluster_folder(tmp_path: Path, count: int) -> tuple[Path, dict]:
     launcher = bin_dir / "pathcond"
     launcher.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pathcond_cli "$@"\n')
     launcher.chmod(0o755)
-    env = {**CLEAN_ENV, "PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {**CLEAN_ENV, "PYTHONPATH": str(ROOT), "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "OMP_NUM_THREADS": "1"}
     return checkpoints, env
 
 
@@ -345,8 +346,8 @@ def test_the_torchrun_recipe_of_docs_clusters_runs_one_process_per_device(tmp_pa
         assert "--device cuda" in rank and "--nproc-per-node=gpu" in launch
         rank, launch = rank.replace("--device cuda", "--device cpu"), launch.replace("=gpu", "=2")
     (tmp_path / "rank.sh").write_text(rank)
-    completed = subprocess.run(["bash", "-c", launch], cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"},
-                               capture_output=True, text=True, timeout=600)
+    completed = subprocess.run(["bash", "-c", launch], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=600)
     assert completed.returncode == 0, completed.stderr
     ranks = [_json_lines((tmp_path / "reports" / f"rank{r}.jsonl").read_text()) for r in (0, 1)]
     assert [d["model"] for d in ranks[0]] == [f"checkpoints/run{i}.safetensors" for i in (0, 2, 4)]
