@@ -183,6 +183,56 @@ def test_colliding_outputs_are_refused_before_any_work(tmp_path, monkeypatch):
     assert loads == [], "a model was loaded before the refusal"
 
 
+def _sharded(directory: Path, shard_names: tuple[str, str]) -> Path:
+    """A two-shard checkpoint of the tiny MLP: ``model.safetensors.index.json`` and ``shard_names``."""
+    tensors = mlp_tensors(DIMS, seed=5)
+    layout = {shard_names[0]: ["fc1.weight", "fc1.bias", "fc2.weight"],
+              shard_names[1]: ["fc2.bias", "fc3.weight", "fc3.bias"]}
+    for file, keys in layout.items():
+        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(directory / file), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 0},
+                                 "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
+    return index
+
+
+def _merged(index: Path) -> Path:
+    """The tensors of a sharded checkpoint in one file, for the function check."""
+    weight_map = json.loads(index.read_text())["weight_map"]
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        tensors.update(safetensors.torch.load_file(str(index.parent / shard)))
+    merged = index.parent / f"merged-{index.name}.safetensors"
+    safetensors.torch.save_file(tensors, str(merged))
+    return merged
+
+
+def test_a_sharded_checkpoint_among_several_is_written_whole_into_the_output_dir(tmp_path):
+    (tmp_path / "in").mkdir()
+    paths, spec = _models(tmp_path / "in", 1)
+    index = _sharded(tmp_path / "in", ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert_clean_exit(invoke("rescale", index, paths[0], "--arch", spec, "--output-dir", out, "-q"), 0)
+    written = out / "model.pathcond.safetensors.index.json"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "m0.pathcond.safetensors", "model.pathcond-00001-of-00002.safetensors",
+        "model.pathcond-00002-of-00002.safetensors", written.name]
+    _assert_same_function(_merged(index), _merged(written))
+
+
+def test_an_output_that_is_a_shard_of_another_input_is_refused(tmp_path, monkeypatch):
+    plain, spec = write_mlp(tmp_path, "a")
+    index = _sharded(tmp_path, ("a.pathcond.safetensors", "rest.safetensors"))  # a's output is index's shard
+    loads = []
+    monkeypatch.setattr(pathcond_cli.formats, "load_model", lambda *args, **kwargs: loads.append(args))
+    before = snapshot(tmp_path)
+    result = invoke("rescale", index, plain, "--arch", spec)
+    assert_clean_exit(result, 6, "refusing to overwrite", "a.pathcond.safetensors", "nothing was written")
+    assert_unchanged(tmp_path, before)
+    assert loads == []
+
+
 def test_usage_errors_of_several_models(tmp_path):
     paths, spec = _models(tmp_path, 2)
     before = snapshot(tmp_path)
