@@ -657,9 +657,10 @@ def inspect(
     if len(models) > 1:
         _check_batch_options(models, as_json=as_json, plot=plot)
         with _errors_to_exit_codes():
-            _run_batch("inspect", models, lambda index: _inspect_one(models[index], arch, shape, device, allow_unused,
-                                                                     quiet)[0],
-                       as_json=as_json, quiet=quiet)
+            def inspect_one(index: int) -> dict[str, Any]:
+                return _inspect_one(models[index], arch, shape, device, allow_unused, quiet)[0]
+
+            _run_batch("inspect", models, inspect_one, as_json=as_json, quiet=quiet)
         return
     (model,) = models
     if as_json and _closed(sys.stdout):

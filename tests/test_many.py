@@ -115,7 +115,7 @@ def _corrupt(path: Path) -> Path:
     return path
 
 
-def _with_nan(directory: Path, spec: Path) -> Path:
+def _with_nan(directory: Path) -> Path:
     tensors = mlp_tensors(DIMS, seed=9)
     tensors["fc2.weight"][0, 0] = float("nan")
     path, own_spec = write_mlp(directory, "nan", tensors=tensors)
@@ -126,7 +126,7 @@ def _with_nan(directory: Path, spec: Path) -> Path:
 def test_a_failed_file_is_reported_with_its_exit_code_and_the_rest_processed(tmp_path):
     paths, spec = _models(tmp_path / "in", 2)
     bad = _corrupt(tmp_path / "in" / "bad.safetensors")
-    nan = _with_nan(tmp_path / "in", spec)
+    nan = _with_nan(tmp_path / "in")
     out = tmp_path / "out"
     out.mkdir()
     inputs = snapshot(tmp_path / "in")
