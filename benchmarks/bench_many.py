@@ -6,8 +6,9 @@
 
 The files (sample_models/mlp.safetensors, 0.9 MB each, with sample_models/mlp.yaml) are copied
 into a temporary folder. One process: ``pathcond rescale F1 ... FN --arch mlp.yaml --output-dir
-OUT --json``, its wall time, its peak resident memory and the sum of the in-process stages of
-its N JSON lines (what each file costs once torch is loaded). N processes: ``pathcond rescale Fi
+OUT --json``, its wall time, its CPU time (user + system: on a machine shared with other work,
+the wall time grows with the load, the CPU time far less), its peak resident memory and the sum
+of the in-process stages of its N JSON lines (what each file costs once torch is loaded). N processes: ``pathcond rescale Fi
 --arch mlp.yaml -o OUT/Fi --json`` one after another, as a shell loop runs them. Target (issue
 20): N = 100 in one process in <= 15 s on the project's 2-core machine.
 """
@@ -32,6 +33,11 @@ IN_PROCESS_STAGES = ("load", "groups", "diag_g", "path_count", "solve", "apply",
 
 def command(*args: object) -> list[str]:
     return [sys.executable, "-m", "pathcond_cli", "rescale", *map(str, args)]
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run(args: list[str], env: dict[str, str]) -> tuple[float, str]:
@@ -70,7 +76,9 @@ def main() -> None:
 
         one = folder / "one"
         one.mkdir()
+        cpu_before = children_cpu_seconds()
         seconds, stdout = run(command(*files, "--arch", arch, "--output-dir", one, "--json", "--quiet"), env)
+        cpu_one = children_cpu_seconds() - cpu_before
         peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         reports = [json.loads(line) for line in stdout.splitlines()]
         assert len(reports) == options.files and len(list(one.iterdir())) == options.files
@@ -78,19 +86,20 @@ def main() -> None:
         totals = sum(r["seconds"]["total"] for r in reports)
         print(f"one process : {seconds:7.2f} s wall for {options.files} files ({seconds / options.files * 1000:.0f} ms "
               f"a file); in-process stages {in_process:.2f} s, per-file totals {totals:.2f} s, "
-              f"peak RSS {peak_mib:.0f} MiB")
+              f"peak RSS {peak_mib:.0f} MiB; CPU time {cpu_one:.2f} s")
 
         many = folder / "many"
         many.mkdir()
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), children_cpu_seconds()
         for path in files[:separate]:
             run(command(path, "--arch", arch, "-o", many / path.name, "--json", "--quiet"), env)
         elapsed = time.perf_counter() - started
-        per_process = elapsed / separate
+        per_process, cpu_per_process = elapsed / separate, (children_cpu_seconds() - cpu_before) / separate
         shown = (f"{elapsed:7.2f} s wall for {separate} processes" if separate == options.files else
                  f"{per_process * options.files:7.2f} s for {options.files} (extrapolated from {separate} "
                  f"processes: {elapsed:.2f} s)")
-        print(f"{options.files} processes: {shown} ({per_process * 1000:.0f} ms a process)")
+        print(f"{options.files} processes: {shown} ({per_process * 1000:.0f} ms a process; CPU time "
+              f"{cpu_per_process * options.files:.2f} s for {options.files})")
         print(f"speed-up    : {per_process * options.files / seconds:.1f}x")
 
 
