@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import yaml
 
 import pathcond_cli.formats
-from tests.cli_support import (
-    CLEAN_ENV, ROOT, SAMPLES, assert_clean_exit, assert_unchanged, check_report, invoke, leftovers, mlp_tensors,
-    module_command, snapshot, write_mlp,
+from cli_support import (
+    CLEAN_ENV, ROOT, SAMPLES, assert_clean_exit, assert_unchanged, check_report, invoke, leftovers, mlp_spec,
+    mlp_tensors, module_command, snapshot, write_mlp,
 )
 
 DIMS = (6, 8, 5, 3)
@@ -53,16 +54,12 @@ def _assert_same_function(original: Path, rescaled: Path) -> None:
 def _models(directory: Path, count: int) -> tuple[list[Path], Path]:
     """``count`` different tiny MLPs m0..m{count-1}.safetensors sharing one spec."""
     directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    spec = None
-    for index in range(count):
-        path, spec = write_mlp(directory, f"m{index}", tensors=mlp_tensors(DIMS, seed=index))
-        paths.append(path)
-    shared = directory / "net.arch.yaml"
-    shutil.copyfile(spec, shared)
-    for path in directory.glob("m*.arch.yaml"):
-        path.unlink()
-    return paths, shared
+    paths = [directory / f"m{index}.safetensors" for index in range(count)]
+    for index, path in enumerate(paths):
+        safetensors.torch.save_file(mlp_tensors(DIMS, seed=index), str(path))
+    spec = directory / "net.arch.yaml"
+    spec.write_text(yaml.safe_dump(mlp_spec(DIMS)))
+    return paths, spec
 
 
 def _json_lines(text: str) -> list[dict]:
