@@ -109,10 +109,10 @@ class FakeCuda(TorchFunctionMode):
         if name == "get_device" and tagged:
             return 0
         target = kwargs.get("device")
-        if target is not None:
+        if _is_cuda(target):
             kwargs = {**kwargs, "device": "cpu"}
             generator = kwargs.get("generator")
-            if _is_cuda(target) and generator is not None and generator.device.type != "cuda":
+            if generator is not None and generator.device.type != "cuda":
                 raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{generator.device.type}'")
         elif tagged and name not in _TRANSFERS:
             self._check_mix(name, args, kwargs)
@@ -210,7 +210,11 @@ def installed() -> Iterator[FakeCuda]:
 @contextmanager
 def suspended() -> Iterator[None]:
     """Run a block on the plain CPU (e.g. building a test input with torch's exporters)."""
-    from torch.overrides import _pop_mode_temporarily
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
 
+    stack = _get_current_function_mode_stack()
+    if not stack or not isinstance(stack[-1], FakeCuda):
+        yield
+        return
     with _pop_mode_temporarily():
         yield
