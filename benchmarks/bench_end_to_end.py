@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--command", default="rescale", choices=["rescale", "inspect"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported")
+    parser.add_argument("--json", type=Path, help="append the best run's figures to this JSON-lines file")
     args = parser.parse_args()
     fmt = args.format or ("safetensors" if args.model.startswith("mlp") else "onnx")
     runs = []
@@ -107,6 +108,11 @@ def main() -> None:
     print("  stages: " + ", ".join(f"{k} {v:.3f}s" for k, v in seconds.items()))
     print(f"  in-process stages {staged:.3f} s; outside them (interpreter, imports, parsing, report) "
           f"{wall - staged:.2f} s; `import torch` alone {import_torch:.2f} s; `pathcond --help` {help_seconds:.2f} s")
+    if args.json:
+        with open(args.json, "a") as handle:
+            handle.write(json.dumps({"model": args.model, "command": args.command, "device": report["device"],
+                                     "wall_seconds": wall, "staged_seconds": staged, "seconds": seconds,
+                                     "peak_rss_gib": peak}) + "\n")
     if "solver" in report:
         solver = report["solver"]
         print(f"  solver {solver['name']}: {solver['iterations']} iterations, {solver['passes']} passes, "

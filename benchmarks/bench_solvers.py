@@ -69,7 +69,7 @@ def run_one(name: str, args) -> dict:
     model = module_model(module, shape, name=name)
     analysis = analyse(model, device=args.device)
     setup = time.perf_counter() - start
-    row = {"model": name, "parameters": model.parameter_count, "dag_parameters": analysis.groups.p,
+    row = {"model": name, "device": str(args.device), "parameters": model.parameter_count, "dag_parameters": analysis.groups.p,
            "groups": analysis.groups.num_free, "colours": analysis.groups.num_colours,
            "analysis_seconds": analysis.seconds, "setup_seconds": setup, "solvers": {}}
     for method in args.solvers:

@@ -4,13 +4,10 @@
     result = pathcond.rescale_module(model, input_shape=(3, 32, 32))
 
 The public names are imported on first use, so that ``pathcond --help`` and ``--version``
-start without loading torch.
+start without loading torch. This module imports nothing at all: ``python -m pathcond_cli``
+runs it before ``__main__`` installs the Ctrl-C handler, and an import here (``typing`` took
+20 ms in a fresh virtual environment) was a window in which Ctrl-C printed a traceback.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.1"
 
@@ -21,13 +18,16 @@ _PUBLIC = {
 
 __all__ = [*sorted(_PUBLIC), "__version__"]
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type checkers read it as True
 if TYPE_CHECKING:
     from .api import Analysis, RescaleResult, analyse, load, rescale, rescale_module, save
     from .errors import PathcondError
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _PUBLIC:
+        import importlib
+
         value = getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
         globals()[name] = value
         return value

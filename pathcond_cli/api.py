@@ -203,10 +203,10 @@ class Analysis:
 
 def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:
     """diag(G) of the parameters rescaled by ``u``: log g_i − 2(Bu)_i, since g(θ_u)_i = g_i e^{−2(Bu)_i}."""
-    u_ext = groups.extend(u.to("cpu", torch.float64))
+    u_ext = groups.extend(u.to(groups.device, torch.float64))
     # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
     return DiagG([
-        torch.add(lg.reshape(dp.view), dp.exponent(u_ext).to(lg.device), alpha=-2.0).reshape(lg.shape)
+        torch.add(lg.reshape(dp.view), dp.exponent(u_ext), alpha=-2.0).reshape(lg.shape)
         for dp, lg in zip(groups.dag_params, diag.log_g)
     ])
 
@@ -260,7 +260,7 @@ def analyse(model: LoadedModel, *, device: str | torch.device = "auto") -> Analy
     device = resolve_device(device)
     seconds: dict[str, float] = {}
     timed = _Stopwatch(seconds)
-    groups = timed("groups", lambda: build_groups(model.graph, model.params))
+    groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
     diag = timed("diag_g", lambda: diag_g(groups, device=device))
     paths = timed("path_count", lambda: path_count(groups, device=device))
     return Analysis(model, groups, diag, paths, seconds, str(device))

@@ -186,8 +186,8 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     finite weights. A group fed by several layers (a residual stream) takes the first.
     """
     H = groups.num_free
-    u = torch.zeros(H + 1, dtype=torch.float64)
-    assigned = torch.zeros(H + 1, dtype=torch.bool)
+    u = torch.zeros(H + 1, dtype=torch.float64, device=groups.device)
+    assigned = torch.zeros(H + 1, dtype=torch.bool, device=groups.device)
     assigned[H] = True
     for dps in _layer_tensors(groups, groups.dag_params).values():
         weight_dp = dps[0]
@@ -233,11 +233,11 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> Di
     ψ = (Dθ)² is built per tensor with a log scale (D an admissible balancing), and
     log g(θ) = log ∂L/∂Ψ(Dθ) + 2(B u_D) since g(Dθ) = g(θ) / d².
     """
-    u_ext = groups.extend(balancing_exponents(groups).to(device))
-    dev_groups = groups.to(device)
+    groups = groups.to(device)
+    u_ext = groups.extend(balancing_exponents(groups))
     psi: list[ScaledTensor] = []
     sides: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for dp in dev_groups.dag_params:
+    for dp in groups.dag_params:
         scaled, a, b = _balanced_psi(dp, u_ext, device)
         psi.append(scaled)
         sides.append((a, b))

@@ -24,7 +24,7 @@ import torch
 
 from .diag import DiagG
 from .groups import RescalingGroups
-from .objective import Objective, degenerate_mask
+from .objective import Objective
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_TOL, ProgressCallback, SolveResult
 
 METHOD = "enorm"
@@ -51,7 +51,7 @@ class EnormObjective:
         self.groups = self.objective.groups
         self.device = self.objective.device
         # A' = 0 or C' = 0 depends only on which θ are zero, not on u.
-        self.frozen = degenerate_mask(groups, squares).to(self.device)
+        self.frozen = self.objective.degenerate()
 
     @property
     def passes(self) -> int:

@@ -82,7 +82,7 @@ class WriteBack:
         if self.layout == "vector":
             return torch.exp(u_ext[self.dst])
         in_per_group = 1 if self.src is None else len(self.src) // self.groups
-        log = torch.zeros(self.out_channels, in_per_group, dtype=u_ext.dtype)
+        log = torch.zeros(self.out_channels, in_per_group, dtype=u_ext.dtype, device=u_ext.device)
         if self.dst is not None:
             log += u_ext[self.dst][:, None]
         if self.src is not None:
@@ -142,17 +142,26 @@ class RescalingGroups:
             dp.accumulate(w.reshape(dp.view), incoming, outgoing)
         return incoming[:-1], outgoing[:-1]
 
+    @property
+    def device(self) -> torch.device:
+        return self.n_in.device
+
     def to(self, device: torch.device | str) -> RescalingGroups:
-        """A copy whose maps live on ``device`` (values stay where they are)."""
+        """A copy whose maps, parameter values and write-back maps all live on ``device``."""
         moved = [
-            DagParam(dp.name, dp.layer, dp.value, dp.dst.to(device), dp.src.to(device), dp.view,
+            DagParam(dp.name, dp.layer, dp.value.to(device), dp.dst.to(device), dp.src.to(device), dp.view,
                      None if dp.self_loops is None else dp.self_loops.to(device))
             for dp in self.dag_params
         ]
+        writebacks = [
+            WriteBack(wb.key, wb.layout, None if wb.dst is None else wb.dst.to(device),
+                      None if wb.src is None else wb.src.to(device), wb.out_channels, wb.groups)
+            for wb in self.writebacks
+        ]
         return RescalingGroups(
-            self.graph, self.num_free, self.num_fixed, moved, self.writebacks, self.labels,
+            self.graph, self.num_free, self.num_fixed, moved, writebacks, self.labels,
             self.colours.to(device), self.n_in.to(device), self.n_out.to(device),
-            self.node_groups, self.shapes,
+            {name: ids.to(device) for name, ids in self.node_groups.items()}, self.shapes,
         )
 
     def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -161,14 +170,15 @@ class RescalingGroups:
         Only tensors the rescaling actually changes are returned; every other tensor of the
         checkpoint is to be kept bit-identical.
         """
-        u_ext = self.extend(u.detach().to("cpu", torch.float64))
+        u_ext = self.extend(u.detach().to(self.device, torch.float64))
         changed: dict[str, torch.Tensor] = {}
         for wb in self.writebacks:
             original = params[wb.key]
             factor = wb.factor(u_ext, original.dim())
             if bool((factor == 1.0).all()):
                 continue
-            changed[wb.key] = (original.to(torch.float64) * factor).to(original.dtype)
+            # computed on the analysis device, returned where the checkpoint tensor lives
+            changed[wb.key] = (original.to(self.device, torch.float64) * factor).to(original.device, original.dtype)
         return changed
 
 

@@ -35,7 +35,7 @@ from .diag import DiagG
 from .defaults import BOUNDED_SOLVERS, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 from .groups import RescalingGroups
 from .layer_shift import layer_shift_start
-from .objective import Evaluation, Objective, block_step, degenerate_mask, paper_step
+from .objective import Evaluation, Objective, block_step, paper_step
 MIN_STEP = 1e-10
 MAX_FIRST_STEP = 20.0
 FLAT_ITERATIONS = 3
@@ -124,7 +124,7 @@ def solve(
     start = time.perf_counter()
     objective = Objective(groups, diag, device=device, bound=max_log_scale)
     u = torch.zeros(groups.num_free, dtype=torch.float64, device=objective.device)
-    frozen = degenerate_mask(groups, diag).to(objective.device)
+    frozen = objective.degenerate()
     first = objective.evaluate(u, frozen)
     run = {"newton": _newton, "block": _block, "lbfgs": _lbfgs, "sequential": _sequential}[method]
     u, history, final, iterations = run(objective, u, frozen, first, tol, max_iter, progress)

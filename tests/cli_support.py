@@ -23,6 +23,8 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
+import fake_cuda
+
 from pathcond_cli.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +43,9 @@ def invoke(*args: object, input: bytes | None = None):
 
 
 def module_command(*args: object) -> list[str]:
+    """``python -m pathcond_cli ARGS``, on the fake CUDA device when the suite runs on it."""
+    if fake_cuda.requested():
+        return [sys.executable, str(Path(__file__).with_name("fake_cuda_main.py")), *map(str, args)]
     return [sys.executable, "-m", "pathcond_cli", *map(str, args)]
 
 

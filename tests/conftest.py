@@ -14,11 +14,32 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fake_cuda
+
 from pathcond_cli.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
     Scale, Upsample,
 )
+
+
+
+def pytest_configure(config):
+    """With ``PATHCOND_FAKE_CUDA=1`` the whole session runs as on a machine with one CUDA device,
+    the fake one of :mod:`fake_cuda`, which raises on any device mix a real GPU would refuse."""
+    if fake_cuda.requested():
+        config.fake_cuda = fake_cuda.installed()
+        config.fake_cuda.__enter__()
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "fake_cuda"):
+        config.fake_cuda.__exit__(None, None, None)
+
+
+def pytest_report_header(config):
+    return "device: fake CUDA (PATHCOND_FAKE_CUDA=1)" if fake_cuda.requested() else None
+
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+import fake_cuda
+
 EXPORTERS = ("torchscript", "torchscript-unfolded", "dynamo")
 
 
@@ -162,10 +164,11 @@ def _export_dynamo(module: nn.Module, example: torch.Tensor) -> bytes:
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        program = torch.onnx.export(
-            module, (example,), dynamo=True, verbose=False,
-            dynamic_shapes=({0: torch.export.Dim("batch")},),
-        )
+        with fake_cuda.suspended():  # torch.export cannot trace under a torch function mode
+            program = torch.onnx.export(
+                module, (example,), dynamo=True, verbose=False,
+                dynamic_shapes=({0: torch.export.Dim("batch")},),
+            )
     except Exception as exc:  # noqa: BLE001 - any failure here is the environment's, not pathcond's
         pytest.skip(f"torch.onnx.export(dynamo=True) is unavailable here: {type(exc).__name__}: {exc}")
     finally:

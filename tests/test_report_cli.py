@@ -17,6 +17,7 @@ from cli_support import (
     write_mlp, write_onnx_mlp,
 )
 from pathcond_cli import __version__
+from pathcond_cli.api import resolve_device
 from pathcond_cli.cli import app
 from pathcond_cli.formats.spec import graph_from_spec, parse_spec_text
 
@@ -49,7 +50,7 @@ def test_json_run_keeps_stdout_clean_and_still_ends_stderr_with_the_summary(tmp_
     stderr = assert_clean_exit(result, 0)
     report = parse_single_json(result.stdout)
     check_report(report, rescale=True)
-    assert report["arch_source"] == f"--arch {spec}" and report["device"] == "cpu"
+    assert report["arch_source"] == f"--arch {spec}" and report["device"] == str(resolve_device("auto"))
     assert stderr.count("\n") == 1 and stderr.startswith("pathcond rescale: ")
     D = report["conditioning"]
     assert f"D {D['before']['D']:.5g} → {D['after']['D']:.5g}" in stderr

@@ -524,6 +524,18 @@ def test_commands_import_the_libraries_with_sigint_held_back(monkeypatch):
     assert all(handler is not outside for handler in handlers.values())
 
 
+def test_the_package_imports_nothing_before_the_ctrl_c_handler_is_installed():
+    """``python -m pathcond_cli`` runs ``pathcond_cli/__init__.py`` before ``__main__`` installs its
+    Ctrl-C handler. In a fresh virtual environment (the torch 2.11 CI run) its ``import typing``
+    took 20 ms, and Ctrl-C then printed a traceback from pathcond's own code."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); before = set(sys.modules); import pathcond_cli; "
+            "print(sorted(set(sys.modules) - before - {'pathcond_cli'}))")
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", code, str(ROOT)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_sigint_in_a_subprocess_exits_130_without_traceback(tmp_path):
     """At any moment, start-up imports included: exit 130, no traceback, the truth about the disk."""
     import time

@@ -9,6 +9,7 @@ be translated is collected, so one error lists the whole graph's unsupported ope
 from __future__ import annotations
 
 import importlib
+import inspect
 import operator
 import os
 import sys
@@ -329,10 +330,7 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         translate_function = _FUNCTIONS.get(node.target)
         if translate_function is None:
             raise _Unsupported(_not_supported(getattr(node.target, "__name__", "")))
-        normalized = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
-        if normalized is None:
-            raise _Unsupported("its arguments cannot be matched to the function's signature")
-        kwargs = normalized.kwargs
+        kwargs = _keyword_arguments(node, root)
         if translate_function is _pad_function:
             return [_pad_function(kwargs, _rank(kwargs["input"], values))]
         if translate_function is _interpolate_function:
@@ -523,6 +521,35 @@ def _flatten(start_dim: Any, end_dim: Any) -> dict[str, Any]:
     if start_dim != 1 or end_dim != -1:
         raise _Unsupported(f"only flattening from dim 1 to the end is supported (got start_dim={start_dim}, end_dim={end_dim})")
     return {"type": "flatten"}
+
+
+# torch's own functions are overloaded C builtins: fx's normaliser has to pick an overload and
+# finds torch.cat ambiguous on torch 2.11, so their arguments are bound to these signatures.
+_BUILTIN_SIGNATURES = {
+    function: inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, **extra)
+                                 for name, extra in parameters])
+    for function, parameters in (
+        (torch.cat, (("tensors", {}), ("dim", {"default": 0}))),
+        (torch.relu, (("input", {}),)),
+        (torch.relu_, (("input", {}),)),
+    )
+}
+
+
+def _keyword_arguments(node: torch.fx.Node, root: nn.Module) -> dict[str, Any]:
+    """The call's arguments by parameter name (defaults filled in for torch's builtins)."""
+    signature = _BUILTIN_SIGNATURES.get(node.target)
+    if signature is None:
+        normalized = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
+        if normalized is None:
+            raise _Unsupported("its arguments cannot be matched to the function's signature")
+        return normalized.kwargs
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError as exc:
+        raise _Unsupported(f"its arguments cannot be matched to the function's signature ({exc})") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:

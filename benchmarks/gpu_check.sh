@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Check a machine with a CUDA GPU in one command (issue 17):
+#   1. the whole default test suite, where `--device auto` and the API's default pick the GPU
+#      and the CUDA-only tests run;
+#   2. the solver benchmark (Newton) and the end-to-end benchmark, on the GPU and on the CPU;
+#   3. one table of the figures, headed by the GPU's name.
+# It installs nothing but pathcond itself: torch (a CUDA build) and the test extra must be
+# there already. Usage: benchmarks/gpu_check.sh [MODEL ...]   (default: resnet50 mlp3)
+# MODELs are names both benchmarks know (resnet18, resnet50, cifar_nv, mlp1, mlp3, inception_v3);
+# the solver benchmark also runs issue 17's MnasNet-style model (mnasnet).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+unset PATHCOND_FAKE_CUDA  # the real GPU, not the test suite's fake one
+
+python3 -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . || exit 1
+python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
+            'torch ' + torch.__version__ + ' sees no CUDA device: this script is for a GPU machine')" || exit 2
+
+if [ $# -gt 0 ]; then models=("$@"); else models=(resnet50 mlp3); fi
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+
+python3 -m pytest -p no:cacheprovider --junitxml="$scratch/suite.xml" > "$scratch/suite.log" 2>&1
+suite_status=$?
+tail -n 30 "$scratch/suite.log"
+
+for device in cuda cpu; do
+    python3 benchmarks/bench_solvers.py --models "${models[@]}" mnasnet --solvers newton --device "$device" \
+        --json "$scratch/solvers.jsonl" || true
+    for model in "${models[@]}"; do
+        python3 benchmarks/bench_end_to_end.py --model "$model" --device "$device" --repeat 2 \
+            --json "$scratch/end_to_end.jsonl" || true
+    done
+done
+
+python3 - "$scratch" "$suite_status" <<'PY'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+
+scratch, status = Path(sys.argv[1]), int(sys.argv[2])
+def rows(name):
+    path = scratch / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+print(f"\n## {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n")
+suite = ET.parse(scratch / "suite.xml").getroot() if (scratch / "suite.xml").exists() else None
+if suite is not None:
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    print(f"suite: exit {status}, {counts['tests']} tests, {counts['failures']} failed, "
+          f"{counts['errors']} errors, {counts['skipped']} skipped, {float(suite.get('time', 0)):.0f} s\n")
+else:
+    print(f"suite: exit {status}, no report\n")
+print("| model | device | Newton solve | passes | s / pass | diag(G) | whole run (wall) | in-process stages | peak RSS |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+end_to_end = {(r["model"], r["device"].split(":")[0]): r for r in rows("end_to_end.jsonl")}
+for r in rows("solvers.jsonl"):
+    newton = r["solvers"]["newton"]
+    run = end_to_end.get((r["model"], r["device"]), {})
+    per_pass = newton["seconds"] / newton["passes"] if newton["passes"] else float("nan")
+    print(f"| {r['model']} | {r['device']} | {newton['seconds']:.3f} s | {newton['passes']} | {per_pass * 1e3:.1f} ms "
+          f"| {r['analysis_seconds'].get('diag_g', float('nan')):.3f} s "
+          f"| {run.get('wall_seconds', float('nan')):.2f} s | {run.get('staged_seconds', float('nan')):.2f} s "
+          f"| {run.get('peak_rss_gib', float('nan')):.2f} GiB |")
+sys.exit(status)
+PY
