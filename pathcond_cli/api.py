@@ -456,7 +456,7 @@ def save(
     on ``result`` too. With ``self_contained`` an ONNX model read with external data is written
     as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB).
     """
-    from .fileio import check_destination, resolve_destination, staged_output
+    from .fileio import check_destination, describe, resolve_destination, staged_output
     from .formats import replaced_companions, write_model
 
     model = result.analysis.model
@@ -468,7 +468,7 @@ def save(
             f"{model.source}: the rescaling produced NaN or Inf in tensor(s) {', '.join(map(repr, not_finite))} "
             f"(solver '{result.solve.method}', max |u| = {result.solve.u_inf:.3g}); nothing was written."
         )
-    replaced = replaced_companions(destination) if destination.is_file() else []
+    replaced, left = replaced_companions(destination) if destination.is_file() else ([], [])
     timings = seconds if seconds is not None else result.seconds
     timed = _Stopwatch(timings)
     with staged_output(destination) as stage:
@@ -480,6 +480,8 @@ def save(
         stage.obsolete = replaced
         if not in_place:
             stage.keep = list(model.files)
+    result.warnings += [f"'{describe(file)}', named as data by the replaced '{describe(destination)}', was left in "
+                        "place: pathcond deletes only data files provably that model's own" for file in left]
     return result.verification
 
 

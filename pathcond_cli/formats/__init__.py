@@ -275,15 +275,17 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def replaced_companions(path: Path) -> list[Path]:
-    """The companion files of the checkpoint at ``path`` that replacing it deletes: the shards
-    its index names, or the external data provably its own (see ``own_external_data``).
-    Never raises."""
-    if path.suffix == ".onnx":
-        from .onnx_format import own_external_data
+def replaced_companions(path: Path) -> tuple[list[Path], list[Path]]:
+    """The companion files of the checkpoint at ``path``: those that replacing it deletes (the
+    shards its index names, or the external data provably its own: see ``own_external_data``),
+    and those it names that are left in place. Never raises."""
+    named = checkpoint_files(path)[1:]
+    if path.suffix != ".onnx":
+        return named, []
+    from .onnx_format import own_external_data
 
-        return own_external_data(path)
-    return checkpoint_files(path)[1:]
+    own = own_external_data(path)
+    return own, [file for file in named if file not in own]
 
 
 def check_streamable(model: LoadedModel) -> None:
