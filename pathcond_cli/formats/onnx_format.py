@@ -107,7 +107,7 @@ def load_onnx(
     inferred = _folded(_infer_shapes(model, graph_input.name, shape, label), graph_input.name, shape, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
-    translation = _Translator(inferred, label)
+    translation = _Translator(inferred, label, read_nodes=model.graph.node)
     graph = translation.translate(graph_input.name, shape)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
@@ -512,9 +512,12 @@ class _Weight:
 class _Translator:
     """Builds the :class:`Graph` of a shape-inferred model, collecting every unsupported node."""
 
-    def __init__(self, model: onnx.ModelProto, label: str):
+    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None):
+        """``read_nodes``: the nodes of the model as written back, position by position (``model``'s
+        own by default); shape arithmetic folded for translation still reads there what it read."""
         self.label = label
         self.onnx_nodes = list(model.graph.node)
+        self.read_nodes = list(read_nodes) if read_nodes is not None else self.onnx_nodes
         self.graph_outputs = [o.name for o in model.graph.output]
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.constants = {n.output[0]: n for n in self.onnx_nodes if n.op_type == "Constant"}
@@ -589,7 +592,7 @@ class _Translator:
         A reader of a value computed from a parameter (the output of the ``Transpose`` in front
         of a weight) cannot be given a copy: that is a problem of the model.
         """
-        for index, node in enumerate(self.onnx_nodes):
+        for index, node in enumerate(self.read_nodes):
             if node.op_type in SHAPE_QUERIES or not any(out in needed for out in node.output):
                 continue
             for position, value in enumerate(node.input):
