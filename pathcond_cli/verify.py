@@ -254,7 +254,7 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
         status = "passed" if max_rel <= limit else "failed"
         return {"runtime": runtime, "status": status,
                 "detail": f"max relative difference {max_rel:.3g} between original and written model "
-                          f"(tolerance {limit:g})"}
+                          f"(tolerance {limit:g})" + "".join(f"; {reason}" for reason in reasons)}
     reasons += [why_not] if why_not else []
     return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
 

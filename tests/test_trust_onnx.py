@@ -1,6 +1,7 @@
 """Trust, ONNX files (issue 18, points 1, 2, 3 and 6): "verified" means that a runtime other than
 pathcond's, run on the written file, computes the original function; the file loads wherever the
-original loads; what goes to stdout stands alone; replacing an output deletes only its own data.
+original loads; what goes to stdout stands alone; replacing an output deletes only its own data
+(the same rule holds for the shards of a replaced safetensors index).
 
 The oracle is the file on disk run by onnx.reference (and onnxruntime where installed), never
 pathcond's reading of it.
@@ -12,17 +13,23 @@ import logging
 import warnings
 from pathlib import Path
 
+import json
+
 import numpy as np
 import onnx
 import pytest
+import safetensors.torch
 import torch
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import pathcond_cli
 import pathcond_cli.api
 import pathcond_cli.verify
-from cli_support import assert_clean_exit, assert_unchanged, invoke, onnx_mlp_model, parse_single_json, snapshot
+from cli_support import (
+    assert_clean_exit, assert_unchanged, invoke, mlp_spec, mlp_tensors, onnx_mlp_model, parse_single_json, snapshot,
+)
 from onnx_models import exported
 from pathcond_cli.formats import onnx_format
 from pathcond_cli.verify import compare
@@ -342,3 +349,45 @@ def test_in_place_leaves_data_under_another_name_and_says_so(tmp_path):
     assert any("weights.bin" in w and "left in place" in w for w in report["warnings"]), report["warnings"]
     assert "weights.bin" not in {e.value for t in onnx.load(str(source), load_external_data=False).graph.initializer
                                  for e in t.external_data}
+
+
+def _sharded_input(folder: Path) -> tuple[Path, Path]:
+    tensors = mlp_tensors()
+    layout = {"model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
+              "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"]}
+    for file, keys in layout.items():
+        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(folder / file))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
+    spec = folder / "model.arch.yaml"
+    spec.write_text(yaml.safe_dump(mlp_spec()))
+    return index, spec
+
+
+@pytest.mark.parametrize("case", ["foreign name", "more than its tensors"])
+def test_replacing_an_index_never_deletes_shards_not_provably_its_own(tmp_path, case):
+    index, spec = _sharded_input(tmp_path)
+    out = tmp_path / "out.safetensors.index.json"
+    if case == "foreign name":
+        shard = "thesis.txt"
+        (tmp_path / shard).write_bytes(b"my thesis")
+    else:
+        shard = "out-00001-of-00001.safetensors"
+        safetensors.torch.save_file({"fc1.weight": torch.ones(2, 2), "notes": torch.zeros(3)}, str(tmp_path / shard))
+    out.write_text(json.dumps({"metadata": {}, "weight_map": {"fc1.weight": shard}}))
+    content = (tmp_path / shard).read_bytes()
+    report = _rescaled_json(index, "--arch", spec, "-o", out)
+    assert (tmp_path / shard).read_bytes() == content
+    assert any(shard in w and "left in place" in w for w in report["warnings"]), report["warnings"]
+
+
+def test_replacing_its_own_earlier_index_leaves_no_stale_shards(tmp_path):
+    index, spec = _sharded_input(tmp_path)
+    out = tmp_path / "out.safetensors.index.json"
+    for _ in range(3):
+        assert_clean_exit(invoke("rescale", index, "--arch", spec, "-o", out, "-q"), 0)
+        named = set(json.loads(out.read_text())["weight_map"].values())
+        assert len(named) == 2
+        expected = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", index.name, spec.name,
+                    out.name, *named}
+        assert {p.name for p in tmp_path.iterdir()} == expected

@@ -276,16 +276,40 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def replaced_companions(path: Path) -> tuple[list[Path], list[Path]]:
-    """The companion files of the checkpoint at ``path``: those that replacing it deletes (the
-    shards its index names, or the external data provably its own: see ``own_external_data``),
-    and those it names that are left in place. Never raises."""
+    """The companion files of the checkpoint at ``path``: those provably its own, which replacing
+    it deletes (see ``own_shards`` and ``own_external_data``), and the others it names, which are
+    left in place. Never raises."""
     named = checkpoint_files(path)[1:]
-    if path.suffix != ".onnx":
-        return named, []
-    from .onnx_format import own_external_data
+    if path.name.endswith(".json"):
+        from .safetensors_format import own_shards
 
-    own = own_external_data(path)
+        own = own_shards(path)
+    elif path.suffix == ".onnx":
+        from .onnx_format import own_external_data
+
+        own = own_external_data(path)
+    else:
+        own = []
     return own, [file for file in named if file not in own]
+
+
+def named_by_another_file(path: Path, name: str, suffix: str) -> bool:
+    """Whether a file ending in ``suffix`` beside ``path``, other than ``path``, holds the bytes
+    of ``name`` (a model or index that names it as its data must): a cheap scan, erring towards
+    yes."""
+    import mmap
+
+    needle = name.encode("utf-8", "surrogateescape")
+    for entry in os.scandir(path.parent):
+        if not entry.name.lower().endswith(suffix) or not entry.is_file() or os.path.samefile(entry.path, path):
+            continue
+        with open(entry.path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:
+                continue
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data.find(needle) >= 0:
+                    return True
+    return False
 
 
 def check_streamable(model: LoadedModel) -> None:

@@ -234,6 +234,7 @@ def own_external_data(path: Path) -> list[Path]:
     nor is anything when the model cannot be parsed.
     """
     from ..fileio import is_companion_name
+    from . import named_by_another_file
 
     try:
         model = onnx.load(str(path), load_external_data=False)
@@ -244,7 +245,7 @@ def own_external_data(path: Path) -> list[Path]:
         return [path.parent / location for location, spans in extents.items()
                 if is_companion_name(location, f"{path.name}.data")
                 and _exactly_covered(path.parent / location, spans)
-                and not _named_by_another_model(path, location)]
+                and not named_by_another_file(path, location, ".onnx")]
     except (OSError, ValueError, TypeError, DecodeError):
         return []
 
@@ -264,24 +265,6 @@ def _exactly_covered(file: Path, spans: list[tuple[int, int | None]]) -> bool:
                 return False
             end = offset + length
     return end == size
-
-
-def _named_by_another_model(path: Path, location: str) -> bool:
-    """Whether some other ``.onnx`` file beside ``path`` holds the bytes of ``location``
-    (a model naming it as external data must): a cheap scan, erring towards yes."""
-    import mmap
-
-    needle = location.encode("utf-8", "surrogateescape")
-    for entry in os.scandir(path.parent):
-        if not entry.name.lower().endswith(".onnx") or not entry.is_file() or os.path.samefile(entry.path, path):
-            continue
-        with open(entry.path, "rb") as handle:
-            if os.fstat(handle.fileno()).st_size == 0:
-                continue
-            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                if data.find(needle) >= 0:
-                    return True
-    return False
 
 
 def _check(model: onnx.ModelProto, serialized: bytes | None, label: str) -> None:
