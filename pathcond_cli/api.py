@@ -446,13 +446,15 @@ def save(
     """Write the rescaled model in its input format, reload it and verify it.
 
     The model is written into a hidden staging directory beside ``destination``, reloaded
-    from there and verified (for ONNX also by an independent runtime, onnxruntime or
-    onnx.reference, when one can evaluate it); only a file that computes the original function
-    is renamed onto ``destination``. Otherwise :class:`VerificationError` is raised and
+    from there and verified, running the graph read back from it (for ONNX also by an
+    independent runtime, onnxruntime or onnx.reference, when one can evaluate the original: the
+    written file must then load and agree); only a file that computes the original function is
+    renamed onto ``destination``. Otherwise :class:`VerificationError` is raised and
     nothing is left behind, so ``destination`` — the input itself with ``in_place`` — is
     untouched by a failed or interrupted run. No file of the input (shards, external data,
-    spec) is written without ``in_place``; companion files are written under fresh names and
-    those of the replaced checkpoint are deleted after the swap. The verification is stored
+    spec) is written without ``in_place``; companion files are written under fresh names and,
+    after the swap, those provably the replaced checkpoint's own are deleted (the others it
+    named are left, each named in ``result.warnings``). The verification is stored
     on ``result`` too. With ``self_contained`` an ONNX model read with external data is written
     as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB).
     """
