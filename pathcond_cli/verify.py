@@ -141,6 +141,8 @@ def _rounding_floor(original: Mapping[str, torch.Tensor], changed: Mapping[str, 
 
 
 def _max_errors(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[float, float]:
+    if len(before) != len(after) or any(b.shape != a.shape for b, a in zip(before, after)):
+        return math.inf, math.inf  # not the same outputs: nothing to compare them by
     max_abs = max_rel = 0.0
     for b, a in zip(before, after):
         if not (bool(torch.isfinite(b).all()) and bool(torch.isfinite(a).all())):

@@ -32,6 +32,7 @@ from cli_support import (
 )
 from onnx_models import exported
 from pathcond_cli.formats import onnx_format
+from pathcond_cli.graph import Graph
 from pathcond_cli.verify import compare
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -143,6 +144,16 @@ def test_pathcond_s_own_check_runs_the_graph_read_back_from_the_written_file(tmp
     before, after = pathcond_cli.load(original), pathcond_cli.load(tmp_path / "wrong.onnx")
     assert not compare(before.graph, before.params, after.params, rescaled_graph=after.graph).passed
     assert compare(before.graph, before.params, pathcond_cli.load(original).params, rescaled_graph=before.graph).passed
+
+
+def test_a_written_graph_with_other_outputs_never_passes_on_what_they_share(tmp_path):
+    model = tmp_path / "net.onnx"
+    onnx.save_model(onnx_mlp_model(), str(model))
+    loaded = pathcond_cli.load(model)
+    hidden = next(node.name for node in loaded.graph.nodes if node.name.startswith("relu"))
+    two_outputs = Graph(list(loaded.graph.nodes), (*loaded.graph.outputs, hidden), source="two outputs")
+    assert not compare(two_outputs, loaded.params, loaded.params, rescaled_graph=loaded.graph).passed
+    assert compare(two_outputs, loaded.params, loaded.params, rescaled_graph=two_outputs).passed
 
 
 def test_without_an_independent_runtime_a_file_that_changes_the_function_is_not_written_exit_5(tmp_path, monkeypatch):
