@@ -441,21 +441,25 @@ def save(
     input_shape: tuple[int, ...] | None = None,
     in_place: bool = False,
     seconds: dict[str, float] | None = None,
+    self_contained: bool = False,
 ) -> Verification:
     """Write the rescaled model in its input format, reload it and verify it.
 
     The model is written into a hidden staging directory beside ``destination``, reloaded
-    from there and verified (for ONNX also by an independent runtime, onnxruntime or
-    onnx.reference, when one can evaluate it); only a file that computes the original function
-    is renamed onto ``destination``. Otherwise :class:`VerificationError` is raised and
+    from there and verified, running the graph read back from it (for ONNX also by an
+    independent runtime, onnxruntime or onnx.reference, when one can evaluate the original: the
+    written file must then load and agree); only a file that computes the original function is
+    renamed onto ``destination``. Otherwise :class:`VerificationError` is raised and
     nothing is left behind, so ``destination`` — the input itself with ``in_place`` — is
     untouched by a failed or interrupted run. No file of the input (shards, external data,
-    spec) is written without ``in_place``; companion files are written under fresh names and
-    those of the replaced checkpoint are deleted after the swap. The verification is stored
-    on ``result`` too.
+    spec) is written without ``in_place``; companion files are written under fresh names and,
+    after the swap, those provably the replaced checkpoint's own are deleted (the others it
+    named are left, each named in ``result.warnings``). The verification is stored
+    on ``result`` too. With ``self_contained`` an ONNX model read with external data is written
+    as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB).
     """
-    from .fileio import check_destination, resolve_destination, staged_output
-    from .formats import checkpoint_files, write_model
+    from .fileio import check_destination, describe, resolve_destination, staged_output
+    from .formats import replaced_companions, write_model
 
     model = result.analysis.model
     destination = resolve_destination(Path(destination))
@@ -466,18 +470,20 @@ def save(
             f"{model.source}: the rescaling produced NaN or Inf in tensor(s) {', '.join(map(repr, not_finite))} "
             f"(solver '{result.solve.method}', max |u| = {result.solve.u_inf:.3g}); nothing was written."
         )
-    replaced = checkpoint_files(destination)[1:] if destination.is_file() else []
+    replaced, left = replaced_companions(destination) if destination.is_file() else ([], [])
     timings = seconds if seconds is not None else result.seconds
     timed = _Stopwatch(timings)
     with staged_output(destination) as stage:
         timed("write", lambda: write_model(model, result.changed, stage.path, run_metadata(result),
-                                           companion_name=stage.companion_name))
+                                           companion_name=stage.companion_name, self_contained=self_contained))
         result.verification = timed(
             "verify_written", lambda: _verify_written(model, stage.path, input_shape, name=str(destination))
         )
         stage.obsolete = replaced
         if not in_place:
             stage.keep = list(model.files)
+    result.warnings += [f"'{describe(file)}', named as data by the replaced '{describe(destination)}', was left in "
+                        "place: pathcond deletes only data files provably that model's own" for file in left]
     return result.verification
 
 
@@ -492,7 +498,7 @@ def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str 
         written = load_model(target, input_shape=input_shape, name=name, allow_unused=True)
     except PathcondError as exc:
         raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
-    verification = compare(model.graph, model.params, written.params)
+    verification = compare(model.graph, model.params, written.params, rescaled_graph=written.graph)
     if not verification.passed:
         raise VerificationError(
             f"'{name}': the written model differs from the original by a relative "
@@ -501,7 +507,7 @@ def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str 
     verification.independent = independent_check(model, target, verification.tolerance)
     if verification.independent["status"] == "failed":
         raise VerificationError(
-            f"'{name}': {verification.independent['runtime']} disagrees with the original model: "
+            f"'{name}': the check by {verification.independent['runtime']} failed: "
             f"{verification.independent['detail']}; nothing was written."
         )
     return verification

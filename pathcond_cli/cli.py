@@ -457,7 +457,7 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
     """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
     returns the JSON report and the result."""
     from .api import rescale as rescale_model, save
-    from .formats import load_model, output_format_mismatch
+    from .formats import check_streamable, load_model, output_format_mismatch
     from .report import rescale_report
 
     global _stdout_started
@@ -492,6 +492,8 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
         load_start = time.perf_counter()
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - load_start
+        if destination is None:
+            check_streamable(loaded)
         stages.stage("analysing: groups, diag(G), path count")
         result = rescale_model(loaded, progress=stages.solver, verify=False, **solve_options)
         seconds = {"load": load_seconds, **result.seconds}
@@ -504,7 +506,7 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
         else:
             with _scratch_directory() as scratch:
                 target = scratch / f"out.{loaded.format}"
-                save(result, target, input_shape=shape, seconds=seconds)
+                save(result, target, input_shape=shape, seconds=seconds, self_contained=True)
                 seconds["total"] = time.perf_counter() - started
                 report = rescale_report(result, "-", seconds)
                 _stdout_started = True

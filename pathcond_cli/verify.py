@@ -73,9 +73,14 @@ def compare(
     *,
     batch: int | None = None,
     seed: int = 0,
+    rescaled_graph: Graph | None = None,
 ) -> Verification:
     """Run both parameter sets on the same random float64 inputs, in eval mode and, when the
     network has BatchNorm, in train mode (batch statistics) too.
+
+    ``rescaled_graph`` is the graph read back from a written file, run with ``rescaled`` (all
+    of its tensors): a file whose graph reads a tensor differently from the original (a
+    factor shared with a weight) is then measured as it is, not as the original graph reads it.
 
     The default batch is 8, or 2 for inputs of more than 16384 elements (ImageNet-sized
     images), where float64 convolutions dominate the run time.
@@ -89,10 +94,13 @@ def compare(
                if key in original and not torch.equal(tensor, original[key])}
 
     def run(overrides: Mapping[str, torch.Tensor] | None, train: bool) -> list[torch.Tensor]:
-        params = {**original, **overrides} if overrides else original
+        # The rescaled tensors themselves (not the rounding floor's) run on the written graph.
+        written = rescaled_graph is not None and overrides is changed
+        params = rescaled if written else {**original, **overrides} if overrides else original
+        network = rescaled_graph if written else graph
         with torch.no_grad():
-            outputs = forward(graph, params, inputs, train=train)
-        return [outputs[name] for name in graph.outputs]
+            outputs = forward(network, params, inputs, train=train)
+        return [outputs[name] for name in network.outputs]
 
     return _measure(run, original, changed, modes, tolerance_for(rescaled, graph.parameter_keys()), seed)
 
@@ -133,6 +141,8 @@ def _rounding_floor(original: Mapping[str, torch.Tensor], changed: Mapping[str, 
 
 
 def _max_errors(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[float, float]:
+    if len(before) != len(after) or any(b.shape != a.shape for b, a in zip(before, after)):
+        return math.inf, math.inf  # not the same outputs: nothing to compare them by
     max_abs = max_rel = 0.0
     for b, a in zip(before, after):
         if not (bool(torch.isfinite(b).all()) and bool(torch.isfinite(a).all())):
@@ -203,9 +213,12 @@ def _batchnorm_mode(module: torch.nn.Module, *, train: bool) -> None:
 def independent_check(model: LoadedModel, written: Path, tolerance: float, *, seed: int = 1) -> dict[str, Any]:
     """Run the original and the written model in a runtime that is not pathcond's.
 
-    onnxruntime when installed, else onnx.reference. Returns ``{"runtime", "status",
-    "detail"}`` with status ``passed``, ``failed`` (the runtime evaluated both and they differ)
-    or ``unavailable`` (no runtime, or it cannot evaluate this graph: reported, never fatal).
+    onnxruntime when installed and able to evaluate the original; else onnx.reference (for a
+    kernel onnxruntime lacks, such as float64 Conv). The input has the batch size the model
+    declares (1 when it is symbolic). Returns ``{"runtime", "status", "detail"}`` with status
+    ``passed``; ``failed`` when the runtime that evaluates the original finds a difference, or
+    cannot load or evaluate the written file; or ``unavailable`` when no runtime can evaluate
+    the original (reported, never fatal).
     """
     if model.format != "onnx":
         return {"runtime": None, "status": "unavailable",
@@ -214,31 +227,48 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     import numpy as np
     import onnx
 
-    runner, runtime, why_not = _onnx_runner(model)
-    if runner is None:
-        return {"runtime": runtime, "status": "unavailable", "detail": why_not}
-    graph_input = model.graph.inputs[0]
-    elem_type = next(i for i in model.payload.graph.input if i.name not in {t.name for t in model.payload.graph.initializer})
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(elem_type.type.tensor_type.elem_type)
-    x = np.random.default_rng(seed).standard_normal((1, *graph_input.shape)).astype(dtype)
-    try:
-        # The original as the user holds it: its own file when it came from one (the in-memory
-        # model may carry initializers split for reading), else the bytes it was read from.
-        before = runner(None, model.files[0], x) if model.files else runner(model.payload.SerializeToString(), None, x)
-        after = runner(None, written, x)
-    except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: reported, not fatal
-        text = " ".join(f"{type(exc).__name__}: {exc}".split())
-        return {"runtime": runtime, "status": "unavailable", "detail": f"it cannot evaluate this model ({text[:300]})"}
-    max_abs, max_rel = _max_errors([torch.from_numpy(np.asarray(b, dtype=np.float64)) for b in before],
-                                   [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in after])
-    limit = max(tolerance, INDEPENDENT_MIN_TOLERANCE)
-    status = "passed" if max_rel <= limit else "failed"
-    return {"runtime": runtime, "status": status,
-            "detail": f"max relative difference {max_rel:.3g} between original and written model (tolerance {limit:g})"}
+    runners, why_not = _onnx_runners(model)
+    graph_input = next(i for i in model.payload.graph.input
+                       if i.name not in {t.name for t in model.payload.graph.initializer})
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type)
+    dims = graph_input.type.tensor_type.shape.dim
+    batch = dims[0].dim_value if len(dims) and dims[0].HasField("dim_value") and dims[0].dim_value > 0 else 1
+    x = np.random.default_rng(seed).standard_normal((batch, *model.graph.inputs[0].shape)).astype(dtype)
+    # The original as the user holds it: its own file when it came from one (the in-memory
+    # model may carry initializers split for reading), else the bytes it was read from.
+    original = (None, model.files[0]) if model.files else (model.payload.SerializeToString(), None)
+    reasons = []
+    for runtime, runner in runners:
+        try:
+            before = runner(*original, x)
+        except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
+            reasons.append(f"{runtime} cannot evaluate the original model ({_exception_line(exc)})")
+            continue
+        try:
+            after = runner(None, written, x)
+        except Exception as exc:  # noqa: BLE001 - it evaluates the original: the written file is at fault
+            return {"runtime": runtime, "status": "failed",
+                    "detail": f"it evaluates the original model but cannot load or evaluate the written one "
+                              f"({_exception_line(exc)})"}
+        max_abs, max_rel = _max_errors([torch.from_numpy(np.asarray(b, dtype=np.float64)) for b in before],
+                                       [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in after])
+        limit = max(tolerance, INDEPENDENT_MIN_TOLERANCE)
+        status = "passed" if max_rel <= limit else "failed"
+        return {"runtime": runtime, "status": status,
+                "detail": f"max relative difference {max_rel:.3g} between original and written model "
+                          f"(tolerance {limit:g})" + "".join(f"; {reason}" for reason in reasons)}
+    reasons += [why_not] if why_not else []
+    return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
 
 
-def _onnx_runner(model: LoadedModel):
-    """(run(model_bytes, model_path, x) -> outputs, runtime name, why unavailable)."""
+def _exception_line(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
+def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
+    """The runtimes to try, in order, as (name, run(model_bytes, model_path, x) -> outputs), and
+    why one is missing ("" when none is)."""
+    runners: list[tuple[str, Callable]] = []
     try:
         with sigint_deferred():
             import onnxruntime
@@ -255,18 +285,20 @@ def _onnx_runner(model: LoadedModel):
                                                    providers=["CPUExecutionProvider"])
             return session.run(None, {session.get_inputs()[0].name: x})
 
-        return run_ort, "onnxruntime", ""
+        runners.append(("onnxruntime", run_ort))
     stored = sum(t.numel() for t in model.params.values())
     if stored > REFERENCE_EVALUATOR_MAX_ELEMENTS:
-        return None, "onnx.reference", (f"onnxruntime is not installed and onnx.reference is too slow for "
-                                        f"{stored} stored elements (install pathcond[onnx-check])")
-    from onnx.reference import ReferenceEvaluator
+        missing = "onnxruntime is not installed and " if onnxruntime is None else ""
+        return runners, (f"{missing}onnx.reference is too slow for {stored} stored elements"
+                         + (" (install pathcond[onnx-check])" if onnxruntime is None else ""))
 
     def run_reference(data, path, x):
         import onnx
+        from onnx.reference import ReferenceEvaluator
 
         proto = onnx.load_from_string(data) if data is not None else onnx.load(str(path))
         evaluator = ReferenceEvaluator(proto)
         return evaluator.run(None, {evaluator.input_names[0]: x})
 
-    return run_reference, "onnx.reference", ""
+    runners.append(("onnx.reference", run_reference))
+    return runners, ""

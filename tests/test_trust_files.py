@@ -104,10 +104,11 @@ def test_shard_naming_a_system_file_never_prints_its_bytes(tmp_path):
     assert "header length" not in stderr and "root:" not in stderr
 
 
-def _onnx_with_external_data(directory: Path, name: str = "net", location: str = "net.weights") -> Path:
+def _onnx_with_external_data(directory: Path, name: str = "net", location: str | None = None) -> Path:
+    """An MLP whose first weight (8 KiB) is over the 1 KiB threshold, all tensors external."""
     path = directory / f"{name}.onnx"
-    onnx.save_model(onnx_mlp_model(), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=location, size_threshold=0)
+    onnx.save_model(onnx_mlp_model((64, 32, 5, 3)), str(path), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=location or f"{name}.onnx.data", size_threshold=0)
     return path
 
 
@@ -139,7 +140,8 @@ def test_onnx_external_data_is_written_as_external_data_and_verified(tmp_path):
     assert report["verification"]["independent"]["status"] == "passed"
     assert (tmp_path / "out.onnx.data").is_file()
     written = onnx.load(str(out), load_external_data=False)
-    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in written.graph.initializer)
+    external = {t.name for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert external == {"fc1.weight"}  # the only float tensor of 1 KiB or more
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name in inputs} == inputs
     before, after = pathcond_cli.load(path), pathcond_cli.load(out)
     assert compare(before.graph, before.params, after.params).passed

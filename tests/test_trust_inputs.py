@@ -379,7 +379,7 @@ def test_a_runtime_that_cannot_evaluate_the_graph_is_reported_unavailable(tmp_pa
     def cannot(model_bytes, model_path, x):
         raise RuntimeError("[ONNXRuntimeError] : 9 : NOT_IMPLEMENTED : Could not find an implementation")
 
-    monkeypatch.setattr(pathcond_cli.verify, "_onnx_runner", lambda model: (cannot, "onnxruntime", ""))
+    monkeypatch.setattr(pathcond_cli.verify, "_onnx_runners", lambda model: ([("onnxruntime", cannot)], ""))
     model = write_onnx_mlp(tmp_path / "net.onnx")
     result = invoke("rescale", model, "-o", tmp_path / "out.onnx", "--json")
     assert_clean_exit(result, 0)
@@ -395,9 +395,9 @@ def test_a_runtime_that_disagrees_fails_the_run_exit_5(tmp_path, monkeypatch):
         calls.append(1)
         return [np.full((1, 3), float(len(calls)), dtype=np.float32)]
 
-    monkeypatch.setattr(pathcond_cli.verify, "_onnx_runner", lambda model: (drifting, "onnxruntime", ""))
+    monkeypatch.setattr(pathcond_cli.verify, "_onnx_runners", lambda model: ([("onnxruntime", drifting)], ""))
     model = write_onnx_mlp(tmp_path / "net.onnx")
-    _fails_cleanly(tmp_path, 5, ["rescale", model, "-o", tmp_path / "out.onnx"], "onnxruntime disagrees")
+    _fails_cleanly(tmp_path, 5, ["rescale", model, "-o", tmp_path / "out.onnx"], "onnxruntime", "max relative difference")
 
 
 def test_safetensors_reports_its_independent_check_as_unavailable(tmp_path):

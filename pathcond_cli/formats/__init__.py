@@ -275,6 +275,61 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def replaced_companions(path: Path) -> tuple[list[Path], list[Path]]:
+    """The companion files of the checkpoint at ``path``: those provably its own, which replacing
+    it deletes (see ``own_shards`` and ``own_external_data``), and the others it names, which are
+    left in place. Never raises."""
+    named = checkpoint_files(path)[1:]
+    if path.name.endswith(".json"):
+        from .safetensors_format import own_shards
+
+        own = own_shards(path)
+    elif path.suffix == ".onnx":
+        from .onnx_format import own_external_data
+
+        own = own_external_data(path)
+    else:
+        own = []
+    return own, [file for file in named if file not in own]
+
+
+def named_by_another_file(path: Path, name: str, suffix: str) -> bool:
+    """Whether a file ending in ``suffix`` beside ``path``, other than ``path``, holds the bytes
+    of ``name`` (a model or index that names it as its data must): a cheap scan, erring towards
+    yes."""
+    import mmap
+
+    needle = name.encode("utf-8", "surrogateescape")
+    for entry in os.scandir(path.parent):
+        if not entry.name.lower().endswith(suffix) or not entry.is_file() or os.path.samefile(entry.path, path):
+            continue
+        with open(entry.path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:
+                continue
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data.find(needle) >= 0:
+                    return True
+    return False
+
+
+def check_streamable(model: LoadedModel) -> None:
+    """Refuse, before any work, a model that cannot be sent to stdout as one file: an ONNX
+    model whose tensors, all inline, exceed what protobuf holds in one message (2 GiB)."""
+    if model.format != "onnx":
+        return
+    from ..errors import OutputError
+    from .onnx_format import PROTOBUF_MAX_BYTES
+
+    size = model.payload.ByteSize()
+    if size > PROTOBUF_MAX_BYTES:
+        raise OutputError(
+            f"{shown(model.source)}: cannot send the rescaled model to stdout (-o -): stdout takes one "
+            f"self-contained file, and with its external data inline this model takes {size / 2**30:.3g} GiB, "
+            "beyond the 2 GiB protobuf allows; write it with -o FILE.onnx instead (its large tensors then go "
+            "to an external data file beside it). Nothing was written."
+        )
+
+
 def available_memory() -> int | None:
     """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit; None if unknown."""
     available = None
@@ -323,16 +378,19 @@ def write_model(
     metadata: dict[str, str],
     *,
     companion_name: Callable[[str], str] = str,
+    self_contained: bool = False,
 ) -> None:
     """Write ``model`` with ``changed`` tensors replaced, in its own format, atomically.
 
     Companion files (shards, ONNX external data) are written beside ``destination`` under the
-    names ``companion_name`` returns for the names the format prefers.
+    names ``companion_name`` returns for the names the format prefers; with ``self_contained``
+    an ONNX model is written as one file, its external data inline.
     """
     if model.format == "onnx":
         from .onnx_format import write_onnx
 
-        write_onnx(model, changed, destination, metadata, companion_name=companion_name)
+        write_onnx(model, changed, destination, metadata, companion_name=companion_name,
+                   self_contained=self_contained)
     elif model.format == "safetensors":
         from .safetensors_format import write_safetensors
 

@@ -26,8 +26,8 @@ import torch
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
-from ..errors import InputError, UnsupportedModelError
-from ..fileio import atomic_write, output_error_from
+from ..errors import InputError, OutputError, UnsupportedModelError
+from ..fileio import atomic_write, describe, output_error_from
 from ..graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
     Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
@@ -39,6 +39,11 @@ from .offenders import grouped
 from .spec import LAYER_TYPES
 
 MIN_OPSET = 13
+# A model read with external data is written with its float initializers of at least this many
+# bytes in an external data file (onnx's own default threshold); everything else stays inline.
+EXTERNAL_MIN_BYTES = 1024
+# The largest message protobuf serialises: a self-contained model must fit in it.
+PROTOBUF_MAX_BYTES = 2**31 - 1
 # Initializers larger than this are weights to shape inference: it reads their dims, never their values.
 SHAPE_DATA_MAX_ELEMENTS = 1024
 _TENSOR_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
@@ -102,22 +107,23 @@ def load_onnx(
     inferred = _folded(_infer_shapes(model, graph_input.name, shape, label), graph_input.name, shape, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
-    translation = _Translator(inferred, label)
+    translation = _Translator(inferred, label, read_nodes=model.graph.node)
     graph = translation.translate(graph_input.name, shape)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
     for alias, key, node_index, position in translation.splits:
         # One stored tensor read by several layers (torch.export deduplicates equal tensors,
-        # e.g. zero biases and running means): each extra reader gets its own copy.
+        # e.g. zero biases and running means), or by a layer and another node: each extra
+        # reader gets its own copy.
         params[alias] = params[key].clone()
         copy = onnx.TensorProto()
-        copy.CopyFrom(translation.initializers[key])
+        copy.CopyFrom(translation.stored_proto(key))
         copy.name = alias
         model.graph.initializer.append(copy)
         model.graph.node[node_index].input[position] = alias
     files = [] if isinstance(source, bytes) else [Path(source), *external]
     return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model, files=files,
-                       arch_source="onnx graph")
+                       arch_source="onnx graph", warnings=translation.notes)
 
 
 def _parse(source: str | Path | bytes, label: str) -> tuple[onnx.ModelProto, list[Path], bytes | None]:
@@ -207,6 +213,58 @@ def external_data_files(path: Path) -> list[Path]:
     model = onnx.load(str(path), load_external_data=False)
     locations = dict.fromkeys(_external_location(t) for t in _external_tensors(model))
     return [contained_file(path.parent, location, str(path), "external data") for location in locations]
+
+
+# Zero bytes an external data writer may leave between two tensors to align the next one.
+ALIGNMENT_PADDING_MAX_BYTES = 65536
+
+
+def own_external_data(path: Path) -> list[Path]:
+    """The external data files that provably belong to the ONNX model at ``path`` alone, and
+    that replacing it may therefore delete. Each is:
+
+    - named ``<model file name>.data``, or that name tagged as pathcond tags companions
+      (``out-1a2b3c4d.onnx.data``), with no folder part, a regular file (not a link);
+    - exactly the model's tensors: their extents, in offset order, start at byte 0, never
+      overlap, end at the file's last byte, and leave nothing between them but zero padding
+      of less than 64 KiB (alignment);
+    - named by no other ``.onnx`` file in the folder.
+
+    Anything else the model names (``thesis.txt``, another model's weights) is never listed;
+    nor is anything when the model cannot be parsed.
+    """
+    from ..fileio import is_companion_name
+    from . import named_by_another_file
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+        extents: dict[str, list[tuple[int, int | None]]] = {}
+        for tensor in _external_tensors(model):
+            info = external_data_helper.ExternalDataInfo(tensor)
+            extents.setdefault(info.location, []).append((info.offset or 0, info.length))
+        return [path.parent / location for location, spans in extents.items()
+                if is_companion_name(location, f"{path.name}.data")
+                and _exactly_covered(path.parent / location, spans)
+                and not named_by_another_file(path, location, ".onnx")]
+    except (OSError, ValueError, TypeError, DecodeError):
+        return []
+
+
+def _exactly_covered(file: Path, spans: list[tuple[int, int | None]]) -> bool:
+    if file.is_symlink() or not file.is_file():
+        return False
+    size = file.stat().st_size
+    end = 0
+    with open(file, "rb") as handle:
+        for offset, length in sorted(spans):
+            gap = offset - end
+            if length is None or length < 0 or gap < 0 or gap >= ALIGNMENT_PADDING_MAX_BYTES:
+                return False
+            handle.seek(end)
+            if handle.read(gap).strip(b"\0"):
+                return False
+            end = offset + length
+    return end == size
 
 
 def _check(model: onnx.ModelProto, serialized: bytes | None, label: str) -> None:
@@ -437,9 +495,12 @@ class _Weight:
 class _Translator:
     """Builds the :class:`Graph` of a shape-inferred model, collecting every unsupported node."""
 
-    def __init__(self, model: onnx.ModelProto, label: str):
+    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None):
+        """``read_nodes``: the nodes of the model as written back, position by position (``model``'s
+        own by default); shape arithmetic folded for translation still reads there what it read."""
         self.label = label
         self.onnx_nodes = list(model.graph.node)
+        self.read_nodes = list(read_nodes) if read_nodes is not None else self.onnx_nodes
         self.graph_outputs = [o.name for o in model.graph.output]
         self.initializers = {t.name: t for t in model.graph.initializer}
         self.constants = {n.output[0]: n for n in self.onnx_nodes if n.op_type == "Constant"}
@@ -458,6 +519,13 @@ class _Translator:
         self.aliases: dict[str, str] = {}
         self.claimed: set[str] = set()
         self.splits: list[tuple[str, str, int, int]] = []
+        # Where parameters are read: (node index, input position), and the values read that way
+        # (the stored tensors and the Identity/Transpose outputs between them and their layer).
+        self.parameter_reads: set[tuple[int, int]] = set()
+        self.parameter_values: set[str] = set()
+        self.index_of = {id(n): i for i, n in enumerate(self.onnx_nodes)}
+        self.current: onnx.NodeProto | None = None
+        self.notes: list[str] = []
         self.problems: list[str] = []
         self.offenders: list[tuple[str, str]] = []
 
@@ -474,6 +542,7 @@ class _Translator:
                 continue
             self.activations.update(out for out in node.output if out)
             self._translate_node(node)
+        self._separate_other_reads(needed)
         outputs = self._outputs()
         problems = grouped(self.offenders) + self.problems
         if problems:
@@ -485,6 +554,7 @@ class _Translator:
         return Graph(list(self.nodes.values()), outputs, source=self.label)
 
     def _translate_node(self, node: onnx.NodeProto) -> None:
+        self.current = node
         handler = _HANDLERS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
         try:
             if handler is None:
@@ -496,6 +566,42 @@ class _Translator:
             self.offenders.append((_op_label(node), _node_label(node)))
         except _Unsupported as exc:
             self.problems.append(f"node '{_node_label(node)}' ({_op_label(node)}): {exc}")
+
+    def _separate_other_reads(self, needed: set[str]) -> None:
+        """Every read of a parameter that is not the read of its layer (a ``Mul`` by the same
+        scalar, a ``Cast`` of it, ...) gets its own copy of the original value (recorded in
+        ``splits``), so that rescaling the parameter leaves that reader as pathcond read it.
+
+        A reader of a value computed from a parameter (the output of the ``Transpose`` in front
+        of a weight) cannot be given a copy: that is a problem of the model.
+        """
+        for index, node in enumerate(self.read_nodes):
+            if node.op_type in SHAPE_QUERIES or not any(out in needed for out in node.output):
+                continue
+            for position, value in enumerate(node.input):
+                if value not in self.parameter_values or (index, position) in self.parameter_reads:
+                    continue
+                reader = f"node '{_node_label(node)}' ({_op_label(node)}) reads it as input {position}"
+                if not (self._is_stored(value) or value in self.aliases):
+                    self.problems.append(
+                        f"'{value}', computed from a parameter for its layer, is also read elsewhere: {reader}; "
+                        "rescaling the parameter would change that reader"
+                    )
+                    continue
+                alias, suffix = f"{value}.original_for_{_node_label(node)}", 1
+                while alias in self.initializers or alias in self.producer or alias in self.claimed:
+                    alias, suffix = f"{value}.original_for_{_node_label(node)}_{suffix}", suffix + 1
+                self.claimed.add(alias)
+                self.splits.append((alias, value, index, position))
+                self.notes.append(
+                    f"tensor '{value}' is a parameter pathcond rescales, and {reader}: that reader keeps the "
+                    f"original value, in a copy named '{alias}'"
+                )
+
+    def stored_proto(self, key: str) -> onnx.TensorProto:
+        """The stored tensor behind parameter ``key`` (an Identity alias stands for its source)."""
+        key = self.aliases.get(key, key)
+        return self.initializers[key] if key in self.initializers else _constant_tensor(self.constants[key])
 
     def _needed_values(self) -> set[str]:
         """Values the graph outputs depend on (nodes outside this set are dead and ignored).
@@ -664,8 +770,15 @@ class _Translator:
         constant = self.constants.get(value)
         return value in self.initializers or (constant is not None and _constant_tensor(constant) is not None)
 
-    def _weight(self, value: str) -> _Weight:
-        """Resolve a static input to the stored tensor it is (through Identity and Transpose)."""
+    def _record_read(self, reader: onnx.NodeProto, value: str) -> None:
+        self.parameter_values.add(value)
+        index = self.index_of[id(reader)]
+        self.parameter_reads.update((index, position) for position, v in enumerate(reader.input) if v == value)
+
+    def _weight(self, value: str, reader: onnx.NodeProto | None = None) -> _Weight:
+        """Resolve a static input of ``reader`` (default: the node being translated) to the stored
+        tensor it is (through Identity and Transpose), recording each read on the way."""
+        self._record_read(reader or self.current, value)
         if self._is_stored(value):
             return _Weight(value, False)
         producer = self.producer.get(value)
@@ -677,11 +790,12 @@ class _Translator:
                 # One stored tensor behind several Identity nodes (TorchScript deduplicates
                 # equal tensors this way): each reader becomes its own parameter.
                 self.aliases[value] = source
+                self._record_read(producer, source)
                 return _Weight(value, False)
-            return self._weight(source)
+            return self._weight(source, producer)
         is_matrix_transpose = self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]
         if producer.op_type == "Transpose" and is_matrix_transpose:
-            inner = self._weight(producer.input[0])
+            inner = self._weight(producer.input[0], producer)
             return _Weight(inner.key, not inner.transposed)
         raise _Unsupported(
             f"its tensor input '{value}' is computed by a {producer.op_type} node; only stored tensors are supported"
@@ -1197,23 +1311,35 @@ def write_onnx(
     metadata: dict[str, str],
     *,
     companion_name: Callable[[str], str] = str,
+    self_contained: bool = False,
 ) -> None:
     """Write the loaded model with the tensors in ``changed`` replaced and ``metadata`` recorded.
 
     Every other part of the model — graph, opset, producer, doc strings, metadata already there,
     and each tensor not in ``changed`` — is written back exactly as it was read. A model read
-    with external data is written with external data too: its tensors of 1 KiB or more go to
-    one file beside ``destination``, ``<name>.data`` or what ``companion_name`` makes of it.
+    with external data is written with external data too, unless ``self_contained``: its float
+    initializers of :data:`EXTERNAL_MIN_BYTES` or more go to one file beside ``destination``,
+    ``<name>.data`` or what ``companion_name`` makes of it; every other tensor (small ones, and
+    integer shapes and axes, which runtimes read while loading the graph) stays in the model.
+    A model that protobuf cannot hold in one message (2 GiB) is refused with ``OutputError``
+    when it must be self-contained.
     """
     destination = Path(destination)
     proto = onnx.ModelProto()
     proto.CopyFrom(model.payload)
     _replace_tensors(proto.graph, _with_detached_aliases(proto.graph, changed, model.params))
     _update_metadata(proto, metadata)
-    if len(model.files) > 1:
+    if self_contained and proto.ByteSize() > PROTOBUF_MAX_BYTES:
+        raise OutputError(
+            f"cannot write '{describe(destination)}' as one self-contained model: it holds "
+            f"{proto.ByteSize() / 2**30:.3g} GiB, beyond protobuf's 2 GiB; write it to a file (-o out.onnx), "
+            "whose large tensors go to an external data file beside it. Nothing was written."
+        )
+    if len(model.files) > 1 and not self_contained:
         location = companion_name(f"{destination.name}.data")
-        external_data_helper.convert_model_to_external_data(proto, all_tensors_to_one_file=True, location=location,
-                                                            size_threshold=0)
+        for tensor in proto.graph.initializer:
+            if tensor.data_type in _FLOAT_TYPES and len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
+                external_data_helper.set_external_data(tensor, location)
         try:
             # onnx writes the data file beside the model it saves, named by the location itself.
             onnx.save_model(proto, str(destination))

@@ -27,10 +27,10 @@ import safetensors.torch
 import torch
 
 from ..errors import InputError, InvalidWeightsError, OutputError
-from ..fileio import atomic_write
+from ..fileio import atomic_write, is_companion_name
 from ..graph import Conv, Graph, Linear
 from ..model import LoadedModel
-from . import check_weight_types, contained_file, parse_json, shown
+from . import check_weight_types, contained_file, named_by_another_file, parse_json, shown
 from .fx_import import graph_from_module, load_factory
 from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
 
@@ -226,6 +226,50 @@ def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safe
         params.update(tensors)
         shards.append(Shard(file, tuple(sorted(tensors)), payload.metadata))
     return params, SafetensorsPayload(metadata, tuple(shards))
+
+
+def own_shards(path: Path) -> list[Path]:
+    """The shards of the index at ``path`` that provably belong to it alone, and that replacing
+    it may therefore delete. Each is:
+
+    - named ``<stem>-NNNNN-of-NNNNN.safetensors`` after the index (``model`` for
+      ``model.safetensors.index.json``), or that name tagged as pathcond tags companions, with no
+      folder part, a regular file (not a link);
+    - a safetensors file holding exactly the tensors the index maps to it, and nothing after them;
+    - named by no other ``.json`` file in the folder.
+
+    Nothing is listed when the index cannot be read.
+    """
+    try:
+        weight_map, _ = _index_entries(path, str(path))
+        stem = checkpoint_stem(path.name)
+        own = []
+        for file in sorted(set(weight_map.values())):
+            numbered = re.findall(r"-(\d{5})-of-(\d{5})", file)
+            if (any(is_companion_name(file, f"{stem}-{number}-of-{total}.safetensors") for number, total in numbered)
+                    and _holds_exactly(path.parent / file, {k for k, f in weight_map.items() if f == file})
+                    and not named_by_another_file(path, file, ".json")):
+                own.append(path.parent / file)
+        return own
+    except (OSError, ValueError, TypeError, KeyError, InputError):
+        return []
+
+
+def _holds_exactly(shard: Path, keys: set[str]) -> bool:
+    """Whether ``shard`` is a safetensors file of exactly the tensors ``keys`` and nothing more."""
+    if shard.is_symlink() or not shard.is_file():
+        return False
+    with open(shard, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        length = int.from_bytes(handle.read(8), "little")
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            return False
+        header = parse_json(handle.read(length), str(shard), "the safetensors header")
+    if not isinstance(header, dict):
+        return False
+    entries = {key: entry for key, entry in header.items() if key != "__metadata__"}
+    end = max((int(entry["data_offsets"][1]) for entry in entries.values()), default=0)
+    return set(entries) == keys and 8 + length + end == size
 
 
 def index_shards(path: Path) -> list[Path]:
