@@ -39,6 +39,12 @@ class _Unsupported(Exception):
     """Why one fx node cannot be part of a ReLU DAG."""
 
 
+# Translators of one fx node into spec layers: from normalised kwargs (with the node and the
+# traced values), or from the node's raw arguments.
+_FunctionTranslator = Callable[[Mapping[str, Any], torch.fx.Node, Mapping[torch.fx.Node, Any]], dict[str, Any]]
+_CallTranslator = Callable[[torch.fx.Node, Mapping[torch.fx.Node, Any]], list[dict[str, Any]]]
+
+
 class _NotHomogeneous(_Unsupported):
     """The node computes a function that is not positively homogeneous (grouped by op type)."""
 
@@ -320,33 +326,21 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
             raise _Unsupported("called with more than one argument")
         return [{**translate_module(module, node.target), "inputs": [node.args[0]]}]
     if node.op == "call_function":
-        if node.target in _ADDITIONS:
-            return [_add(node.args, node.kwargs)]
-        if node.target in _PRODUCTS:
-            return [_scale(node.target, node.args, node.kwargs)]
-        if node.target in _MEANS:
-            return _mean(node.args, node.kwargs, values)
+        translate_call = _CALLS.get(node.target)
+        if translate_call is not None:
+            return translate_call(node, values)
         translate_function = _FUNCTIONS.get(node.target)
         if translate_function is None:
             raise _Unsupported(_not_supported(getattr(node.target, "__name__", "")))
         normalized = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
         if normalized is None:
             raise _Unsupported("its arguments cannot be matched to the function's signature")
-        kwargs = normalized.kwargs
-        if translate_function is _pad_function:
-            return [_pad_function(kwargs, _rank(kwargs["input"], values))]
-        if translate_function is _interpolate_function:
-            return [_interpolate_function(kwargs, values[node])]
-        return [translate_function(kwargs)]
+        return [translate_function(normalized.kwargs, node, values)]
     if node.op == "call_method":
-        if node.target in ("mul", "mul_", "div", "div_"):
-            return [_scale(node.target, node.args, node.kwargs)]
-        if node.target == "mean":
-            return _mean(node.args, node.kwargs, values)
         translate_method = _METHODS.get(node.target)
         if translate_method is None:
             raise _Unsupported(_not_supported(node.target))
-        return [translate_method(node.args, node.kwargs)]
+        return translate_method(node, values)
     raise _Unsupported("a parameter or constant used outside its module is not supported")
 
 
@@ -525,9 +519,9 @@ def _flatten(start_dim: Any, end_dim: Any) -> dict[str, Any]:
     return {"type": "flatten"}
 
 
-def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> _FunctionTranslator:
     """A function translator: the layer from the kwargs, reading the ``input`` kwarg."""
-    return lambda kwargs: {**translate(kwargs), "inputs": [kwargs["input"]]}
+    return lambda kwargs, node, values: {**translate(kwargs), "inputs": [kwargs["input"]]}
 
 
 # -- functions and methods -------------------------------------------------------------------
@@ -545,8 +539,8 @@ def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
     return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs]}
 
 
-def _pad_function(kwargs: Mapping[str, Any], rank: int) -> dict[str, Any]:
-    return {**_pad(kwargs, rank), "inputs": [kwargs["input"]]}
+def _pad_function(kwargs: Mapping[str, Any], node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> dict[str, Any]:
+    return {**_pad(kwargs, _rank(kwargs["input"], values)), "inputs": [kwargs["input"]]}
 
 
 def _scale(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -610,9 +604,11 @@ def _upsample(args: Mapping[str, Any]) -> dict[str, Any]:
     return layer
 
 
-def _interpolate_function(kwargs: Mapping[str, Any], output: Any) -> dict[str, Any]:
+def _interpolate_function(kwargs: Mapping[str, Any], node: torch.fx.Node,
+                          values: Mapping[torch.fx.Node, Any]) -> dict[str, Any]:
     """F.interpolate; a size computed from other tensors' shapes (``size=skip.shape[2:]``) is
     the one the traced run produced, a constant for the input shape the graph is built for."""
+    output = values.get(node)
     size = kwargs.get("size")
     sizes = size if isinstance(size, (list, tuple)) else [size]
     if size is not None and not all(isinstance(v, int) for v in sizes) and isinstance(output, torch.Tensor):
@@ -626,10 +622,19 @@ def _dropout(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "identity"}
 
 
-def _cat(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    if kwargs.get("dim", 0) != 1:
-        raise _Unsupported(f"only concatenation along dim 1 (channels) is supported (got dim={kwargs.get('dim', 0)})")
-    return {"type": "concat", "inputs": list(kwargs["tensors"])}
+def _cat(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    """``torch.cat(tensors, dim)`` from the raw arguments: fx's normaliser cannot match
+    torch.cat's overloads (``dim`` as an int or a name) on every torch version."""
+    args, kwargs = node.args, node.kwargs
+    if len(args) > 2 or set(kwargs) - {"tensors", "dim"} or (args and "tensors" in kwargs):
+        raise _Unsupported("only torch.cat(tensors, dim) is supported")
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if dim != 1:
+        raise _Unsupported(f"only concatenation along dim 1 (channels) is supported (got dim={dim})")
+    if not isinstance(tensors, (list, tuple)):
+        raise _Unsupported("its tensors must be a list or tuple of tensors")
+    return [{"type": "concat", "inputs": list(tensors)}]
 
 
 def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -640,8 +645,20 @@ def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "add", "inputs": list(args)}
 
 
-def _relu_method(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    return {"type": "relu", "inputs": [args[0]]}
+def _relu_method(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    return [{"type": "relu", "inputs": [node.args[0]]}]
+
+
+def _add_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    return [_add(node.args, node.kwargs)]
+
+
+def _scale_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    return [_scale(node.target, node.args, node.kwargs)]
+
+
+def _mean_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    return _mean(node.args, node.kwargs, values)
 
 
 def _is_whole_shape(node: Any) -> bool:
@@ -701,7 +718,7 @@ _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.UpsamplingBilinear2d: _by_attributes(_upsample),
 }
 
-_FUNCTIONS: dict[Callable[..., Any], Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+_FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
     F.relu: _with_input(_fixed("relu")),
     torch.relu: _with_input(_fixed("relu")),
     torch.relu_: _with_input(_fixed("relu")),
@@ -719,11 +736,17 @@ _FUNCTIONS: dict[Callable[..., Any], Callable[[Mapping[str, Any]], dict[str, Any
     F.pad: _pad_function,
     F.interpolate: _interpolate_function,
     F.upsample: _interpolate_function,
-    torch.cat: _cat,
 }
 
-_PRODUCTS = (operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div)
-_MEANS = (torch.mean,)
+# Functions read from their raw arguments: overloaded (torch.add's and torch.cat's schemas are
+# ambiguous to fx's normaliser) or operators.
+_CALLS: dict[Callable[..., Any], _CallTranslator] = {
+    **dict.fromkeys((operator.add, operator.iadd, torch.add), _add_call),
+    **dict.fromkeys((operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div),
+                    _scale_call),
+    torch.mean: _mean_call,
+    torch.cat: _cat,
+}
 
 # Pure data movement, replayed on index tensors (see _Movements).
 _MOVEMENT_FUNCTIONS = (
@@ -741,12 +764,10 @@ def _is_movement(node: torch.fx.Node) -> bool:
         return node.target in _MOVEMENT_FUNCTIONS
     return node.op == "call_method" and node.target in _MOVEMENT_METHODS
 
-# torch.add's schema is ambiguous to fx's normaliser, so additions read the raw arguments.
-_ADDITIONS = (operator.add, operator.iadd, torch.add)
-
-_METHODS: dict[str, Callable[[Sequence[Any], Mapping[str, Any]], dict[str, Any]]] = {
+_METHODS: dict[str, _CallTranslator] = {
     "relu": _relu_method,
     "relu_": _relu_method,
-    "add": _add,
-    "add_": _add,
+    **dict.fromkeys(("add", "add_"), _add_call),
+    **dict.fromkeys(("mul", "mul_", "div", "div_"), _scale_call),
+    "mean": _mean_call,
 }

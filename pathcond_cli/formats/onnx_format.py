@@ -1043,11 +1043,8 @@ class _Translator:
     def _add(self, node: onnx.NodeProto) -> None:
         static = [v for v in node.input if self._is_static(v)]
         if not static:
+            # Broadcasting is checked with the graph's shapes (graph.broadcast_problem).
             values = [self._activation(node, i) for i in range(len(node.input))]
-            shapes = {self._known_batch_free_shape(v) for v in values} - {None}
-            if len(shapes) > 1:
-                shown = ", ".join(map(str, sorted(shapes)))
-                raise _Unsupported(f"the summed tensors have different shapes {shown}; broadcasting is not supported")
             self._emit_for(node, Add, *values)
             return
         if len(node.input) != 2 or len(static) != 1:
