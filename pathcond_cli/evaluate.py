@@ -76,5 +76,11 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
                     f"{graph.source}: node '{node.name}' ({node.op}) cannot take input of shape {in_shapes} "
                     f"with its tensors: {str(exc).splitlines()[0]}"
                 ) from None
+            if any(graph[i].op == "pad" and graph[i].mode == "-inf" for i in node.inputs) and not bool(
+                    torch.isfinite(values[node.name]).all()):
+                raise UnsupportedModelError(
+                    f"{graph.source}: node '{node.name}' ({node.op}) has a window made only of −inf padding: "
+                    "its output would be −inf"
+                )
         shapes[node.name] = tuple(values[node.name].shape[1:])
     return shapes

@@ -177,15 +177,47 @@ class Scale(Node):
     op: ClassVar[str] = "scale"
 
 
+PAD_MODES = ("zeros", "reflect", "replicate", "circular", "-inf")
+COPYING_PAD_MODES = ("reflect", "replicate", "circular")
+
+
 @dataclass(frozen=True)
 class Pad(Node):
-    """Constant zero padding of the spatial axes: ``begin``/``end`` elements per axis."""
+    """Padding of the spatial axes: ``begin``/``end`` elements per axis.
+
+    ``mode``: ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
+    ``replicate`` or ``circular`` as torch's F.pad (each padded pixel copies one input pixel of
+    its channel: a fixed edge of weight 1, like upsample); ``-inf`` (no incoming edge, value
+    −inf: positively homogeneous, and read only by a max-pool, whose window it extends exactly
+    as max-pooling's own padding does). A constant c ∉ {0, −inf} has no mode: its padded
+    neurons output c whatever the scale of their channel, which is not homogeneous.
+    """
 
     begin: tuple[int, ...] = hyper((0,), ints(0))
     end: tuple[int, ...] = hyper((0,), ints(0))
+    mode: str = hyper("zeros", choice(*PAD_MODES))
     op: ClassVar[str] = "pad"
     per_axis_fields = ("begin", "end")
     input_spatial_ranks = SPATIAL_RANKS
+
+
+@dataclass(frozen=True)
+class ChannelAffine(Node):
+    """Per-channel ``y_c = weight_c · x_c + bias_c`` that follows no Linear/Conv: BatchNorm on an
+    identity or residual branch exported as Mul and Add of constants (RepVGG/MobileOne training
+    blocks, pre-activation networks).
+
+    A depthwise 1×1 layer of the DAG (SPEC §1): ``weight_c`` is the parameter on the edge from
+    input channel c to the new channel c, ``bias_c`` the new neuron's bias; the input channels
+    stay free (no batch statistics). Each tensor holds one value per channel, stored in any
+    shape with at most one axis longer than 1 (``[C]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``).
+    """
+
+    weight: str = ""
+    bias: str | None = None
+    op: ClassVar[str] = "channel_affine"
+    roles = {"weight": (), "bias": ()}
+    optional_roles = ("bias",)
 
 
 @dataclass(frozen=True)
@@ -307,7 +339,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather,
+        ChannelGather, ChannelAffine,
     )
 }
 
@@ -482,6 +514,13 @@ def _check_structure(graph: Graph) -> None:
         low, high = node.arity
         if len(node.inputs) < low or (high is not None and len(node.inputs) > high):
             problems.append(f"node '{node.name}' ({node.op}) has {len(node.inputs)} inputs")
+        if isinstance(node, Pad) and node.mode == "-inf":
+            readers_of_pad = [graph[c] for c in graph.consumers(node.name)]
+            if node.name in graph.outputs or not all(isinstance(c, MaxPool) for c in readers_of_pad):
+                problems.append(
+                    f"node '{node.name}' (pad, mode -inf) must be read by max-pooling only: anything else "
+                    "(an output, a conv, a sum) would compute with −inf"
+                )
         for key in node.parameter_keys().values():
             if key in readers:
                 problems.append(

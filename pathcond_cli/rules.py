@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+import math
 from math import prod
 from typing import ClassVar
 
@@ -30,9 +31,9 @@ import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
 from .graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
-    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
-    ReLU, Scale, Upsample,
+    COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle,
+    ChannelSlice, Concat, Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node,
+    Pad, PReLU, ReLU, Scale, Upsample,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
@@ -117,7 +118,8 @@ class Stored:
 
     ``layout`` tells how its axes relate to the canonical ``[O, I/groups, *kernel]`` weight:
     ``weight`` (the same), ``weight_t`` (a Linear stored ``[in, out]``), ``conv_transpose``
-    (``[I, O/groups, *kernel]``) or ``vector`` (one entry per output channel). ``output_side``
+    (``[I, O/groups, *kernel]``) or ``vector`` (one entry per output channel, in any shape
+    holding that many values; with an input side, input channel c is output channel c's). ``output_side``
     / ``input_side``: whether ``exp(u_dst)`` / ``exp(−u_src)`` apply to it.
     """
 
@@ -340,6 +342,40 @@ class BatchNormRule(Rule):
         return x * per_channel(weight.reshape(-1), x)
 
 
+def channel_values(tensor: torch.Tensor, channels: int) -> torch.Tensor:
+    """A tensor holding one value per channel (``[C]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``, ...) as a vector."""
+    if tensor.numel() != channels or sum(size != 1 for size in tensor.shape) > 1:
+        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} does not hold one value per channel of {channels}")
+    return tensor.reshape(-1)
+
+
+class ChannelAffineRule(Rule):
+    """Per-channel scale and shift: a depthwise 1×1 layer (groups = channels) whose scale is
+    the weight on the edge from input channel c to new channel c and whose shift is the new
+    neuron's bias. Unlike a standalone BatchNorm its input channels stay free: no statistics."""
+
+    node_type = ChannelAffine
+
+    def forward(self, node: ChannelAffine, xs, param, train):
+        x = xs[0]
+        y = x * per_channel(channel_values(param(node.weight), x.shape[1]), x)
+        return y if node.bias is None else y + per_channel(channel_values(param(node.bias), x.shape[1]), x)
+
+    def ties(self, node: ChannelAffine, ties: Ties) -> torch.Tensor:
+        return ties.new(node, ties.shapes[node.name][0])
+
+    def affine(self, node: ChannelAffine, graph, params):
+        weight = params[node.weight].to(torch.float64).reshape(-1, 1)
+        bias = None if node.bias is None else params[node.bias].to(torch.float64).reshape(-1)
+        stored = [Stored(node.weight, "vector", True, True)]
+        if node.bias is not None:
+            stored.append(Stored(node.bias, "vector", True, False))
+        return Affine(weight, bias, len(weight), node.weight, node.bias, node.name, stored)
+
+    def weighted(self, node, x, weight):
+        return x * per_channel(weight.reshape(-1), x)
+
+
 class ReLURule(HomogeneousActivation):
     node_type = ReLU
 
@@ -383,15 +419,25 @@ class ScaleRule(PassThrough):
 
 
 class PadRule(PassThrough):
-    """Zero padding: padded positions are neurons without incoming edges (always 0)."""
+    """Zero and −inf padding: padded positions are neurons without incoming edges (0 in the
+    squared network). Reflect, replicate, circular: each padded position copies one input
+    position of its channel through a fixed edge of weight 1 (the same copy in the squared network)."""
 
     node_type = Pad
 
+    @staticmethod
+    def _pads(node: Pad) -> list[int]:
+        return [v for begin, end in reversed(list(zip(node.begin, node.end))) for v in (begin, end)]
+
     def forward(self, node: Pad, xs, param, train):
-        return F.pad(xs[0], [v for begin, end in reversed(list(zip(node.begin, node.end))) for v in (begin, end)])
+        if node.mode in COPYING_PAD_MODES:
+            return F.pad(xs[0], self._pads(node), mode=node.mode)
+        return F.pad(xs[0], self._pads(node), value=-math.inf if node.mode == "-inf" else 0.0)
 
     def squared(self, node: Pad, xs, power):
-        return self.forward(node, xs, None, False)
+        if node.mode in COPYING_PAD_MODES:
+            return F.pad(xs[0], self._pads(node), mode=node.mode)
+        return F.pad(xs[0], self._pads(node))
 
 
 class ChannelShuffleRule(Rule):
@@ -654,7 +700,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(),
+        ChannelGatherRule(), ChannelAffineRule(),
     )
 }
 

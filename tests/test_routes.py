@@ -35,7 +35,8 @@ ROUTES = {
     g.MaxPool: (("MaxPool",), (nn.MaxPool2d, F.max_pool2d)),
     g.AvgPool: (("AveragePool",), (nn.AvgPool2d, F.avg_pool2d)),
     g.AdaptiveAvgPool: (("GlobalAveragePool", "ReduceMean"), (nn.AdaptiveAvgPool2d, torch.mean, "mean")),
-    g.Pad: (("Pad",), (nn.ZeroPad2d, nn.ConstantPad2d, F.pad)),
+    g.Pad: (("Pad", "Concat", "Slice"), (nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
+                                         nn.CircularPad2d, nn.Conv2d, F.pad)),
     g.Flatten: (("Flatten", "Reshape"), (nn.Flatten, torch.flatten, "view")),
     g.Add: (("Add", "Sum"), (operator.add, torch.add, "add")),
     g.Concat: (("Concat",), (torch.cat,)),
@@ -43,6 +44,7 @@ ROUTES = {
     g.ChannelSlice: (("Split", "Slice"), (torch.chunk, torch.split, "__getitem__", operator.getitem)),
     g.Upsample: (("Resize",), (nn.Upsample, F.interpolate)),
     g.ChannelGather: (("Reshape", "Transpose", "Slice"), (torch.reshape, torch.transpose, "view")),
+    g.ChannelAffine: (("Mul", "Add"), (operator.mul, operator.add, "mul", "add")),
 }
 
 _FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS)
