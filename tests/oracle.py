@@ -467,6 +467,21 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
         assert not G.has_edge(a, b), f"duplicate edge {a}->{b}"
         G.add_edge(a, b, param=param, const=const)
 
+    def add_bias(layer: str, b: torch.Tensor, out: list) -> None:
+        """One bias source per output channel, with an edge to each of that channel's neurons."""
+        nonlocal offset
+        count = b.numel()
+        blocks.append(ParamBlock(layer, "bias", offset, (count,)))
+        thetas.append(b.flatten())
+        per = len(out) // count
+        for o in range(count):
+            bs = ("b", layer, o)
+            G.add_node(bs, kind="bias")
+            sources.append(bs)
+            for f in range(o * per, (o + 1) * per):
+                edge(bs, out[f], param=offset + o)
+        offset += count
+
     bn_of = {}
     for node in graph.nodes:
         if isinstance(node, BatchNorm):
@@ -541,17 +556,7 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                                 if all(0 <= ipos[j] < sp[j] for j in range(r)):
                                     edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((o, *opos), (O, *osp))], param=pi)
             if b is not None:
-                blocks.append(ParamBlock(node.name, "bias", offset, tuple(b.shape)))
-                thetas.append(b.flatten())
-                O = b.shape[0]
-                per = len(out) // O
-                for o in range(O):
-                    bs = ("b", node.name, o)
-                    G.add_node(bs, kind="bias")
-                    sources.append(bs)
-                    for f in range(o * per, (o + 1) * per):
-                        edge(bs, out[f], param=offset + o)
-                offset += b.numel()
+                add_bias(node.name, b, out)
             continue
         if isinstance(node, (ReLU, LeakyReLU, Identity, Scale)):
             kind = {ReLU: "relu", LeakyReLU: "leaky", Identity: "sum", Scale: "sum"}[type(node)]
@@ -644,15 +649,7 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                     edge(src[c * per + f], out[c * per + f], param=offset + c)
             offset += C
             if node.bias is not None:
-                blocks.append(ParamBlock(node.name, "bias", offset, (C,)))
-                thetas.append(params[node.bias].to(torch.float64).flatten())
-                for c in range(C):
-                    bs = ("b", node.name, c)
-                    G.add_node(bs, kind="bias")
-                    sources.append(bs)
-                    for f in range(c * per, (c + 1) * per):
-                        edge(bs, out[f], param=offset + c)
-                offset += C
+                add_bias(node.name, params[node.bias].to(torch.float64), out)
         elif isinstance(node, (MaxPool, AvgPool)):
             C, sp = ishape[0], ishape[1:]
             r = len(sp)
