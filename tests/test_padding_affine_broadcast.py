@@ -176,3 +176,20 @@ def test_a_stored_shift_without_a_scale_is_refused_by_fx_and_onnx():
     for exporter in EXPORTERS:
         with pytest.raises(UnsupportedModelError, match="per-channel shift after a per-channel scale"):
             load_onnx(export(module, torch.randn(2, 1, 3, 3), exporter))
+
+
+@pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
+def test_an_index_map_that_copies_pixels_is_the_pad_torch_computes(mode):
+    from pathcond_cli.formats.movement import movement_layer
+
+    index = torch.arange(2 * 4 * 5, dtype=torch.float64).reshape(1, 2, 4, 5)
+    padded = F.pad(index, (2, 1, 0, 3), mode=mode).long()
+    assert movement_layer((2, 4, 5), padded) == {"type": "pad", "begin": (0, 2), "end": (3, 1), "mode": mode}
+
+
+def test_an_index_map_no_torch_pad_computes_is_refused():
+    from pathcond_cli.formats.movement import UnsupportedMovement, movement_layer
+
+    index = torch.arange(2 * 4 * 4).reshape(1, 2, 4, 4)
+    with pytest.raises(UnsupportedMovement, match="reflect, replicate or circular padding"):
+        movement_layer((2, 4, 4), torch.cat([index] * 4, dim=2))  # a wrap longer than the axis

@@ -421,11 +421,10 @@ def _conv(module: nn.Conv1d | nn.Conv2d, target: str) -> list[dict[str, Any]]:
     (``F.pad(x, module._reversed_padding_repeated_twice, mode)``) and the conv without padding."""
     conv = {
         "type": "conv", "weight": f"{target}.weight", "bias": _bias_key(module, target),
-        "stride": module.stride, "padding": _conv_padding(module), "dilation": module.dilation,
-        "groups": module.groups,
+        "stride": module.stride, "dilation": module.dilation, "groups": module.groups,
     }
     if module.padding_mode == "zeros":
-        return [conv]
+        return [{**conv, "padding": _conv_padding(module)}]
     pad = _pad({"pad": module._reversed_padding_repeated_twice, "mode": module.padding_mode}, module.weight.dim())
     return [pad, {**conv, "padding": 0}]
 

@@ -68,6 +68,12 @@ def _pad_sources(size: int, begin: int, end: int, mode: str) -> torch.Tensor:
     return torch.where(folded >= size, period - folded, folded)
 
 
+def _computable(size: int, begin: int, end: int, mode: str) -> bool:
+    """Whether torch's F.pad computes this pad (a reflection shorter than the axis, a wrap no longer)."""
+    limit = {"circular": size, "reflect": size - 1}.get(mode)
+    return limit is None or max(begin, end) <= limit
+
+
 def _copying_pad(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:
     """The pad layer an index map amounts to when every output pixel copies an input pixel of
     its own channel in reflect, replicate or circular fashion (the TorchScript exporter writes
@@ -82,7 +88,8 @@ def _copying_pad(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] 
             if extra < 0 or (mode == "reflect" and size < 2):
                 break
             profile = index.select(0, 0).movedim(axis - 1, 0).reshape(index.shape[axis], -1)[:, 0] // strides[axis] % size
-            begin = next((b for b in range(extra + 1) if torch.equal(_pad_sources(size, b, extra - b, mode), profile)), None)
+            begin = next((b for b in range(extra + 1) if _computable(size, b, extra - b, mode)
+                          and torch.equal(_pad_sources(size, b, extra - b, mode), profile)), None)
             if begin is None:
                 break
             begins.append(begin)
