@@ -69,7 +69,7 @@ def safe_log_scale(groups: RescalingGroups, params: Mapping[str, torch.Tensor]) 
         if not normal.numel():
             continue
         headroom = min(math.log(info.max / float(normal.max())), math.log(float(normal.min()) / info.tiny))
-        sides = 1 if wb.layout == "vector" else (wb.dst is not None) + (wb.src is not None)
+        sides = (wb.dst is not None) + (wb.src is not None)
         limit = min(limit, max(headroom, 0.0) / max(sides, 1))
     return limit
 

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .errors import InputError
-from .graph import Graph, Input
+from .errors import InputError, UnsupportedModelError
+from .graph import Graph, Input, broadcast_problem
 from .rules import rule_for
 
 
@@ -46,6 +46,9 @@ def forward(
 def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """Batch-free output shape of every node, by a forward pass of one all-zero example.
 
+    This is where the shapes a node combines are checked (the one place every importer's
+    graph passes through before analysis): an :class:`UnsupportedModelError` names the node.
+
     (Meta tensors would skip the arithmetic, but their one-off set-up costs seconds.)
     """
     probe_params = {key: params[key].to(torch.float32) for key in graph.parameter_keys()}
@@ -61,6 +64,9 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
             values[node.name] = torch.zeros((1, *node.shape))
         else:
             xs = [values[i] for i in node.inputs]
+            problem = broadcast_problem(node, [shapes[i] for i in node.inputs]) if node.broadcasts_inputs else None
+            if problem:
+                raise UnsupportedModelError(f"{graph.source}: the network is not a supported ReLU DAG:", [problem])
             try:
                 with torch.no_grad():
                     values[node.name] = rule.forward(node, xs, param, False)
@@ -70,5 +76,11 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
                     f"{graph.source}: node '{node.name}' ({node.op}) cannot take input of shape {in_shapes} "
                     f"with its tensors: {str(exc).splitlines()[0]}"
                 ) from None
+            if any(graph[i].op == "pad" and graph[i].mode == "-inf" for i in node.inputs) and not bool(
+                    torch.isfinite(values[node.name]).all()):
+                raise UnsupportedModelError(
+                    f"{graph.source}: node '{node.name}' ({node.op}) has a window made only of −inf padding: "
+                    "its output would be −inf"
+                )
         shapes[node.name] = tuple(values[node.name].shape[1:])
     return shapes

@@ -8,36 +8,69 @@ feature vectors. Axis 0 of every shape is the channel axis that rescaling groups
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
 
-from .errors import InputError, UnsupportedModelError
+from .errors import InputError, InvalidWeightsError, UnsupportedModelError
+from .schema import REQUIRED, boolean, choice, hyper, integer, ints, number, optional_sizes, positive_floats
+
+
+SPATIAL_RANKS = (1, 2, 3)
 
 
 @dataclass(frozen=True)
 class Node:
-    """One tensor-valued operation. ``inputs`` name the nodes whose outputs it consumes."""
+    """One tensor-valued operation. ``inputs`` name the nodes whose outputs it consumes.
+
+    The class variables are the node type's static schema, read by the graph checks, the
+    spec format (whose layer table is derived from the node classes) and the engine; its
+    behaviour (forward, squared network, ties, DAG parameters) is its rule in :mod:`.rules`.
+    Hyper-parameter fields are declared with :func:`.schema.hyper` and their validator.
+    """
 
     name: str
     inputs: tuple[str, ...]
 
     op: ClassVar[str] = "node"
+    # Fewest and most inputs (None: no limit).
+    arity: ClassVar[tuple[int, int | None]] = (1, 1)
+    # Checkpoint tensors read, by role (the field holding the key), with their accepted ranks
+    # (empty: any rank); ``optional_roles`` may be None (a layer without bias).
+    roles: ClassVar[dict[str, tuple[int, ...]]] = {}
+    optional_roles: ClassVar[tuple[str, ...]] = ()
+    # Fields given per spatial axis (a spec may give one value for all).
+    per_axis_fields: ClassVar[tuple[str, ...]] = ()
+    # Spatial ranks of the input the node accepts (None: any).
+    input_spatial_ranks: ClassVar[tuple[int, ...] | None] = None
+    # A layer that creates channels from DAG weights: BatchNorm right after it is folded in,
+    # and it counts in the paper's hidden units.
+    creates_channels: ClassVar[bool] = False
+    # Inputs combined element-wise: of one rank, each axis equal or 1 (broadcast).
+    broadcasts_inputs: ClassVar[bool] = False
 
     def parameter_keys(self) -> dict[str, str]:
         """Checkpoint tensor keys this node reads, by role (``weight``, ``bias``, ...)."""
-        return {}
+        keys = {role: getattr(self, role) for role in self.roles}
+        return {role: key for role, key in keys.items() if key is not None}
+
+    def output_spatial_rank(self, input_rank: int) -> int:
+        return input_rank
 
 
 @dataclass(frozen=True)
 class Input(Node):
     """A network input; ``shape`` excludes the batch dimension."""
 
-    shape: tuple[int, ...] = ()
+    shape: tuple[int, ...] = hyper((), ints(1), spec_default=None)
     inputs: tuple[str, ...] = ()
     op: ClassVar[str] = "input"
+    arity = (0, 0)
+
+    def output_spatial_rank(self, input_rank: int) -> int:
+        return len(self.shape) - 1
 
 
 @dataclass(frozen=True)
@@ -46,43 +79,50 @@ class WeightedNode(Node):
 
     weight: str = ""
     bias: str | None = None
-
-    def parameter_keys(self) -> dict[str, str]:
-        keys = {"weight": self.weight}
-        if self.bias is not None:
-            keys["bias"] = self.bias
-        return keys
+    optional_roles = ("bias",)
+    creates_channels = True
 
 
 @dataclass(frozen=True)
 class Linear(WeightedNode):
     """``y = W x + b`` on a feature vector. ``weight_transposed``: stored as ``[in, out]``."""
 
-    weight_transposed: bool = False
+    weight_transposed: bool = hyper(False, boolean)
     op: ClassVar[str] = "linear"
+    roles = {"weight": (2,), "bias": (1,)}
+    input_spatial_ranks = (0,)
+
+    def output_spatial_rank(self, input_rank: int) -> int:
+        return 0
 
 
 @dataclass(frozen=True)
 class Conv(WeightedNode):
     """1-d, 2-d or 3-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
 
-    stride: tuple[int, ...] = (1,)
-    padding: tuple[int, ...] = (0,)
-    dilation: tuple[int, ...] = (1,)
-    groups: int = 1
+    stride: tuple[int, ...] = hyper((1,), ints(1))
+    padding: tuple[int, ...] = hyper((0,), ints(0))
+    dilation: tuple[int, ...] = hyper((1,), ints(1))
+    groups: int = hyper(1, integer(1))
     op: ClassVar[str] = "conv"
+    roles = {"weight": (3, 4, 5), "bias": (1,)}
+    per_axis_fields = ("stride", "padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
 
 
 @dataclass(frozen=True)
 class ConvTranspose(WeightedNode):
     """1-d, 2-d or 3-d transposed convolution. Weight ``[I, O/groups, *k]`` as torch stores it."""
 
-    stride: tuple[int, ...] = (1,)
-    padding: tuple[int, ...] = (0,)
-    output_padding: tuple[int, ...] = (0,)
-    dilation: tuple[int, ...] = (1,)
-    groups: int = 1
+    stride: tuple[int, ...] = hyper((1,), ints(1))
+    padding: tuple[int, ...] = hyper((0,), ints(0))
+    output_padding: tuple[int, ...] = hyper((0,), ints(0))
+    dilation: tuple[int, ...] = hyper((1,), ints(1))
+    groups: int = hyper(1, integer(1))
     op: ClassVar[str] = "conv_transpose"
+    roles = {"weight": (3, 4, 5), "bias": (1,)}
+    per_axis_fields = ("stride", "padding", "output_padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
 
 
 @dataclass(frozen=True)
@@ -98,17 +138,10 @@ class BatchNorm(Node):
     bias: str = ""
     running_mean: str = ""
     running_var: str = ""
-    eps: float = 1e-5
-    momentum: float = 0.1
+    eps: float = hyper(1e-5, number("a number > 0", lambda x: x > 0))
+    momentum: float = hyper(0.1, number("a number in [0, 1]", lambda x: 0 <= x <= 1))
     op: ClassVar[str] = "batchnorm"
-
-    def parameter_keys(self) -> dict[str, str]:
-        return {
-            "weight": self.weight,
-            "bias": self.bias,
-            "running_mean": self.running_mean,
-            "running_var": self.running_var,
-        }
+    roles = {"weight": (1,), "bias": (1,), "running_mean": (1,), "running_var": (1,)}
 
 
 @dataclass(frozen=True)
@@ -118,7 +151,7 @@ class ReLU(Node):
 
 @dataclass(frozen=True)
 class LeakyReLU(Node):
-    negative_slope: float = 0.01
+    negative_slope: float = hyper(0.01, number("a finite number"))
     op: ClassVar[str] = "leaky_relu"
 
 
@@ -132,26 +165,59 @@ class PReLU(Node):
 
     weight: str = ""
     op: ClassVar[str] = "prelu"
-
-    def parameter_keys(self) -> dict[str, str]:
-        return {"weight": self.weight}
+    # Any rank: ONNX stores the slope as [C, 1, 1].
+    roles = {"weight": ()}
 
 
 @dataclass(frozen=True)
 class Scale(Node):
     """Multiplication by a constant: a fixed edge of weight ``factor`` (Mul/Div by a constant)."""
 
-    factor: float = 1.0
+    factor: float = hyper(1.0, number("a finite number"), spec_default=REQUIRED)
     op: ClassVar[str] = "scale"
+
+
+PAD_MODES = ("zeros", "reflect", "replicate", "circular", "-inf")
+COPYING_PAD_MODES = ("reflect", "replicate", "circular")
 
 
 @dataclass(frozen=True)
 class Pad(Node):
-    """Constant zero padding of the spatial axes: ``begin``/``end`` elements per axis."""
+    """Padding of the spatial axes: ``begin``/``end`` elements per axis.
 
-    begin: tuple[int, ...] = (0,)
-    end: tuple[int, ...] = (0,)
+    ``mode``: ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
+    ``replicate`` or ``circular`` as torch's F.pad (each padded pixel copies one input pixel of
+    its channel: a fixed edge of weight 1, like upsample); ``-inf`` (no incoming edge, value
+    −inf: positively homogeneous, and read only by a max-pool, whose window it extends exactly
+    as max-pooling's own padding does). A constant c ∉ {0, −inf} has no mode: its padded
+    neurons output c whatever the scale of their channel, which is not homogeneous.
+    """
+
+    begin: tuple[int, ...] = hyper((0,), ints(0))
+    end: tuple[int, ...] = hyper((0,), ints(0))
+    mode: str = hyper("zeros", choice(*PAD_MODES))
     op: ClassVar[str] = "pad"
+    per_axis_fields = ("begin", "end")
+    input_spatial_ranks = SPATIAL_RANKS
+
+
+@dataclass(frozen=True)
+class ChannelAffine(Node):
+    """Per-channel ``y_c = weight_c · x_c + bias_c`` that follows no Linear/Conv: BatchNorm on an
+    identity or residual branch exported as Mul and Add of constants (RepVGG/MobileOne training
+    blocks, pre-activation networks).
+
+    A depthwise 1×1 layer of the DAG (SPEC §1): ``weight_c`` is the parameter on the edge from
+    input channel c to the new channel c, ``bias_c`` the new neuron's bias; the input channels
+    stay free (no batch statistics). Each tensor holds one value per channel, stored in any
+    shape with at most one axis longer than 1 (``[C]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``).
+    """
+
+    weight: str = ""
+    bias: str | None = None
+    op: ClassVar[str] = "channel_affine"
+    roles = {"weight": (), "bias": ()}
+    optional_roles = ("bias",)
 
 
 @dataclass(frozen=True)
@@ -164,18 +230,19 @@ class Upsample(Node):
     Output channel c is input channel c times fixed non-negative coefficients.
     """
 
-    mode: str = "nearest"
-    size: tuple[int, ...] = ()
-    scale_factor: tuple[float, ...] = ()
-    align_corners: bool = False
+    mode: str = hyper("nearest", choice("nearest", "linear"))
+    size: tuple[int, ...] = hyper((), optional_sizes)
+    scale_factor: tuple[float, ...] = hyper((), positive_floats)
+    align_corners: bool = hyper(False, boolean)
     op: ClassVar[str] = "upsample"
+    input_spatial_ranks = SPATIAL_RANKS
 
 
 @dataclass(frozen=True)
 class ChannelShuffle(Node):
     """ShuffleNet's channel shuffle: view ``(groups, C/groups)``, transpose, flatten back."""
 
-    groups: int = 1
+    groups: int = hyper(1, integer(1), spec_default=REQUIRED)
     op: ClassVar[str] = "channel_shuffle"
 
 
@@ -183,8 +250,8 @@ class ChannelShuffle(Node):
 class ChannelSlice(Node):
     """Channels ``start:stop`` of its input (torch.split/chunk/slicing, ONNX Split/Slice)."""
 
-    start: int = 0
-    stop: int = 1
+    start: int = hyper(0, integer(0))
+    stop: int = hyper(1, integer(1), spec_default=REQUIRED)
     op: ClassVar[str] = "channel_slice"
 
 
@@ -193,7 +260,7 @@ class ChannelGather(Node):
     """Output channel j is input channel ``channels[j]``: any other reordering or selection of
     whole channels (e.g. a channel shuffle followed by a chunk, as ShuffleNetV2 does)."""
 
-    channels: tuple[int, ...] = (0,)
+    channels: tuple[int, ...] = hyper((0,), ints(0), spec_default=REQUIRED)
     op: ClassVar[str] = "channel_gather"
 
 
@@ -206,30 +273,37 @@ class Identity(Node):
 
 @dataclass(frozen=True)
 class MaxPool(Node):
-    kernel: tuple[int, ...] = (2, 2)
-    stride: tuple[int, ...] = (2, 2)
-    padding: tuple[int, ...] = (0, 0)
-    dilation: tuple[int, ...] = (1, 1)
-    ceil_mode: bool = False
+    kernel: tuple[int, ...] = hyper((2, 2), ints(1), spec_default=REQUIRED)
+    # A spec's default stride (None) is the kernel, as in torch.
+    stride: tuple[int, ...] = hyper((2, 2), ints(1), spec_default=None)
+    padding: tuple[int, ...] = hyper((0, 0), ints(0), spec_default=(0,))
+    dilation: tuple[int, ...] = hyper((1, 1), ints(1), spec_default=(1,))
+    ceil_mode: bool = hyper(False, boolean)
     op: ClassVar[str] = "maxpool"
+    per_axis_fields = ("kernel", "stride", "padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
 
 
 @dataclass(frozen=True)
 class AvgPool(Node):
-    kernel: tuple[int, ...] = (2, 2)
-    stride: tuple[int, ...] = (2, 2)
-    padding: tuple[int, ...] = (0, 0)
-    ceil_mode: bool = False
-    count_include_pad: bool = True
+    kernel: tuple[int, ...] = hyper((2, 2), ints(1), spec_default=REQUIRED)
+    stride: tuple[int, ...] = hyper((2, 2), ints(1), spec_default=None)
+    padding: tuple[int, ...] = hyper((0, 0), ints(0), spec_default=(0,))
+    ceil_mode: bool = hyper(False, boolean)
+    count_include_pad: bool = hyper(True, boolean)
     op: ClassVar[str] = "avgpool"
+    per_axis_fields = ("kernel", "stride", "padding")
+    input_spatial_ranks = SPATIAL_RANKS
 
 
 @dataclass(frozen=True)
 class AdaptiveAvgPool(Node):
     """Adaptive average pooling to a fixed output size (global pooling: all ones)."""
 
-    output_size: tuple[int, ...] = (1, 1)
+    output_size: tuple[int, ...] = hyper((1, 1), ints(1), spec_default=REQUIRED)
     op: ClassVar[str] = "adaptive_avgpool"
+    per_axis_fields = ("output_size",)
+    input_spatial_ranks = SPATIAL_RANKS
 
 
 @dataclass(frozen=True)
@@ -238,12 +312,18 @@ class Flatten(Node):
 
     op: ClassVar[str] = "flatten"
 
+    def output_spatial_rank(self, input_rank: int) -> int:
+        return 0
+
 
 @dataclass(frozen=True)
 class Add(Node):
-    """Element-wise sum of two or more tensors of one shape (residual connections)."""
+    """Element-wise sum of two or more tensors of one rank (residual connections); an axis of
+    size 1 is broadcast, as torch and ONNX do."""
 
     op: ClassVar[str] = "add"
+    arity = (2, None)
+    broadcasts_inputs = True
 
 
 @dataclass(frozen=True)
@@ -251,6 +331,7 @@ class Concat(Node):
     """Concatenation along the channel axis."""
 
     op: ClassVar[str] = "concat"
+    arity = (1, None)
 
 
 NODE_TYPES: dict[str, type[Node]] = {
@@ -258,9 +339,21 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather,
+        ChannelGather, ChannelAffine,
     )
 }
+
+
+def broadcast_problem(node: Node, shapes: Sequence[tuple[int, ...]]) -> str | None:
+    """Why ``node`` cannot combine element-wise tensors of batch-free ``shapes``, or None:
+    they need one rank and, on each axis, one size or size 1 (broadcast)."""
+    out = tuple(max(sizes) for sizes in zip(*shapes))
+    if len({len(shape) for shape in shapes}) == 1 and all(n in (1, m) for shape in shapes for n, m in zip(shape, out)):
+        return None
+    shown = ", ".join(str(tuple(shape)) for shape in shapes)
+    return (f"node '{node.name}' ({node.op}) combines tensors of shapes {shown}: they must have one rank and, "
+            "on each axis, one size or size 1 (broadcast)")
+
 
 def node_attributes(node: Node) -> dict[str, object]:
     """The node's fields other than name and inputs, for reports and serialisation."""
@@ -307,10 +400,8 @@ class Graph:
 
     def folded_into(self, bn: BatchNorm) -> Linear | Conv | None:
         """The Linear/Conv that ``bn`` is folded into, or None for a standalone BatchNorm."""
-        from .rules import rule_for
-
         producer = self._by_name[bn.inputs[0]]
-        if rule_for(producer).creates_channels and self.batchnorm_after(producer.name) is bn:
+        if producer.creates_channels and self.batchnorm_after(producer.name) is bn:
             return producer
         return None
 
@@ -328,9 +419,6 @@ class Graph:
 
         All problems are collected before raising, so a spec with three typos shows three lines.
         """
-        from .errors import InvalidWeightsError
-        from .rules import rule_for
-
         problems: list[str] = []
         not_finite: list[str] = []
         for node in self.nodes:
@@ -339,7 +427,7 @@ class Graph:
                     problems.append(f"node '{node.name}' ({node.op}) needs tensor '{key}' ({role}), which the checkpoint lacks")
                     continue
                 tensor = params[key]
-                expected_rank = rule_for(node).roles.get(role)
+                expected_rank = node.roles.get(role)
                 if expected_rank and tensor.dim() not in expected_rank:
                     problems.append(
                         f"node '{node.name}' ({node.op}): tensor '{key}' ({role}) has shape {tuple(tensor.shape)}, "
@@ -413,14 +501,26 @@ def _topological_order(nodes: list[Node], outputs: tuple[str, ...], source: str)
 
 
 def _check_structure(graph: Graph) -> None:
-    from .rules import rule_for
-
     problems: list[str] = []
     readers: dict[str, str] = {}
+    known = set(NODE_TYPES.values())
     for node in graph.nodes:
-        low, high = rule_for(node).arity
+        if type(node) not in known:
+            problems.append(
+                f"node '{node.name}' has type {type(node).__name__}, which is not among pathcond's node types "
+                "(no schema, no rule): it cannot be evaluated or rescaled"
+            )
+            continue
+        low, high = node.arity
         if len(node.inputs) < low or (high is not None and len(node.inputs) > high):
             problems.append(f"node '{node.name}' ({node.op}) has {len(node.inputs)} inputs")
+        if isinstance(node, Pad) and node.mode == "-inf":
+            readers_of_pad = [graph[c] for c in graph.consumers(node.name)]
+            if node.name in graph.outputs or not all(isinstance(c, MaxPool) for c in readers_of_pad):
+                problems.append(
+                    f"node '{node.name}' (pad, mode -inf) must be read by max-pooling only: anything else "
+                    "(an output, a conv, a sum) would compute with −inf"
+                )
         for key in node.parameter_keys().values():
             if key in readers:
                 problems.append(

@@ -65,7 +65,8 @@ class WriteBack:
 
     ``layout`` says how the stored tensor's axes relate to the maps: ``weight`` (``[O, I/G,
     *kernel]``, grouped convs reading input channels of their own group), ``weight_t`` (a
-    Linear stored ``[in, out]``), ``conv_transpose`` (``[I, O/G, *kernel]``) or ``vector`` (per output channel: biases, BatchNorm γ, β).
+    Linear stored ``[in, out]``), ``conv_transpose`` (``[I, O/G, *kernel]``) or ``vector`` (per output channel: biases, BatchNorm γ, β,
+    a per-channel scale, whose input channel c is output channel c's).
     A missing map means that side is not rescaled here (a conv before BatchNorm has no
     output-side factor: BatchNorm's γ and β carry it).
     """
@@ -77,10 +78,12 @@ class WriteBack:
     out_channels: int
     groups: int = 1
 
-    def factor(self, u_ext: torch.Tensor, ndim: int) -> torch.Tensor:
-        """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of rank ``ndim``."""
+    def factor(self, u_ext: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of ``shape``."""
         if self.layout == "vector":
-            return torch.exp(u_ext[self.dst])
+            log = u_ext[self.dst] if self.src is None else u_ext[self.dst] - u_ext[self.src]
+            return torch.exp(log).reshape(shape)
+        ndim = len(shape)
         in_per_group = 1 if self.src is None else len(self.src) // self.groups
         log = torch.zeros(self.out_channels, in_per_group, dtype=u_ext.dtype, device=u_ext.device)
         if self.dst is not None:
@@ -174,7 +177,7 @@ class RescalingGroups:
         changed: dict[str, torch.Tensor] = {}
         for wb in self.writebacks:
             original = params[wb.key]
-            factor = wb.factor(u_ext, original.dim())
+            factor = wb.factor(u_ext, tuple(original.shape))
             if bool((factor == 1.0).all()):
                 continue
             # computed on the analysis device, returned where the checkpoint tensor lives

@@ -57,7 +57,7 @@ class LoadedModel:
         return sum(
             rule_for(node).out_channels(node, self.params)
             for node in self.graph.nodes
-            if rule_for(node).creates_channels and node.name not in final
+            if node.creates_channels and node.name not in final
         )
 
 
@@ -67,7 +67,7 @@ def _producing_layers(graph: Graph, name: str) -> set[str]:
     stack = [name]
     while stack:
         node = graph[stack.pop()]
-        if rule_for(node).creates_channels:
+        if node.creates_channels:
             found.add(node.name)
         elif isinstance(node, BatchNorm) or node.inputs:
             stack.extend(node.inputs)

@@ -1,6 +1,8 @@
-"""What pathcond knows about each node type: one rule per type, looked up by node class.
+"""How each node type behaves: one rule per type, looked up by node class.
 
-A rule holds, for its node type, everything the engine needs:
+A node type's static schema (arity, tensor roles and ranks, per-axis fields, accepted
+spatial ranks, whether it creates channels or broadcasts its inputs) lives on its class in
+:mod:`.graph`. A rule holds its behaviour, everything the engine computes with it:
 
 * ``forward``: the real network in torch (verification, shape inference);
 * ``squared``: the parameter-free node in the squared network of SPEC §3 (fixed constants
@@ -8,10 +10,8 @@ A rule holds, for its node type, everything the engine needs:
   layers with DAG parameters give ``weighted`` (their parameterised part, on ψ) instead;
 * ``ties``: the channel ties of SPEC §2 (which output channel is which input channel, which
   channels are new, which are fixed);
-* ``roles``: the checkpoint tensors it reads and their expected ranks, and for layers with
-  DAG parameters ``affine``: their canonical layout ``[O, I/groups, *kernel]`` and how a
-  rescaling is written back to the stored tensors;
-* ``per_axis_fields`` and the spatial ranks it accepts (the spec format expands scalars).
+* for layers with DAG parameters ``affine``: their canonical layout ``[O, I/groups, *kernel]``
+  and how a rescaling is written back to the stored tensors.
 
 The interpreters (:mod:`.evaluate`, :mod:`.diag`, :mod:`.groups`) walk the graph and ask
 each node's rule. :func:`rule_for` refuses a node type without a rule, so a new node class
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+import math
 from math import prod
 from typing import ClassVar
 
@@ -30,9 +31,9 @@ import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
 from .graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
-    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
-    ReLU, Scale, Upsample,
+    COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle,
+    ChannelSlice, Concat, Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node,
+    Pad, PReLU, ReLU, Scale, Upsample,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
@@ -42,7 +43,6 @@ _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_trans
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _ADAPTIVE_AVG_POOL = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
-SPATIAL_RANKS = (1, 2, 3)
 
 
 def spatial_rank(x: torch.Tensor) -> int:
@@ -90,6 +90,8 @@ class Ties:
 
     def union(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Tie channel ``a[i]`` to ``b[i]`` for every i (a fixed edge forces one scale)."""
+        if len(a) != len(b):
+            raise ValueError(f"cannot tie {len(a)} channels to {len(b)}")
         for x, y in zip(a.tolist(), b.tolist()):
             rx, ry = self._find(x), self._find(y)
             if rx != ry:
@@ -116,7 +118,8 @@ class Stored:
 
     ``layout`` tells how its axes relate to the canonical ``[O, I/groups, *kernel]`` weight:
     ``weight`` (the same), ``weight_t`` (a Linear stored ``[in, out]``), ``conv_transpose``
-    (``[I, O/groups, *kernel]``) or ``vector`` (one entry per output channel). ``output_side``
+    (``[I, O/groups, *kernel]``) or ``vector`` (one entry per output channel, in any shape
+    holding that many values; with an input side, input channel c is output channel c's). ``output_side``
     / ``input_side``: whether ``exp(u_dst)`` / ``exp(−u_src)`` apply to it.
     """
 
@@ -158,14 +161,6 @@ class Rule:
     """Base of every rule; see the module docstring for what each member means."""
 
     node_type: ClassVar[type[Node]]
-    arity: ClassVar[tuple[int, int | None]] = (1, 1)
-    roles: ClassVar[dict[str, tuple[int, ...]]] = {}
-    per_axis_fields: ClassVar[tuple[str, ...]] = ()
-    # Spatial ranks of the input the node accepts (None: any), for the spec's checks.
-    input_spatial_ranks: ClassVar[tuple[int, ...] | None] = None
-    # A layer that creates channels from DAG weights: BatchNorm right after it is folded in,
-    # and it counts in the paper's hidden units.
-    creates_channels: ClassVar[bool] = False
 
     def forward(self, node: Node, xs: list[torch.Tensor], param: ParamLookup, train: bool) -> torch.Tensor:
         raise self._missing("forward", node)
@@ -177,9 +172,6 @@ class Rule:
     def ties(self, node: Node, ties: Ties) -> torch.Tensor:
         """Channel ids of the node's output, after recording its ties."""
         raise self._missing("ties", node)
-
-    def output_spatial_rank(self, node: Node, input_rank: int) -> int:
-        return input_rank
 
     def affine(self, node: Node, graph: Graph, params: Mapping[str, torch.Tensor]) -> Affine | None:
         """The node's DAG parameters, or None when it has none (or they are folded elsewhere)."""
@@ -211,19 +203,13 @@ class HomogeneousActivation(PassThrough):
 
 class InputRule(Rule):
     node_type = Input
-    arity = (0, 0)
 
     def ties(self, node: Input, ties: Ties) -> torch.Tensor:
         return ties.new(node, node.shape[0], fixed=True)
 
-    def output_spatial_rank(self, node: Input, input_rank: int) -> int:
-        return len(node.shape) - 1
-
 
 class AffineLayer(Rule):
     """Linear, Conv: weight and optional bias, a BatchNorm that follows folded in (SPEC §1)."""
-
-    creates_channels = True
 
     def canonical_weight(self, node: Node, stored: torch.Tensor) -> torch.Tensor:
         """The stored weight as ``[O, I/groups, *kernel]``."""
@@ -267,8 +253,6 @@ class AffineLayer(Rule):
 
 class LinearRule(AffineLayer):
     node_type = Linear
-    roles = {"weight": (2,), "bias": (1,)}
-    input_spatial_ranks = (0,)
 
     def canonical_weight(self, node: Linear, stored: torch.Tensor) -> torch.Tensor:
         return stored.t() if node.weight_transposed else stored
@@ -279,15 +263,9 @@ class LinearRule(AffineLayer):
     def weighted(self, node, x, weight):
         return F.linear(x, weight)
 
-    def output_spatial_rank(self, node, input_rank):
-        return 0
-
 
 class ConvRule(AffineLayer):
     node_type = Conv
-    roles = {"weight": (3, 4, 5), "bias": (1,)}
-    per_axis_fields = ("stride", "padding", "dilation")
-    input_spatial_ranks = SPATIAL_RANKS
 
     def groups(self, node: Conv) -> int:
         return node.groups
@@ -301,9 +279,6 @@ class ConvTransposeRule(AffineLayer):
     is the canonical ``[O, I/groups, *k]`` (output channel o of group g reads that group's inputs)."""
 
     node_type = ConvTranspose
-    roles = {"weight": (3, 4, 5), "bias": (1,)}
-    per_axis_fields = ("stride", "padding", "output_padding", "dilation")
-    input_spatial_ranks = SPATIAL_RANKS
 
     def groups(self, node: ConvTranspose) -> int:
         return node.groups
@@ -338,7 +313,6 @@ class BatchNormRule(Rule):
     """
 
     node_type = BatchNorm
-    roles = {"weight": (1,), "bias": (1,), "running_mean": (1,), "running_var": (1,)}
 
     def forward(self, node: BatchNorm, xs, param, train):
         return F.batch_norm(
@@ -363,6 +337,40 @@ class BatchNormRule(Rule):
         stored = [Stored(node.weight, "vector", True, False), Stored(node.bias, "vector", True, False)]
         return Affine(scale.reshape(-1, 1), shift, len(scale), f"{node.weight} (BatchNorm scale γ/σ)",
                       f"{node.bias} (BatchNorm shift β − γμ/σ)", node.name, stored)
+
+    def weighted(self, node, x, weight):
+        return x * per_channel(weight.reshape(-1), x)
+
+
+def channel_values(tensor: torch.Tensor, channels: int) -> torch.Tensor:
+    """A tensor holding one value per channel (``[C]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``, ...) as a vector."""
+    if tensor.numel() != channels or sum(size != 1 for size in tensor.shape) > 1:
+        raise ValueError(f"a tensor of shape {tuple(tensor.shape)} does not hold one value per channel of {channels}")
+    return tensor.reshape(-1)
+
+
+class ChannelAffineRule(Rule):
+    """Per-channel scale and shift: a depthwise 1×1 layer (groups = channels) whose scale is
+    the weight on the edge from input channel c to new channel c and whose shift is the new
+    neuron's bias. Unlike a standalone BatchNorm its input channels stay free: no statistics."""
+
+    node_type = ChannelAffine
+
+    def forward(self, node: ChannelAffine, xs, param, train):
+        x = xs[0]
+        y = x * per_channel(channel_values(param(node.weight), x.shape[1]), x)
+        return y if node.bias is None else y + per_channel(channel_values(param(node.bias), x.shape[1]), x)
+
+    def ties(self, node: ChannelAffine, ties: Ties) -> torch.Tensor:
+        return ties.new(node, ties.shapes[node.name][0])
+
+    def affine(self, node: ChannelAffine, graph, params):
+        weight = params[node.weight].to(torch.float64).reshape(-1, 1)
+        bias = None if node.bias is None else params[node.bias].to(torch.float64).reshape(-1)
+        stored = [Stored(node.weight, "vector", True, True)]
+        if node.bias is not None:
+            stored.append(Stored(node.bias, "vector", True, False))
+        return Affine(weight, bias, len(weight), node.weight, node.bias, node.name, stored)
 
     def weighted(self, node, x, weight):
         return x * per_channel(weight.reshape(-1), x)
@@ -411,17 +419,25 @@ class ScaleRule(PassThrough):
 
 
 class PadRule(PassThrough):
-    """Zero padding: padded positions are neurons without incoming edges (always 0)."""
+    """Zero and −inf padding: padded positions are neurons without incoming edges (0 in the
+    squared network). Reflect, replicate, circular: each padded position copies one input
+    position of its channel through a fixed edge of weight 1 (the same copy in the squared network)."""
 
     node_type = Pad
-    per_axis_fields = ("begin", "end")
-    input_spatial_ranks = SPATIAL_RANKS
+
+    @staticmethod
+    def _pads(node: Pad) -> list[int]:
+        return [v for begin, end in reversed(list(zip(node.begin, node.end))) for v in (begin, end)]
 
     def forward(self, node: Pad, xs, param, train):
-        return F.pad(xs[0], [v for begin, end in reversed(list(zip(node.begin, node.end))) for v in (begin, end)])
+        if node.mode in COPYING_PAD_MODES:
+            return F.pad(xs[0], self._pads(node), mode=node.mode)
+        return F.pad(xs[0], self._pads(node), value=-math.inf if node.mode == "-inf" else 0.0)
 
     def squared(self, node: Pad, xs, power):
-        return self.forward(node, xs, None, False)
+        if node.mode in COPYING_PAD_MODES:
+            return F.pad(xs[0], self._pads(node), mode=node.mode)
+        return F.pad(xs[0], self._pads(node))
 
 
 class ChannelShuffleRule(Rule):
@@ -492,7 +508,6 @@ class UpsampleRule(PassThrough):
     """
 
     node_type = Upsample
-    input_spatial_ranks = SPATIAL_RANKS
     _LINEAR_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
     @staticmethod
@@ -577,8 +592,6 @@ def window_sum(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bo
 
 class MaxPoolRule(PassThrough):
     node_type = MaxPool
-    per_axis_fields = ("kernel", "stride", "padding", "dilation")
-    input_spatial_ranks = SPATIAL_RANKS
 
     def forward(self, node: MaxPool, xs, param, train):
         x = xs[0]
@@ -591,8 +604,6 @@ class MaxPoolRule(PassThrough):
 
 class AvgPoolRule(PassThrough):
     node_type = AvgPool
-    per_axis_fields = ("kernel", "stride", "padding")
-    input_spatial_ranks = SPATIAL_RANKS
 
     def forward(self, node: AvgPool, xs, param, train):
         x = xs[0]
@@ -613,8 +624,6 @@ class AvgPoolRule(PassThrough):
 
 class AdaptiveAvgPoolRule(PassThrough):
     node_type = AdaptiveAvgPool
-    per_axis_fields = ("output_size",)
-    input_spatial_ranks = SPATIAL_RANKS
 
     def forward(self, node: AdaptiveAvgPool, xs, param, train):
         return _ADAPTIVE_AVG_POOL[spatial_rank(xs[0])](xs[0], node.output_size)
@@ -647,15 +656,12 @@ class FlattenRule(Rule):
         source = node.inputs[0]
         return ties.ids(source).repeat_interleave(prod(ties.shapes[source][1:]))
 
-    def output_spatial_rank(self, node, input_rank):
-        return 0
-
 
 class AddRule(Rule):
-    """Element-wise sum: identity skips tie the summed channels together."""
+    """Element-wise sum: identity skips tie the summed channels together; a broadcast channel
+    (an input with one channel) feeds every output channel, so it ties all of them."""
 
     node_type = Add
-    arity = (2, None)
 
     def forward(self, node, xs, param, train):
         total = xs[0]
@@ -667,15 +673,16 @@ class AddRule(Rule):
         return self.forward(node, xs, None, False)
 
     def ties(self, node, ties):
-        ids = ties.ids(node.inputs[0])
-        for other in node.inputs[1:]:
-            ties.union(ids, ties.ids(other))
-        return ids
+        channels = ties.shapes[node.name][0]
+        ids = [ties.ids(i) for i in node.inputs]
+        ids = [i.repeat(channels) if len(i) == 1 else i for i in ids]
+        for other in ids[1:]:
+            ties.union(ids[0], other)
+        return ids[0]
 
 
 class ConcatRule(Rule):
     node_type = Concat
-    arity = (1, None)
 
     def forward(self, node, xs, param, train):
         return torch.cat(xs, dim=1)
@@ -693,7 +700,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(),
+        ChannelGatherRule(), ChannelAffineRule(),
     )
 }
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import fake_cuda
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
     Scale, Upsample,
 )
@@ -138,12 +138,23 @@ class NetBuilder:
     def scale_by(self, factor: float) -> str:
         return self._push(Scale(self._name("scale"), (self.cur,), factor=factor), self.dummy[self.cur])
 
-    def pad(self, begin, end) -> str:
+    def pad(self, begin, end, mode: str = "zeros") -> str:
         r = len(self.shape()) - 1
         tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
-        node = Pad(self._name("pad"), (self.cur,), begin=tup(begin), end=tup(end))
+        node = Pad(self._name("pad"), (self.cur,), begin=tup(begin), end=tup(end), mode=mode)
         pads = [v for b, e in reversed(list(zip(node.begin, node.end))) for v in (b, e)]
         return self._push(node, F.pad(self.dummy[self.cur], pads))
+
+    def channel_affine(self, bias: bool = True, src: str | None = None) -> str:
+        """A per-channel scale (stored ``[C, 1, ..., 1]``, as ONNX constants are) and shift."""
+        src = src or self.cur
+        name = self._name("affine")
+        shape = self.shape(src)
+        self.params[f"{name}.weight"] = self._rand(shape[0], *([1] * (len(shape) - 1)))
+        if bias:
+            self.params[f"{name}.bias"] = self._rand(shape[0], *([1] * (len(shape) - 1)), scale=0.3)
+        node = ChannelAffine(name, (src,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None)
+        return self._push(node, self.dummy[src])
 
     def upsample(self, mode: str = "nearest", size=(), scale_factor=(), align_corners: bool = False) -> str:
         x = self.dummy[self.cur]
@@ -493,7 +504,61 @@ CEIL_POOLS = {
     for incl in ((True,) if is_max else (True, False))
 }
 
+def pad_modes_net(seed=0, dtype=torch.float64, rank=2):
+    """Reflect, replicate and circular padding (each output pixel copies one input pixel of its
+    channel), asymmetric, between convs, before a max-pool and a residual sum."""
+    b = NetBuilder({1: (1, 5), 2: (1, 3, 2)}[rank], seed, dtype)
+    stem = b.relu(b.conv(2, 1))
+    b.pad((2, 0)[:rank], 0, mode="reflect"); b.conv(2, 3 if rank == 1 else (3, 1)); b.relu()
+    b.pad((0, 1)[:rank], (1, 0)[:rank], mode="replicate"); b.conv(2, 2, bias=False); b.relu()
+    b.pad(1, 0, mode="circular"); b.maxpool(2, stride=1)
+    b.add(b.cur, stem); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def neg_inf_pad_net(seed=0, dtype=torch.float64):
+    """NASNet-style padded max-pool: −inf padding (asymmetric) straight after a conv (negative
+    values, so −inf and 0 differ), then a max-pool; a second one after a zero-padded one."""
+    b = NetBuilder((1, 4, 5), seed, dtype)
+    b.conv(2, 2)
+    b.pad((0, 1), (1, 1), mode="-inf"); b.maxpool(3, stride=2)
+    b.relu(); b.conv(3, 1); b.pad(1, (0, 1), mode="-inf"); b.maxpool(2, stride=1)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+def channel_affine_net(seed=0, dtype=torch.float64):
+    """Per-channel scale and shift on a branch with no conv (RepVGG's identity BatchNorm exported
+    as Mul and Add), in a pre-activation block, and a scale without shift."""
+    b = NetBuilder((1, 3, 3), seed, dtype)
+    stem = b.relu(b.conv(2, 1))
+    identity = b.channel_affine(src=stem)
+    b.conv(2, 1, src=stem)
+    b.add(b.cur, identity); b.relu()
+    b.channel_affine(); b.relu(); b.conv(2, 2); b.channel_affine(bias=False)
+    b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def broadcast_add_net(seed=0, dtype=torch.float64):
+    """Sums with broadcasting: a 4-channel conv plus a 1-channel conv (the one channel feeds all
+    four), and a feature map plus its pooled (C, 1, 1) summary."""
+    b = NetBuilder((1, 4, 4), seed, dtype)
+    x = b.relu(b.conv(2, 1))
+    wide = b.conv(4, 3, src=x)
+    narrow = b.conv(1, 3, src=x)
+    summed = b.relu(b.add(wide, narrow))
+    pooled = b.adaptive(1)
+    b.add(summed, pooled); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
 NEW_OPS = {
+    "pad_modes": pad_modes_net,
+    "pad_modes_1d": lambda seed=0, dtype=torch.float64: pad_modes_net(seed, dtype, rank=1),
+    "neg_inf_pad": neg_inf_pad_net,
+    "channel_affine": channel_affine_net,
+    "broadcast_add": broadcast_add_net,
     "prelu_scale": prelu_scale_net,
     "pad": pad_net,
     "shuffle_split": shuffle_split_net,

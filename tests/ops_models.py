@@ -6,6 +6,8 @@ test. Each entry: name -> (factory, batch-free input shape).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -191,6 +193,93 @@ class Upsample3d(nn.Module):
         return self.fc(F.relu(self.conv2(x)).mean([2, 3, 4]))
 
 
+class PaddingModes(nn.Module):
+    """Reflect, replicate and circular padding: F.pad, the padding modules and conv padding_mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect")
+        self.conv2 = nn.Conv2d(3, 3, 3)
+        self.pad = nn.ReplicationPad2d((1, 0, 2, 1))
+        self.conv3 = nn.Conv2d(3, 3, 2, padding=(0, 1), padding_mode="circular")
+        self.circular = nn.CircularPad2d(1)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(F.pad(x, (1, 1, 2, 0), mode="reflect")))
+        x = F.relu(self.conv3(self.pad(x)))
+        x = F.max_pool2d(self.circular(x), 3, stride=1)
+        return self.fc(x.mean([2, 3]))
+
+
+class PaddedMaxPool(nn.Module):
+    """NASNet-style padded max pooling: −inf padding (asymmetric) before a max-pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3)
+        self.pad = nn.ConstantPad2d((1, 0, 1, 0), float("-inf"))
+        self.conv2 = nn.Conv2d(3, 3, 1)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.pad(self.conv1(x), (0, 1, 0, 1), value=-math.inf), 3, stride=2)
+        x = F.max_pool2d(self.pad(self.conv2(F.relu(x))), 2, stride=1)
+        return self.fc(F.relu(x).mean([2, 3]))
+
+
+class ScaleShift(nn.Module):
+    """A per-channel scale and shift that follows no conv (BatchNorm exported as Mul and Add)."""
+
+    def __init__(self, channels: int, shift: bool = True):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(channels, 1, 1) + 0.5)
+        self.shift = nn.Parameter(torch.randn(channels, 1, 1) * 0.3) if shift else None
+
+    def forward(self, x):
+        return x * self.scale + self.shift if self.shift is not None else x * self.scale
+
+
+class RepVGGBlock(nn.Module):
+    """RepVGG training block (3×3 conv + 1×1 conv + scaled identity), then a pre-activation
+    scale-and-shift and a scale alone."""
+
+    def __init__(self, channels: int = 3):
+        super().__init__()
+        self.stem = nn.Conv2d(2, channels, 3, padding=1)
+        self.conv3 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 1)
+        self.identity = ScaleShift(channels)
+        self.pre = ScaleShift(channels)
+        self.conv = nn.Conv2d(channels, channels, 1)
+        self.post = ScaleShift(channels, shift=False)
+        self.fc = nn.Linear(channels, 2)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        x = F.relu(self.conv3(x) + self.conv1(x) + self.identity(x))
+        x = self.post(self.conv(F.relu(self.pre(x))))
+        return self.fc(F.relu(x).mean([2, 3]))
+
+
+class BroadcastAdd(nn.Module):
+    """Sums whose inputs differ by broadcasting: 4 channels plus 1 channel, a map plus its mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 3, 1)
+        self.wide = nn.Conv2d(3, 4, 3, padding=1)
+        self.narrow = nn.Conv2d(3, 1, 3, padding=1)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        x = F.relu(self.wide(x) + self.narrow(x))
+        x = F.relu(x + x.mean([2, 3], keepdim=True))
+        return self.fc(x.mean([2, 3]))
+
+
 OPS_MODELS = {
     "upsample_unet": (UpsampleUNet, (1, 6, 8)),
     "upsample_1d": (Upsample1d, (2, 9)),
@@ -200,6 +289,10 @@ OPS_MODELS = {
     "tiny_unet": (TinyUNet, (1, 8, 8)),
     "conv3d": (Conv3dNet, (1, 6, 5, 6)),
     "audio": (AudioNet, (2, 23)),
+    "padding_modes": (PaddingModes, (2, 8, 7)),
+    "padded_maxpool": (PaddedMaxPool, (2, 9, 8)),
+    "repvgg_block": (RepVGGBlock, (2, 6, 5)),
+    "broadcast_add": (BroadcastAdd, (2, 5, 6)),
 }
 
 

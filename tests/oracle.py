@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
-    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat,
+    Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
     Scale, Upsample,
 )
 
@@ -91,7 +91,15 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             pads = []
             for b, e in reversed(list(zip(node.begin, node.end))):
                 pads += [b, e]
-            y = F.pad(xs[0], pads)
+            if node.mode in ("reflect", "replicate", "circular"):
+                y = F.pad(xs[0], pads, mode=node.mode)
+            else:
+                y = F.pad(xs[0], pads, value=-math.inf if node.mode == "-inf" else 0.0)
+        elif isinstance(node, ChannelAffine):
+            view = (1, -1, *([1] * (xs[0].dim() - 2)))
+            y = xs[0] * P[node.weight].reshape(view)
+            if node.bias is not None:
+                y = y + P[node.bias].reshape(view)
         elif isinstance(node, ChannelShuffle):
             n, c = xs[0].shape[:2]
             y = xs[0].reshape(n, node.groups, c // node.groups, *xs[0].shape[2:]).transpose(1, 2).reshape(xs[0].shape)
@@ -297,6 +305,9 @@ class NeuronDAG:
             if kind == "bias":
                 val[n] = 1.0
                 continue
+            if kind == "neginf":
+                val[n] = -math.inf
+                continue
             ins = [(m, self.G.edges[m, n]) for m in self.G.predecessors(n)]
             terms = [val[m] * (theta[e["param"]] if e["param"] is not None else e["const"]) for m, e in ins]
             if kind == "max":
@@ -337,7 +348,7 @@ class NeuronDAG:
         # weight sharing: all positions of one conv channel share one λ
         # zero padding: the constant-zero padded neurons take their channel's scale (any is admissible)
         for node in self.graph.nodes:
-            if isinstance(node, (Conv, ConvTranspose, Pad)):
+            if isinstance(node, (Conv, ConvTranspose, Pad, ChannelAffine)):
                 elems = self.elements[node.name]
                 C = self.shapes[node.name][0]
                 per = len(elems) // C
@@ -456,6 +467,21 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
         assert not G.has_edge(a, b), f"duplicate edge {a}->{b}"
         G.add_edge(a, b, param=param, const=const)
 
+    def add_bias(layer: str, b: torch.Tensor, out: list) -> None:
+        """One bias source per output channel, with an edge to each of that channel's neurons."""
+        nonlocal offset
+        count = b.numel()
+        blocks.append(ParamBlock(layer, "bias", offset, (count,)))
+        thetas.append(b.flatten())
+        per = len(out) // count
+        for o in range(count):
+            bs = ("b", layer, o)
+            G.add_node(bs, kind="bias")
+            sources.append(bs)
+            for f in range(o * per, (o + 1) * per):
+                edge(bs, out[f], param=offset + o)
+        offset += count
+
     bn_of = {}
     for node in graph.nodes:
         if isinstance(node, BatchNorm):
@@ -530,17 +556,7 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                                 if all(0 <= ipos[j] < sp[j] for j in range(r)):
                                     edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((o, *opos), (O, *osp))], param=pi)
             if b is not None:
-                blocks.append(ParamBlock(node.name, "bias", offset, tuple(b.shape)))
-                thetas.append(b.flatten())
-                O = b.shape[0]
-                per = len(out) // O
-                for o in range(O):
-                    bs = ("b", node.name, o)
-                    G.add_node(bs, kind="bias")
-                    sources.append(bs)
-                    for f in range(o * per, (o + 1) * per):
-                        edge(bs, out[f], param=offset + o)
-                offset += b.numel()
+                add_bias(node.name, b, out)
             continue
         if isinstance(node, (ReLU, LeakyReLU, Identity, Scale)):
             kind = {ReLU: "relu", LeakyReLU: "leaky", Identity: "sum", Scale: "sum"}[type(node)]
@@ -559,11 +575,18 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             C, sp = ishape[0], ishape[1:]
             r = len(sp)
             osp = tuple(sp[j] + node.begin[j] + node.end[j] for j in range(r))
-            out = new_neurons(node.name, (C, *osp), "sum")  # padded positions: no incoming edge, value 0
+            # padded positions: no incoming edge, value 0 (or -inf); the other modes copy one input pixel
+            numpy_mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}.get(node.mode)
+            out = new_neurons(node.name, (C, *osp), "sum")
+            sources_of = [np.pad(np.arange(n), (b, e), mode=numpy_mode) if numpy_mode else
+                          np.pad(np.arange(n), (b, e), constant_values=-1) for n, b, e in zip(sp, node.begin, node.end)]
             for c in range(C):
-                for ipos in itertools.product(*(range(n) for n in sp)):
-                    opos = tuple(ipos[j] + node.begin[j] for j in range(r))
-                    edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))], const=1.0)
+                for opos in itertools.product(*(range(n) for n in osp)):
+                    ipos = tuple(int(sources_of[j][opos[j]]) for j in range(r))
+                    if min(ipos) >= 0:
+                        edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))], const=1.0)
+                    elif node.mode == "-inf":
+                        G.nodes[out[_flat((c, *opos), (C, *osp))]]["kind"] = "neginf"
         elif isinstance(node, (ChannelShuffle, ChannelSlice, ChannelGather)):
             C, sp = ishape[0], ishape[1:]
             per = math.prod(sp)
@@ -606,11 +629,27 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             for a, b_ in zip([n for part in parts for n in part], out):
                 edge(a, b_, const=1.0)
         elif isinstance(node, Add):
-            out = new_neurons(node.name, ishape, "sum")
+            # broadcasting: an axis of size 1 feeds every position of that axis
+            oshape = tuple(max(sizes) for sizes in zip(*(shapes[i] for i in node.inputs)))
+            out = new_neurons(node.name, oshape, "sum")
             for i in node.inputs:
-                assert shapes[i] == ishape
-                for a, b_ in zip(elements[i], out):
-                    edge(a, b_, const=1.0)
+                assert len(shapes[i]) == len(oshape)
+                for opos in itertools.product(*(range(n) for n in oshape)):
+                    ipos = tuple(0 if n == 1 else q for n, q in zip(shapes[i], opos))
+                    edge(elements[i][_flat(ipos, shapes[i])], out[_flat(opos, oshape)], const=1.0)
+        elif isinstance(node, ChannelAffine):
+            # one weight per channel on the edge from input neuron (c, pos) to output neuron (c, pos)
+            C, per = ishape[0], math.prod(ishape[1:])
+            w = params[node.weight].to(torch.float64).flatten()
+            blocks.append(ParamBlock(node.name, "weight", offset, (C, 1)))  # a depthwise [O, I/groups] weight
+            thetas.append(w)
+            out = new_neurons(node.name, ishape, "affine")
+            for c in range(C):
+                for f in range(per):
+                    edge(src[c * per + f], out[c * per + f], param=offset + c)
+            offset += C
+            if node.bias is not None:
+                add_bias(node.name, params[node.bias].to(torch.float64), out)
         elif isinstance(node, (MaxPool, AvgPool)):
             C, sp = ishape[0], ishape[1:]
             r = len(sp)

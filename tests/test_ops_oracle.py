@@ -1,8 +1,9 @@
 """The operations beyond Linear/Conv/pool/add/concat, against the brute-force oracle.
 
-Each tiny network of ``conftest.NEW_OPS`` (PReLU, constant scaling, zero padding, channel
-split and shuffle, ConvTranspose 1-d/2-d/3-d, Conv3d and 3-d pooling, ceil-mode pooling in
-every combination) is checked like the original operations: the oracle's neuron DAG equals
+Each tiny network of ``conftest.NEW_OPS`` (PReLU, constant scaling, zero, reflect, replicate,
+circular and −inf padding, a per-channel scale and shift, broadcasting sums, channel split and
+shuffle, ConvTranspose 1-d/2-d/3-d, Conv3d and 3-d pooling, ceil-mode pooling in every
+combination) is checked like the original operations: the oracle's neuron DAG equals
 torch, diag(G) equals diag(JᵀJ) of the enumerated path-lifting, the path count is exact, and
 rescaling by a random admissible u preserves the function.
 """

@@ -34,14 +34,15 @@ def test_every_node_type_has_a_rule():
     assert set(NODE_TYPES.values()) == set(rules.RULES)
 
 
-def test_graph_construction_refuses_a_node_type_without_a_rule():
-    with pytest.raises(UnsupportedModelError, match="node 'm' has type Mystery, for which pathcond has no rule"):
+def test_graph_construction_refuses_a_node_type_it_does_not_know():
+    with pytest.raises(UnsupportedModelError, match="node 'm' has type Mystery, which is not among pathcond's node types"):
         _graph(Mystery("m", ("fc1",)))
 
 
 def test_forward_groups_diag_and_path_count_refuse_a_node_type_without_a_rule(monkeypatch):
     """Even a graph that got past validation (here: a rule that disappears) never passes the
     unknown node through: every interpreter asks the registry."""
+    monkeypatch.setitem(NODE_TYPES, Mystery.op, Mystery)
     monkeypatch.setitem(rules.RULES, Mystery, rules.RULES[ReLU])
     graph, params = _graph(Mystery("m", ("fc1",)))
     groups = build_groups(graph, params)

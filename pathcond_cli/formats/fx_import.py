@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 import operator
 import os
 import sys
@@ -30,14 +31,21 @@ from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
     "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
-    "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero padding, "
-    "multiplication or division by a constant, nearest and (bi/tri)linear Upsample/interpolate, flatten, channel slices/chunks/splits and shuffles, "
+    "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
+    "and circular padding, -inf padding before max pooling, multiplication or division by a constant, a "
+    "per-channel scale and shift by stored tensors, nearest and (bi/tri)linear Upsample/interpolate, flatten, channel slices/chunks/splits and shuffles, "
     "residual add and torch.cat(dim=1)"
 )
 
 
 class _Unsupported(Exception):
     """Why one fx node cannot be part of a ReLU DAG."""
+
+
+# Translators of one fx node into spec layers: from normalised kwargs (with the node and the
+# traced values), or from the node's raw arguments.
+_FunctionTranslator = Callable[[Mapping[str, Any], torch.fx.Node, Mapping[torch.fx.Node, Any]], dict[str, Any]]
+_CallTranslator = Callable[[torch.fx.Node, Mapping[torch.fx.Node, Any]], list[dict[str, Any]]]
 
 
 class _NotHomogeneous(_Unsupported):
@@ -156,6 +164,8 @@ def _spec_from_trace(traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node
             continue
         if _is_shape_query(node) or isinstance(values.get(node), (int, float, torch.Size)):
             continue  # size arithmetic for view/reshape, checked where it is consumed
+        if node.op == "get_attr" and node.users and all(_is_product(u) or _is_sum(u) for u in node.users):
+            continue  # a per-channel scale or shift, translated with its product or sum
         try:
             if _is_movement(node):
                 moves.record(node)
@@ -304,6 +314,9 @@ def _tensor(arg: Any) -> torch.fx.Node:
     """``arg`` as a tensor-valued fx node; constants and shape values are not layer inputs."""
     if not isinstance(arg, torch.fx.Node) or _is_shape_query(arg):
         raise _Unsupported(f"{arg!r} is not a tensor computed from the network's input")
+    if arg.op == "get_attr":
+        raise _Unsupported(f"the stored tensor '{arg.target}' is used as an activation; a parameter or constant "
+                           "outside its module is supported only as a per-channel scale (and its shift)")
     return arg
 
 
@@ -319,33 +332,24 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
             raise _Unsupported(_not_supported(type(module).__name__))
         if len(node.args) != 1 or node.kwargs:
             raise _Unsupported("called with more than one argument")
-        return [{**translate_module(module, node.target), "inputs": [node.args[0]]}]
+        steps = translate_module(module, node.target)
+        steps = steps if isinstance(steps, list) else [steps]
+        return [{**steps[0], "inputs": [node.args[0]]}, *steps[1:]]
     if node.op == "call_function":
-        if node.target in _ADDITIONS:
-            return [_add(node.args, node.kwargs)]
-        if node.target in _PRODUCTS:
-            return [_scale(node.target, node.args, node.kwargs)]
-        if node.target in _MEANS:
-            return _mean(node.args, node.kwargs, values)
+        translate_call = _CALLS.get(node.target)
+        if translate_call is not None:
+            return translate_call(node, values)
         translate_function = _FUNCTIONS.get(node.target)
         if translate_function is None:
             raise _Unsupported(_not_supported(getattr(node.target, "__name__", "")))
-        kwargs = _keyword_arguments(node, root)
-        if translate_function is _pad_function:
-            return [_pad_function(kwargs, _rank(kwargs["input"], values))]
-        if translate_function is _interpolate_function:
-            return [_interpolate_function(kwargs, values[node])]
-        return [translate_function(kwargs)]
+        return [translate_function(_keyword_arguments(node, root), node, values)]
     if node.op == "call_method":
-        if node.target in ("mul", "mul_", "div", "div_"):
-            return [_scale(node.target, node.args, node.kwargs)]
-        if node.target == "mean":
-            return _mean(node.args, node.kwargs, values)
         translate_method = _METHODS.get(node.target)
         if translate_method is None:
             raise _Unsupported(_not_supported(node.target))
-        return [translate_method(node.args, node.kwargs)]
-    raise _Unsupported("a parameter or constant used outside its module is not supported")
+        return translate_method(node, values)
+    raise _Unsupported("a parameter or constant used outside its module is not supported (except as a per-channel "
+                       "scale and shift, x * scale + shift)")
 
 
 _NOT_HOMOGENEOUS = {
@@ -410,14 +414,17 @@ def _linear(module: nn.Linear, target: str) -> dict[str, Any]:
     return {"type": "linear", "weight": f"{target}.weight", "bias": _bias_key(module, target)}
 
 
-def _conv(module: nn.Conv1d | nn.Conv2d, target: str) -> dict[str, Any]:
-    if module.padding_mode != "zeros":
-        raise _Unsupported(f"padding_mode='{module.padding_mode}' is not supported (only zero padding)")
-    return {
+def _conv(module: nn.Conv1d | nn.Conv2d, target: str) -> list[dict[str, Any]]:
+    """A convolution; with a ``padding_mode`` other than zeros, the pad torch applies first
+    (``F.pad(x, module._reversed_padding_repeated_twice, mode)``) and the conv without padding."""
+    conv = {
         "type": "conv", "weight": f"{target}.weight", "bias": _bias_key(module, target),
-        "stride": module.stride, "padding": _conv_padding(module), "dilation": module.dilation,
-        "groups": module.groups,
+        "stride": module.stride, "dilation": module.dilation, "groups": module.groups,
     }
+    if module.padding_mode == "zeros":
+        return [{**conv, "padding": _conv_padding(module)}]
+    pad = _pad({"pad": module._reversed_padding_repeated_twice, "mode": module.padding_mode}, module.weight.dim())
+    return [pad, {**conv, "padding": 0}]
 
 
 def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> int | tuple[int, ...]:
@@ -445,10 +452,21 @@ def _prelu(module: nn.PReLU, target: str) -> dict[str, Any]:
     return {"type": "prelu", "weight": f"{target}.weight"}
 
 
-def _pad_module(module: nn.ConstantPad1d | nn.ConstantPad2d | nn.ConstantPad3d, target: str) -> dict[str, Any]:
-    rank = {nn.ConstantPad1d: 1, nn.ConstantPad2d: 2, nn.ConstantPad3d: 3, nn.ZeroPad1d: 1, nn.ZeroPad2d: 2,
-            nn.ZeroPad3d: 3}[type(module)]
-    return _pad({"pad": module.padding, "mode": "constant", "value": module.value}, rank + 2)
+_PAD_MODULES = {
+    **{cls: ("constant", rank) for rank, cls in ((1, nn.ConstantPad1d), (2, nn.ConstantPad2d), (3, nn.ConstantPad3d),
+                                                 (1, nn.ZeroPad1d), (2, nn.ZeroPad2d), (3, nn.ZeroPad3d))},
+    **{cls: ("reflect", rank) for rank, cls in ((1, nn.ReflectionPad1d), (2, nn.ReflectionPad2d),
+                                                (3, nn.ReflectionPad3d))},
+    **{cls: ("replicate", rank) for rank, cls in ((1, nn.ReplicationPad1d), (2, nn.ReplicationPad2d),
+                                                  (3, nn.ReplicationPad3d))},
+    **{cls: ("circular", rank) for rank, cls in ((1, nn.CircularPad1d), (2, nn.CircularPad2d),
+                                                 (3, nn.CircularPad3d))},
+}
+
+
+def _pad_module(module: nn.Module, target: str) -> dict[str, Any]:
+    mode, rank = _PAD_MODULES[type(module)]
+    return _pad({"pad": module.padding, "mode": mode, "value": getattr(module, "value", 0)}, rank + 2)
 
 
 def _channel_shuffle_module(module: nn.ChannelShuffle, target: str) -> dict[str, Any]:
@@ -523,13 +541,12 @@ def _flatten(start_dim: Any, end_dim: Any) -> dict[str, Any]:
     return {"type": "flatten"}
 
 
-# torch's own functions are overloaded C builtins: fx's normaliser has to pick an overload and
-# finds torch.cat ambiguous on torch 2.11, so their arguments are bound to these signatures.
+# torch's own functions are overloaded C builtins whose overload fx's normaliser has to pick
+# (ambiguous on some torch versions): their arguments are bound to these signatures.
 _BUILTIN_SIGNATURES = {
     function: inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, **extra)
                                  for name, extra in parameters])
     for function, parameters in (
-        (torch.cat, (("tensors", {}), ("dim", {"default": 0}))),
         (torch.relu, (("input", {}),)),
         (torch.relu_, (("input", {}),)),
     )
@@ -552,9 +569,9 @@ def _keyword_arguments(node: torch.fx.Node, root: nn.Module) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> _FunctionTranslator:
     """A function translator: the layer from the kwargs, reading the ``input`` kwarg."""
-    return lambda kwargs: {**translate(kwargs), "inputs": [kwargs["input"]]}
+    return lambda kwargs, node, values: {**translate(kwargs), "inputs": [kwargs["input"]]}
 
 
 # -- functions and methods -------------------------------------------------------------------
@@ -562,18 +579,24 @@ def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Cal
 
 def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
     """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end."""
-    if args.get("mode", "constant") != "constant" or (args.get("value") or 0) != 0:
-        raise _Unsupported(f"only constant zero padding is supported (mode={args.get('mode')!r}, value={args.get('value')!r})")
+    mode, value = args.get("mode", "constant"), args.get("value") or 0
+    if mode not in ("constant", "reflect", "replicate", "circular"):
+        raise _Unsupported(f"mode={mode!r} is not supported (constant, reflect, replicate, circular)")
+    if mode == "constant" and value not in (0, -math.inf):
+        raise _Unsupported(f"padding with the constant {value!r} is not positively homogeneous (a padded neuron keeps "
+                           "its value whatever its channel's scale); only 0, and -inf before max pooling, are")
+    if mode == "constant":
+        mode = "-inf" if value == -math.inf else "zeros"
     pad = list(args["pad"])
     spatial = rank - 2
     if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) or v < 0 for v in pad):
         raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pad={tuple(pad)})")
     pairs = [(0, 0)] * (spatial - len(pad) // 2) + [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
-    return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs]}
+    return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs], "mode": mode}
 
 
-def _pad_function(kwargs: Mapping[str, Any], rank: int) -> dict[str, Any]:
-    return {**_pad(kwargs, rank), "inputs": [kwargs["input"]]}
+def _pad_function(kwargs: Mapping[str, Any], node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> dict[str, Any]:
+    return {**_pad(kwargs, _rank(kwargs["input"], values)), "inputs": [kwargs["input"]]}
 
 
 def _scale(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -637,9 +660,11 @@ def _upsample(args: Mapping[str, Any]) -> dict[str, Any]:
     return layer
 
 
-def _interpolate_function(kwargs: Mapping[str, Any], output: Any) -> dict[str, Any]:
+def _interpolate_function(kwargs: Mapping[str, Any], node: torch.fx.Node,
+                          values: Mapping[torch.fx.Node, Any]) -> dict[str, Any]:
     """F.interpolate; a size computed from other tensors' shapes (``size=skip.shape[2:]``) is
     the one the traced run produced, a constant for the input shape the graph is built for."""
+    output = values.get(node)
     size = kwargs.get("size")
     sizes = size if isinstance(size, (list, tuple)) else [size]
     if size is not None and not all(isinstance(v, int) for v in sizes) and isinstance(output, torch.Tensor):
@@ -653,10 +678,19 @@ def _dropout(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "identity"}
 
 
-def _cat(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    if kwargs.get("dim", 0) != 1:
-        raise _Unsupported(f"only concatenation along dim 1 (channels) is supported (got dim={kwargs.get('dim', 0)})")
-    return {"type": "concat", "inputs": list(kwargs["tensors"])}
+def _cat(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    """``torch.cat(tensors, dim)`` from the raw arguments: fx's normaliser cannot match
+    torch.cat's overloads (``dim`` as an int or a name) on every torch version."""
+    args, kwargs = node.args, node.kwargs
+    if len(args) > 2 or set(kwargs) - {"tensors", "dim"} or (args and "tensors" in kwargs):
+        raise _Unsupported("only torch.cat(tensors, dim) is supported")
+    tensors = args[0] if args else kwargs.get("tensors")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if dim != 1:
+        raise _Unsupported(f"only concatenation along dim 1 (channels) is supported (got dim={dim})")
+    if not isinstance(tensors, (list, tuple)):
+        raise _Unsupported("its tensors must be a list or tuple of tensors")
+    return [{"type": "concat", "inputs": list(tensors)}]
 
 
 def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -667,8 +701,66 @@ def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "add", "inputs": list(args)}
 
 
-def _relu_method(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    return {"type": "relu", "inputs": [args[0]]}
+def _relu_method(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    return [{"type": "relu", "inputs": [node.args[0]]}]
+
+
+def _add_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    shift = _per_channel_pair(node, values)
+    if shift is None:
+        return [_add(node.args, node.kwargs)]
+    product, shift_key = shift
+    scaled = _per_channel_pair(product, values) if _is_product(product) and len(product.users) == 1 else None
+    if scaled is None:
+        raise _Unsupported(f"adding the stored tensor '{shift_key}' is only supported as the shift after a "
+                           "per-channel scale (x * scale + shift): a constant added to anything else is not "
+                           "positively homogeneous")
+    x, scale_key = scaled
+    return [{"type": "channel_affine", "weight": scale_key, "bias": shift_key, "inputs": [x]}]
+
+
+def _scale_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    scaled = _per_channel_pair(node, values) if _is_product(node) else None
+    if scaled is None:
+        return [_scale(node.target, node.args, node.kwargs)]
+    (user,) = node.users if len(node.users) == 1 else (None,)
+    if user is not None and _is_sum(user) and _per_channel_pair(user, values) is not None:
+        return []  # the scale of ``x * scale + shift``: translated with the shift
+    x, scale_key = scaled
+    return [{"type": "channel_affine", "weight": scale_key, "bias": None, "inputs": [x]}]
+
+
+def _is_product(node: torch.fx.Node) -> bool:
+    return node.target in (operator.mul, operator.imul, torch.mul, "mul", "mul_")
+
+
+def _is_sum(node: torch.fx.Node) -> bool:
+    return node.target in (operator.add, operator.iadd, torch.add, "add", "add_")
+
+
+def _per_channel_pair(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> tuple[Any, str] | None:
+    """``(x, key)`` when ``node`` combines activation ``x`` with a stored tensor (a get_attr:
+    its state_dict key) that holds one value per channel of ``x``; None when it reads no stored
+    tensor. A stored tensor of another shape is refused."""
+    if len(node.args) != 2 or node.kwargs:
+        return None
+    stored = [a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    if len(stored) != 1:
+        return None
+    (x,) = [a for a in node.args if a is not stored[0]]
+    tensor, activation = values.get(stored[0]), values.get(x) if isinstance(x, torch.fx.Node) else None
+    if not isinstance(tensor, torch.Tensor) or not isinstance(activation, torch.Tensor):
+        raise _Unsupported(f"the stored tensor '{stored[0].target}' cannot be matched to its activation's channels")
+    aligned = (1,) * (activation.dim() - tensor.dim()) + tuple(tensor.shape)
+    if (tensor.dim() > activation.dim() or activation.shape[1] == 1 or aligned[1] != activation.shape[1]
+            or any(size != 1 for axis, size in enumerate(aligned) if axis != 1)):
+        raise _Unsupported(f"the stored tensor '{stored[0].target}' of shape {tuple(tensor.shape)} does not hold one "
+                           f"value per channel of an activation of shape {tuple(activation.shape)}")
+    return x, stored[0].target
+
+
+def _mean_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    return _mean(node.args, node.kwargs, values)
 
 
 def _is_whole_shape(node: Any) -> bool:
@@ -700,12 +792,7 @@ _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.BatchNorm2d: _batchnorm,
     nn.BatchNorm3d: _batchnorm,
     nn.PReLU: _prelu,
-    nn.ZeroPad1d: _pad_module,
-    nn.ZeroPad2d: _pad_module,
-    nn.ZeroPad3d: _pad_module,
-    nn.ConstantPad1d: _pad_module,
-    nn.ConstantPad2d: _pad_module,
-    nn.ConstantPad3d: _pad_module,
+    **dict.fromkeys(_PAD_MODULES, _pad_module),
     nn.ChannelShuffle: _channel_shuffle_module,
     nn.ReLU: _fixed("relu"),
     nn.LeakyReLU: _by_attributes(_leaky_relu),
@@ -728,7 +815,7 @@ _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.UpsamplingBilinear2d: _by_attributes(_upsample),
 }
 
-_FUNCTIONS: dict[Callable[..., Any], Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+_FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
     F.relu: _with_input(_fixed("relu")),
     torch.relu: _with_input(_fixed("relu")),
     torch.relu_: _with_input(_fixed("relu")),
@@ -746,11 +833,17 @@ _FUNCTIONS: dict[Callable[..., Any], Callable[[Mapping[str, Any]], dict[str, Any
     F.pad: _pad_function,
     F.interpolate: _interpolate_function,
     F.upsample: _interpolate_function,
-    torch.cat: _cat,
 }
 
-_PRODUCTS = (operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div)
-_MEANS = (torch.mean,)
+# Functions read from their raw arguments: overloaded (torch.add's and torch.cat's schemas are
+# ambiguous to fx's normaliser) or operators.
+_CALLS: dict[Callable[..., Any], _CallTranslator] = {
+    **dict.fromkeys((operator.add, operator.iadd, torch.add), _add_call),
+    **dict.fromkeys((operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div),
+                    _scale_call),
+    torch.mean: _mean_call,
+    torch.cat: _cat,
+}
 
 # Pure data movement, replayed on index tensors (see _Movements).
 _MOVEMENT_FUNCTIONS = (
@@ -768,12 +861,10 @@ def _is_movement(node: torch.fx.Node) -> bool:
         return node.target in _MOVEMENT_FUNCTIONS
     return node.op == "call_method" and node.target in _MOVEMENT_METHODS
 
-# torch.add's schema is ambiguous to fx's normaliser, so additions read the raw arguments.
-_ADDITIONS = (operator.add, operator.iadd, torch.add)
-
-_METHODS: dict[str, Callable[[Sequence[Any], Mapping[str, Any]], dict[str, Any]]] = {
+_METHODS: dict[str, _CallTranslator] = {
     "relu": _relu_method,
     "relu_": _relu_method,
-    "add": _add,
-    "add_": _add,
+    **dict.fromkeys(("add", "add_"), _add_call),
+    **dict.fromkeys(("mul", "mul_", "div", "div_"), _scale_call),
+    "mean": _mean_call,
 }

@@ -2,8 +2,8 @@
 
 Importers replay a chain of such operations on an index tensor (each element holds its own
 flat position in the source) and ask :func:`movement_layer` what the chain amounts to: the
-identity, a flatten, a channel slice, a channel shuffle, or any other selection of whole
-channels (a gather). Anything else mixes neurons of different channels or of the batch and
+identity, a flatten, a channel slice, a channel shuffle, any other selection of whole
+channels (a gather), or a reflect, replicate or circular padding. Anything else mixes neurons of different channels or of the batch and
 is refused with the reason.
 """
 
@@ -46,7 +46,58 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
                         channels, torch.arange(shape[0]).reshape(groups, -1).t().reshape(-1)):
                     return {"type": "channel_shuffle", "groups": groups}
             return {"type": "channel_gather", "channels": channels.tolist()}
+    pad = _copying_pad(shape, index)
+    if pad is not None:
+        return pad
     raise UnsupportedMovement(
         f"it reshapes {shape} to {tuple(index.shape)} (batch excluded): only a flatten to (batch, features), "
-        "or a selection of whole channels (slice, split, shuffle, gather) is supported"
+        "a selection of whole channels (slice, split, shuffle, gather), or a reflect, replicate or circular "
+        "padding is supported"
     )
+
+
+def _pad_sources(size: int, begin: int, end: int, mode: str) -> torch.Tensor:
+    """The input position each output position of a 1-d pad copies."""
+    positions = torch.arange(-begin, size + end)
+    if mode == "circular":
+        return positions % size
+    if mode == "replicate":
+        return positions.clamp(0, size - 1)
+    period = 2 * (size - 1)
+    folded = positions % period
+    return torch.where(folded >= size, period - folded, folded)
+
+
+def _computable(size: int, begin: int, end: int, mode: str) -> bool:
+    """Whether torch's F.pad computes this pad (a reflection shorter than the axis, a wrap no longer)."""
+    limit = {"circular": size, "reflect": size - 1}.get(mode)
+    return limit is None or max(begin, end) <= limit
+
+
+def _copying_pad(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:
+    """The pad layer an index map amounts to when every output pixel copies an input pixel of
+    its own channel in reflect, replicate or circular fashion (the TorchScript exporter writes
+    circular padding as Slices and Concats), or None."""
+    if len(shape) < 2 or index.dim() != len(shape) or index.shape[0] != shape[0]:
+        return None
+    strides = [prod(shape[axis + 1:]) for axis in range(len(shape))]
+    for mode in ("circular", "reflect", "replicate"):
+        begins, ends, expected = [], [], torch.arange(shape[0]).reshape(-1, *[1] * (len(shape) - 1)) * strides[0]
+        for axis, size in enumerate(shape[1:], start=1):
+            extra = index.shape[axis] - size
+            if extra < 0 or (mode == "reflect" and size < 2):
+                break
+            profile = index.select(0, 0).movedim(axis - 1, 0).reshape(index.shape[axis], -1)[:, 0] // strides[axis] % size
+            begin = next((b for b in range(extra + 1) if _computable(size, b, extra - b, mode)
+                          and torch.equal(_pad_sources(size, b, extra - b, mode), profile)), None)
+            if begin is None:
+                break
+            begins.append(begin)
+            ends.append(extra - begin)
+            view = [1] * len(shape)
+            view[axis] = index.shape[axis]
+            expected = expected + _pad_sources(size, begin, extra - begin, mode).reshape(view) * strides[axis]
+        else:
+            if torch.equal(index, expected.expand(index.shape)):
+                return {"type": "pad", "begin": tuple(begins), "end": tuple(ends), "mode": mode}
+    return None

@@ -29,7 +29,7 @@ from onnx import external_data_helper, numpy_helper
 from ..errors import InputError, OutputError, UnsupportedModelError
 from ..fileio import atomic_write, describe, output_error_from
 from ..graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
     Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
 )
 from ..model import LoadedModel
@@ -717,15 +717,7 @@ class _Translator:
 
     def _move(self, node: onnx.NodeProto, transform: Callable[[torch.Tensor], torch.Tensor | list[torch.Tensor]]) -> None:
         """Record ``node`` (Reshape, Transpose, Split, Slice, ...) as data movement of its input 0."""
-        x = self._viewed_activation(node)
-        if x in self.moves:
-            source, index, _ = self.moves[x]
-        else:
-            source = x
-            shape = self.shapes.get(x)
-            if shape is None or any(d is None for d in shape):
-                raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{x}'")
-            index = torch.arange(prod(shape)).reshape(shape)
+        source, index = self._index_map(self._viewed_activation(node))
         try:
             results = transform(index)
         except (RuntimeError, ValueError, IndexError) as exc:
@@ -734,6 +726,17 @@ class _Translator:
         for value, result in zip(node.output, results):
             if value:
                 self.moves[value] = (source, result, node)
+
+    def _index_map(self, value: str) -> tuple[str, torch.Tensor]:
+        """Activation ``value`` as (the activation it moves, index map): its pending data
+        movement, or itself and the identity."""
+        if value in self.moves:
+            source, index, _ = self.moves[value]
+            return source, index
+        shape = self.shapes.get(value)
+        if shape is None or any(d is None for d in shape):
+            raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{value}'")
+        return value, torch.arange(prod(shape)).reshape(shape)
 
     def _is_static(self, value: str) -> bool:
         return bool(value) and value not in self.activations
@@ -925,15 +928,21 @@ class _Translator:
         self._emit_for(node, PReLU, x, weight=weight.key)
 
     def _scale(self, node: onnx.NodeProto) -> None:
-        """Mul or Div by a stored scalar: a fixed edge of that weight."""
+        """Mul or Div by a stored scalar: a fixed edge of that weight. Mul by a stored per-channel
+        tensor: a per-channel scale (its DAG parameters), whose shift an Add may follow."""
         static = [i for i, v in enumerate(node.input) if self._is_static(v)]
         if len(static) != 1:
             raise _NotHomogeneous()
         if node.op_type == "Div" and static[0] == 0:
             raise _Unsupported("dividing a constant by an activation is not homogeneous")
+        x = self._activation(node, 1 - static[0])
+        if node.op_type == "Mul" and self._is_per_channel(node.input[static[0]], x):
+            self._emit_for(node, ChannelAffine, x, weight=self._weight(node.input[static[0]]).key)
+            return
         constant = self._static_floats(node.input[static[0]])
         if constant is None or len(constant) != 1:
-            raise _Unsupported(f"only multiplication or division by a stored scalar is supported ('{node.input[static[0]]}')")
+            raise _Unsupported(f"only multiplication by a stored scalar or a per-channel tensor, or division by a "
+                               f"stored scalar, is supported ('{node.input[static[0]]}')")
         factor = constant[0]
         if node.op_type == "Div":
             if factor == 0:
@@ -941,17 +950,32 @@ class _Translator:
             factor = 1.0 / factor
         if not math.isfinite(factor):
             raise _Unsupported(f"the constant factor {factor} is not finite")
-        self._emit_for(node, Scale, self._activation(node, 1 - static[0]), factor=factor)
+        self._emit_for(node, Scale, x, factor=factor)
+
+    def _is_per_channel(self, value: str, x: str) -> bool:
+        """Whether stored ``value`` holds one value per channel of activation ``x`` (broadcast
+        along every other axis, e.g. ``[C, 1, 1]`` against ``(N, C, H, W)``)."""
+        shape, x_shape = self.shapes.get(value), self.shapes.get(x)
+        if shape is None or x_shape is None or len(shape) > len(x_shape) or None in shape or x_shape[1] in (None, 1):
+            return False
+        aligned = (1,) * (len(x_shape) - len(shape)) + tuple(shape)
+        return aligned[1] == x_shape[1] and all(size == 1 for axis, size in enumerate(aligned) if axis != 1)
 
     def _pad(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
-        mode = _string(node, "mode", "constant")
+        onnx_mode = _string(node, "mode", "constant")
         rank = self._rank(x)
         pads = self._static_ints(node.input[1]) if len(node.input) > 1 and node.input[1] else None
         value = self._static_floats(node.input[2]) if len(node.input) > 2 and node.input[2] else [0.0]
         axes = self._static_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else list(range(rank))
-        if mode != "constant" or value != [0.0] and value != [0]:
-            raise _Unsupported(f"only constant zero padding is supported (mode {mode!r}, value {value})")
+        mode = _PAD_MODES.get(onnx_mode)
+        if mode is None:
+            raise _Unsupported(f"mode {onnx_mode!r} is not supported (constant, reflect, edge, wrap)")
+        if mode == "zeros" and value == [-math.inf]:
+            mode = "-inf"
+        elif mode == "zeros" and value not in ([0.0], [0]):
+            raise _Unsupported(f"padding with the constant {value} is not positively homogeneous (a padded neuron "
+                               "keeps its value whatever its channel's scale); only 0, and −inf before max pooling, are")
         if pads is None or axes is None:
             raise _Unsupported("its pads and axes must be stored tensors")
         begin, end = [0] * rank, [0] * rank
@@ -959,7 +983,7 @@ class _Translator:
             begin[axis % rank], end[axis % rank] = before, after
         if begin[:2] != [0, 0] or end[:2] != [0, 0] or min(begin + end) < 0:
             raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pads {pads})")
-        self._emit_for(node, Pad, x, begin=tuple(begin[2:]), end=tuple(end[2:]))
+        self._emit_for(node, Pad, x, begin=tuple(begin[2:]), end=tuple(end[2:]), mode=mode)
 
     def _resize(self, node: onnx.NodeProto) -> None:
         """Resize as torch exports nn.Upsample/F.interpolate: nearest (asymmetric, floor) or linear
@@ -1157,33 +1181,54 @@ class _Translator:
     def _add(self, node: onnx.NodeProto) -> None:
         static = [v for v in node.input if self._is_static(v)]
         if not static:
+            # Broadcasting is checked with the graph's shapes (graph.broadcast_problem).
             values = [self._activation(node, i) for i in range(len(node.input))]
-            shapes = {self._known_batch_free_shape(v) for v in values} - {None}
-            if len(shapes) > 1:
-                shown = ", ".join(map(str, sorted(shapes)))
-                raise _Unsupported(f"the summed tensors have different shapes {shown}; broadcasting is not supported")
             self._emit_for(node, Add, *values)
             return
         if len(node.input) != 2 or len(static) != 1:
-            raise _Unsupported("only a sum of activations, or a bias added after MatMul, is supported")
+            raise _Unsupported("only a sum of activations, or a bias added after MatMul or a per-channel scale, "
+                               "is supported")
         self._fuse_bias(node, self._activation(node, 1 - list(node.input).index(static[0])), static[0])
 
     def _fuse_bias(self, node: onnx.NodeProto, x: str, bias_value: str) -> None:
-        """``MatMul`` then ``Add`` of a stored vector: that vector is the Linear layer's bias."""
+        """``MatMul`` then ``Add`` of a stored vector: that vector is the Linear layer's bias; a
+        per-channel scale (Mul) then ``Add`` of a stored per-channel tensor: its shift."""
         layer = self.nodes.get(self._source(x))
-        if not isinstance(layer, Linear) or layer.bias is not None or self._readers(x) != 1:
+        if isinstance(layer, ChannelAffine) and layer.bias is None and self._readers(x) == 1 and self._is_per_channel(
+                bias_value, x):
+            bias = self._weight(bias_value).key
+        elif isinstance(layer, Linear) and layer.bias is None and self._readers(x) == 1:
+            bias = self._plain_weight(bias_value, "bias", 1)
+        else:
             raise _Unsupported(
-                f"adding the constant '{bias_value}' is only supported as the bias of a MatMul whose only reader it is"
+                f"adding the constant '{bias_value}' is only supported as the bias of a MatMul, or the per-channel "
+                "shift after a per-channel scale (Mul), whose only reader it is: a constant added to anything else "
+                "is not positively homogeneous"
             )
-        self.nodes[layer.name] = dataclasses.replace(layer, bias=self._plain_weight(bias_value, "bias", 1))
+        self.nodes[layer.name] = dataclasses.replace(layer, bias=bias)
         self.node_of_value[node.output[0]] = layer.name
 
     def _concat(self, node: onnx.NodeProto) -> None:
+        axis = _int(node, "axis", 1) % self._rank(node.output[0])
+        if axis != 1:
+            self._concat_moves(node, axis)
+            return
         values = [self._activation(node, i) for i in range(len(node.input))]
-        axis = _int(node, "axis", 1)
-        if axis % self._rank(node.output[0]) != 1:
-            raise _Unsupported(f"only concatenation along the channel axis is supported (axis={axis})")
         self._emit_for(node, Concat, *values)
+
+    def _concat_moves(self, node: onnx.NodeProto, axis: int) -> None:
+        """Concat along another axis of pieces of one activation (the TorchScript exporter writes
+        circular padding as Slices and a Concat): data movement of that activation."""
+        pieces = []
+        for i, value in enumerate(node.input):
+            if value not in self.activations:
+                raise _Unsupported(f"only concatenation along the channel axis, or of pieces of one activation, is "
+                                   f"supported (axis={axis}; input {i} is a constant)")
+            pieces.append(self._index_map(value))
+        if len({source for source, _ in pieces}) != 1:
+            raise _Unsupported(f"only concatenation along the channel axis, or of pieces of one activation, is "
+                               f"supported (axis={axis})")
+        self.moves[node.output[0]] = (pieces[0][0], torch.cat([index for _, index in pieces], dim=axis), node)
 
     def _spatial_rank(self, value: str) -> int:
         rank = self._rank(value)
@@ -1191,6 +1236,9 @@ class _Translator:
             raise _Unsupported(f"pooling needs a 1-d, 2-d or 3-d feature map ('{value}' has rank {rank})")
         return rank - 2
 
+
+# ONNX Pad modes as the graph's (a constant is zeros or -inf by its value).
+_PAD_MODES = {"constant": "zeros", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}
 
 _HANDLERS: dict[str, Callable[[_Translator, onnx.NodeProto], None]] = {
     "Gemm": _Translator._gemm,

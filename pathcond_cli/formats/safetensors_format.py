@@ -28,7 +28,7 @@ import torch
 
 from ..errors import InputError, InvalidWeightsError, OutputError
 from ..fileio import atomic_write, is_companion_name
-from ..graph import Conv, Graph, Linear
+from ..graph import Graph
 from ..model import LoadedModel
 from . import check_weight_types, contained_file, named_by_another_file, parse_json, shown
 from .fx_import import graph_from_module, load_factory
@@ -372,7 +372,7 @@ def _check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display:
     except InputError as exc:
         missing_biases = [
             node.name for node in graph.nodes
-            if isinstance(node, (Linear, Conv)) and node.bias is not None and node.bias not in params
+            if "bias" in node.optional_roles and node.bias is not None and node.bias not in params
         ]
         hint = (
             f"\n(layers {', '.join(missing_biases)} have no bias tensor: a layer without bias needs 'bias: null' in the spec)"

@@ -21,29 +21,23 @@ input shape. That is why every input needs a shape (in the spec or from ``input_
 from __future__ import annotations
 
 import json
-import math
 import stat
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..errors import InputError
-from ..graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
-    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU,
-    ReLU, Scale, Upsample, node_attributes,
-)
-from ..rules import Rule, rule_for
+from ..graph import NODE_TYPES, AdaptiveAvgPool, Graph, Identity, Input, Node, node_attributes
+from ..schema import REQUIRED, ints
 
 FORMAT_VERSION = 1
 MAX_SPEC_BYTES = 10_000_000
 MAX_SPEC_DEPTH = 64
 _PROBLEMS_SHOWN = 40
 
-_REQUIRED = object()
 
 
 @dataclass(frozen=True)
@@ -51,85 +45,7 @@ class _Field:
     """A hyper-parameter: ``convert`` validates a raw value (raising ValueError) and normalises it."""
 
     convert: Callable[[Any], Any]
-    default: Any = _REQUIRED
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _ints(minimum: int) -> Callable[[Any], tuple[int, ...]]:
-    def convert(value: Any) -> tuple[int, ...]:
-        items = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not items or not all(_is_int(v) and v >= minimum for v in items):
-            raise ValueError(f"must be an integer >= {minimum} or a list of them")
-        return tuple(items)
-
-    return convert
-
-
-def _int(minimum: int) -> Callable[[Any], int]:
-    def convert(value: Any) -> int:
-        if not _is_int(value) or value < minimum:
-            raise ValueError(f"must be an integer >= {minimum}")
-        return value
-
-    return convert
-
-
-def _float(requirement: str, accept: Callable[[float], bool] = math.isfinite) -> Callable[[Any], float]:
-    def convert(value: Any) -> float:
-        number = None
-        if _is_int(value) or isinstance(value, float):
-            number = float(value)
-        elif isinstance(value, str):
-            # PyYAML (YAML 1.1) reads "1e-5" without a dot as a string.
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None or not math.isfinite(number) or not accept(number):
-            raise ValueError(f"must be {requirement}")
-        return number
-
-    return convert
-
-
-def _optional_sizes(value: Any) -> tuple[int, ...]:
-    """An output size, or none (``null`` or ``[]``) when a scale factor is given instead."""
-    return () if value is None or value == [] else _ints(1)(value)
-
-
-def _positive_floats(value: Any) -> tuple[float, ...]:
-    """Scale factors, or none (``null`` or ``[]``) when an output size is given instead."""
-    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-    convert = _float("a number > 0", lambda x: x > 0)
-    try:
-        return tuple(convert(v) for v in items) if items else ()
-    except ValueError:
-        raise ValueError("must be a number > 0 or a list of them") from None
-
-
-def _choice(*choices: str) -> Callable[[Any], str]:
-    def convert(value: Any) -> str:
-        if value not in choices:
-            raise ValueError(f"must be one of {', '.join(map(repr, choices))}")
-        return value
-
-    return convert
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError("must be true or false")
-    return value
-
-
-_KERNEL = _Field(_ints(1))
-_STRIDE_OF_POOL = _Field(_ints(1), None)  # None: the kernel size, as in torch
-_PADDING = _Field(_ints(0), (0,))
-_DILATION = _Field(_ints(1), (1,))
-_CEIL_MODE = _Field(_bool, False)
+    default: Any = REQUIRED
 
 
 @dataclass(frozen=True)
@@ -149,61 +65,18 @@ class _LayerType:
     ignored: tuple[str, ...] = ()
 
 
+def _layer_type(node: type[Node], **alias: Any) -> _LayerType:
+    """The spec type of a node class: its validated fields and tensor roles (``alias``: pinned
+    or ignored fields of an alias type)."""
+    hyper = {f.name: _Field(f.metadata["convert"], f.metadata["spec_default"])
+             for f in fields(node) if "convert" in f.metadata and f.name not in alias.get("pinned", {})}
+    return _LayerType(node, hyper, tuple(node.roles), node.optional_roles, **alias)
+
+
 LAYER_TYPES: dict[str, _LayerType] = {
-    "input": _LayerType(Input, {"shape": _Field(_ints(1), None)}),
-    "linear": _LayerType(Linear, {"weight_transposed": _Field(_bool, False)}, ("weight", "bias"), ("bias",)),
-    "conv": _LayerType(
-        Conv,
-        {"stride": _Field(_ints(1), (1,)), "padding": _PADDING, "dilation": _DILATION, "groups": _Field(_int(1), 1)},
-        ("weight", "bias"),
-        ("bias",),
-    ),
-    "conv_transpose": _LayerType(
-        ConvTranspose,
-        {"stride": _Field(_ints(1), (1,)), "padding": _PADDING, "output_padding": _PADDING, "dilation": _DILATION,
-         "groups": _Field(_int(1), 1)},
-        ("weight", "bias"),
-        ("bias",),
-    ),
-    "batchnorm": _LayerType(
-        BatchNorm,
-        {
-            "eps": _Field(_float("a number > 0", lambda x: x > 0), 1e-5),
-            "momentum": _Field(_float("a number in [0, 1]", lambda x: 0 <= x <= 1), 0.1),
-        },
-        ("weight", "bias", "running_mean", "running_var"),
-    ),
-    "relu": _LayerType(ReLU),
-    "leaky_relu": _LayerType(LeakyReLU, {"negative_slope": _Field(_float("a finite number"), 0.01)}),
-    "prelu": _LayerType(PReLU, keys=("weight",)),
-    "identity": _LayerType(Identity),
-    "scale": _LayerType(Scale, {"factor": _Field(_float("a finite number"))}),
-    "pad": _LayerType(Pad, {"begin": _PADDING, "end": _PADDING}),
-    "channel_shuffle": _LayerType(ChannelShuffle, {"groups": _Field(_int(1))}),
-    "channel_slice": _LayerType(ChannelSlice, {"start": _Field(_int(0), 0), "stop": _Field(_int(1))}),
-    "channel_gather": _LayerType(ChannelGather, {"channels": _Field(_ints(0))}),
-    "upsample": _LayerType(
-        Upsample,
-        {"mode": _Field(_choice("nearest", "linear"), "nearest"), "size": _Field(_optional_sizes, ()),
-         "scale_factor": _Field(_positive_floats, ()), "align_corners": _Field(_bool, False)},
-    ),
-    "dropout": _LayerType(Identity, ignored=("p",)),
-    "maxpool": _LayerType(
-        MaxPool,
-        {"kernel": _KERNEL, "stride": _STRIDE_OF_POOL, "padding": _PADDING, "dilation": _DILATION, "ceil_mode": _CEIL_MODE},
-    ),
-    "avgpool": _LayerType(
-        AvgPool,
-        {
-            "kernel": _KERNEL, "stride": _STRIDE_OF_POOL, "padding": _PADDING, "ceil_mode": _CEIL_MODE,
-            "count_include_pad": _Field(_bool, True),
-        },
-    ),
-    "adaptive_avgpool": _LayerType(AdaptiveAvgPool, {"output_size": _Field(_ints(1))}),
-    "global_avgpool": _LayerType(AdaptiveAvgPool, pinned={"output_size": (1,)}),
-    "flatten": _LayerType(Flatten),
-    "add": _LayerType(Add),
-    "concat": _LayerType(Concat),
+    **{op: _layer_type(node) for op, node in NODE_TYPES.items()},
+    "dropout": _layer_type(Identity, ignored=("p",)),
+    "global_avgpool": _layer_type(AdaptiveAvgPool, pinned={"output_size": (1,)}),
 }
 
 _TOP_LEVEL_KEYS = ("format_version", "layers", "outputs")
@@ -408,7 +281,7 @@ def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[st
     values["inputs"] = _layer_inputs(label, layer, layer_type, previous, problems)
     for key, spec_field in layer_type.hyper.items():
         if key not in layer:
-            if spec_field.default is _REQUIRED:
+            if spec_field.default is REQUIRED:
                 problems.append(f"{label}: missing required field '{key}'")
             values[key] = spec_field.default
             continue
@@ -460,7 +333,7 @@ def _with_input_shape(nodes: list[Node], input_shape: Sequence[int] | None, prob
     inputs = [n for n in nodes if isinstance(n, Input)]
     if input_shape is not None:
         try:
-            shape = _ints(1)(input_shape)
+            shape = ints(1)(input_shape)
         except ValueError as exc:
             problems.append(f"the input shape {exc}, got {_brief(input_shape)}")
             return nodes
@@ -482,16 +355,15 @@ def _expand_per_axis_fields(graph: Graph, problems: list[str]) -> list[Node]:
     ranks: dict[str, int] = {}
     expanded: list[Node] = []
     for node in graph.nodes:
-        rule = rule_for(node)
         rank = ranks[node.inputs[0]] if node.inputs else 0
-        ranks[node.name] = rule.output_spatial_rank(node, rank)
-        expanded.append(_expand_node(node, rule, rank, problems))
+        ranks[node.name] = node.output_spatial_rank(rank)
+        expanded.append(_expand_node(node, rank, problems))
     return expanded
 
 
-def _expand_node(node: Node, rule: Rule, rank: int, problems: list[str]) -> Node:
+def _expand_node(node: Node, rank: int, problems: list[str]) -> Node:
     label = f"layer '{node.name}' ({node.op})"
-    accepted = rule.input_spatial_ranks
+    accepted = node.input_spatial_ranks
     if accepted is not None and rank not in accepted:
         if accepted == (0,):
             problems.append(f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it")
@@ -500,7 +372,7 @@ def _expand_node(node: Node, rule: Rule, rank: int, problems: list[str]) -> Node
             problems.append(f"{label} needs an input with {shown} spatial axes, but '{node.inputs[0]}' has {rank}")
         return node
     changes = {}
-    for name in rule.per_axis_fields:
+    for name in node.per_axis_fields:
         value = getattr(node, name)
         if len(value) == 1:
             changes[name] = value * rank

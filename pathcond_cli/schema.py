@@ -1,0 +1,96 @@
+"""Validators of node hyper-parameters, attached to the node fields of :mod:`.graph`.
+
+Each validator takes a raw value (from a spec file, or an importer's spec dict), raises
+ValueError with a phrase that completes "'<field>' ..." when it is not acceptable, and
+returns the normalised value the node stores. :func:`hyper` declares a node field with its
+validator and its default in a spec (which may differ from the dataclass default: a spec
+must give a pooling kernel, for instance).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import field
+from typing import Any
+
+REQUIRED = object()
+_SAME = object()
+
+
+def hyper(default: Any, convert: Callable[[Any], Any], *, spec_default: Any = _SAME) -> Any:
+    """A node field validated by ``convert``; ``spec_default``: its value when a spec omits it
+    (:data:`REQUIRED`: a spec must give it), by default the field's own default."""
+    return field(default=default, metadata={"convert": convert,
+                                            "spec_default": default if spec_default is _SAME else spec_default})
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def ints(minimum: int) -> Callable[[Any], tuple[int, ...]]:
+    def convert(value: Any) -> tuple[int, ...]:
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not items or not all(is_int(v) and v >= minimum for v in items):
+            raise ValueError(f"must be an integer >= {minimum} or a list of them")
+        return tuple(items)
+
+    return convert
+
+
+def integer(minimum: int) -> Callable[[Any], int]:
+    def convert(value: Any) -> int:
+        if not is_int(value) or value < minimum:
+            raise ValueError(f"must be an integer >= {minimum}")
+        return value
+
+    return convert
+
+
+def number(requirement: str, accept: Callable[[float], bool] = math.isfinite) -> Callable[[Any], float]:
+    def convert(value: Any) -> float:
+        result = None
+        if is_int(value) or isinstance(value, float):
+            result = float(value)
+        elif isinstance(value, str):
+            # PyYAML (YAML 1.1) reads "1e-5" without a dot as a string.
+            try:
+                result = float(value)
+            except ValueError:
+                pass
+        if result is None or not math.isfinite(result) or not accept(result):
+            raise ValueError(f"must be {requirement}")
+        return result
+
+    return convert
+
+
+def optional_sizes(value: Any) -> tuple[int, ...]:
+    """An output size, or none (``null`` or ``[]``) when a scale factor is given instead."""
+    return () if value is None or value == [] else ints(1)(value)
+
+
+def positive_floats(value: Any) -> tuple[float, ...]:
+    """Scale factors, or none (``null`` or ``[]``) when an output size is given instead."""
+    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    convert = number("a number > 0", lambda x: x > 0)
+    try:
+        return tuple(convert(v) for v in items) if items else ()
+    except ValueError:
+        raise ValueError("must be a number > 0 or a list of them") from None
+
+
+def choice(*choices: str) -> Callable[[Any], str]:
+    def convert(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(repr, choices))}")
+        return value
+
+    return convert
+
+
+def boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value

@@ -1,0 +1,93 @@
+"""What each route supports, node type by node type.
+
+Adding an op means one node class (its schema, in graph.py), one rule (its behaviour, in
+rules.py) and one handler per importer. This table states, for every node class, the ONNX
+op types and the torch operations that produce it, or why a route has none; the tests check
+that the table covers exactly the node classes and that every entry is really registered.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pathcond_cli import graph as g
+from pathcond_cli.formats import fx_import, onnx_format
+from pathcond_cli.formats.spec import LAYER_TYPES
+from pathcond_cli.rules import RULES
+
+# node class -> (ONNX op types, torch modules / functions / Tensor methods); a string states a route's absence.
+ROUTES = {
+    g.Input: ("the graph's single input", "the traced forward's single argument"),
+    g.Linear: (("Gemm", "MatMul"), (nn.Linear,)),
+    g.Conv: (("Conv",), (nn.Conv1d, nn.Conv2d, nn.Conv3d)),
+    g.ConvTranspose: (("ConvTranspose",), (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)),
+    g.BatchNorm: (("BatchNormalization",), (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)),
+    g.ReLU: (("Relu",), (nn.ReLU, F.relu, torch.relu, "relu")),
+    g.LeakyReLU: (("LeakyRelu",), (nn.LeakyReLU, F.leaky_relu)),
+    g.PReLU: (("PRelu",), (nn.PReLU,)),
+    g.Identity: (("Identity", "Dropout"), (nn.Identity, nn.Dropout, F.dropout)),
+    g.Scale: (("Mul", "Div"), (operator.mul, operator.truediv, torch.mul, "mul", "div")),
+    g.MaxPool: (("MaxPool",), (nn.MaxPool2d, F.max_pool2d)),
+    g.AvgPool: (("AveragePool",), (nn.AvgPool2d, F.avg_pool2d)),
+    g.AdaptiveAvgPool: (("GlobalAveragePool", "ReduceMean"), (nn.AdaptiveAvgPool2d, torch.mean, "mean")),
+    g.Pad: (("Pad", "Concat", "Slice"), (nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
+                                         nn.CircularPad2d, nn.Conv2d, F.pad)),
+    g.Flatten: (("Flatten", "Reshape"), (nn.Flatten, torch.flatten, "view")),
+    g.Add: (("Add", "Sum"), (operator.add, torch.add, "add")),
+    g.Concat: (("Concat",), (torch.cat,)),
+    g.ChannelShuffle: (("Reshape", "Transpose"), (nn.ChannelShuffle, torch.channel_shuffle, "transpose")),
+    g.ChannelSlice: (("Split", "Slice"), (torch.chunk, torch.split, "__getitem__", operator.getitem)),
+    g.Upsample: (("Resize",), (nn.Upsample, F.interpolate)),
+    g.ChannelGather: (("Reshape", "Transpose", "Slice"), (torch.reshape, torch.transpose, "view")),
+    g.ChannelAffine: (("Mul", "Add"), (operator.mul, operator.add, "mul", "add")),
+}
+
+_FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS)
+_FX_MOVEMENTS = (*fx_import._MOVEMENT_FUNCTIONS, *fx_import._MOVEMENT_METHODS)
+
+
+def test_the_table_lists_every_node_class():
+    assert set(ROUTES) == set(g.NODE_TYPES.values())
+
+
+@pytest.mark.parametrize("node_type", list(ROUTES), ids=lambda t: t.op)
+def test_every_node_class_has_a_rule_a_spec_type_and_its_importers(node_type):
+    assert type(RULES[node_type]).node_type is node_type
+    assert LAYER_TYPES[node_type.op].node is node_type
+    onnx_ops, fx_ops = ROUTES[node_type]
+    if isinstance(onnx_ops, str):
+        assert onnx_ops
+    else:
+        assert all(op in onnx_format._HANDLERS for op in onnx_ops), onnx_ops
+    if isinstance(fx_ops, str):
+        assert fx_ops
+    else:
+        assert all(any(op in registry for registry in _FX_REGISTRIES) or op in _FX_MOVEMENTS for op in fx_ops), fx_ops
+
+
+@pytest.mark.parametrize("node_type", list(ROUTES), ids=lambda t: t.op)
+def test_every_spec_field_has_a_validator(node_type):
+    """Every hyper-parameter of a node class is declared with its validator (the spec's layer
+    table is derived from them); tensor roles are the other fields."""
+    from dataclasses import fields
+
+    for f in fields(node_type):
+        if f.name in ("name", "inputs"):
+            continue
+        assert "convert" in f.metadata or f.name in node_type.roles, (node_type.op, f.name)
+    assert set(node_type.optional_roles) <= set(node_type.roles)
+    assert set(node_type.per_axis_fields) <= {f.name for f in fields(node_type)}
+
+
+def test_graph_is_the_ground_floor():
+    """graph.py (node classes and their schema) imports nothing from the rules."""
+    import subprocess
+    import sys
+
+    code = "import sys, pathcond_cli.graph; print('pathcond_cli.rules' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
