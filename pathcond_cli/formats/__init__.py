@@ -275,6 +275,25 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def files_read(path: Path | None, arch: str | None) -> list[Path]:
+    """Every file a run on checkpoint ``path`` (None for stdin) with ``--arch arch`` may read,
+    known before loading, the checkpoint first: its shards or external data, the spec file, the
+    sidecar specs beside it when ``arch`` is not given (whether or not the embedded spec makes
+    reading one unnecessary), the Python source of a factory. Never raises."""
+    from .safetensors_format import SPEC_SUFFIXES, sidecar_candidates
+
+    files = checkpoint_files(path) if path is not None else []
+    if arch is not None and arch.lower().endswith(SPEC_SUFFIXES):
+        files.append(Path(arch))
+    elif arch is not None and ":" in arch:
+        from .fx_import import factory_source_files
+
+        files += factory_source_files(arch)
+    elif arch is None and path is not None and path.suffix != ".onnx":
+        files += [candidate for candidate in sidecar_candidates(path) if os.path.lexists(candidate)]
+    return files
+
+
 def available_memory() -> int | None:
     """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit; None if unknown."""
     available = None

@@ -14,6 +14,7 @@ import os
 import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -84,6 +85,37 @@ def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule, input_shape: 
     finally:
         module.train(was_training)
     return values
+
+
+def factory_source_files(spec: str) -> list[Path]:
+    """The files ``import`` executes for ``module.path:callable`` (each package's ``__init__``
+    and the module), found as :func:`load_factory` finds them but without importing anything."""
+    from importlib.machinery import PathFinder
+
+    module_name = spec.rpartition(":")[0]
+    search: list[str] = [os.getcwd(), *sys.path]
+    files = []
+    parts = module_name.split(".") if module_name else []
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        module = sys.modules.get(name)
+        if module is not None:
+            origin, locations = getattr(module, "__file__", None), getattr(module, "__path__", None)
+        else:
+            try:
+                found = PathFinder.find_spec(name, search)
+            except (ImportError, ValueError, OSError):
+                break
+            if found is None:
+                break
+            origin = found.origin if found.has_location else None
+            locations = found.submodule_search_locations
+        if origin:
+            files.append(Path(origin))
+        search = list(locations or [])
+        if not search:
+            break
+    return files
 
 
 def load_factory(spec: str) -> nn.Module:
