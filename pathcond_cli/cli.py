@@ -129,15 +129,22 @@ AllowUnusedOpt = Annotated[bool, typer.Option(
 )]
 
 
+INT64_MAX = 2**63 - 1
+
+
 def _parse_shape(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
         shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
     except ValueError:
-        raise typer.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--input-shape") from None
+        raise typer.BadParameter(f"'{text[:200]}' is not a comma-separated list of integers",
+                                 param_hint="--input-shape") from None
     if not shape or any(d <= 0 for d in shape):
-        raise typer.BadParameter(f"'{text}' must list positive sizes, e.g. 3,32,32", param_hint="--input-shape")
+        raise typer.BadParameter(f"'{text[:200]}' must list positive sizes, e.g. 3,32,32", param_hint="--input-shape")
+    if any(d > INT64_MAX for d in shape):
+        raise typer.BadParameter(f"'{text[:200]}': a size beyond {INT64_MAX} (int64) is no tensor size",
+                                 param_hint="--input-shape")
     return shape
 
 
@@ -194,17 +201,22 @@ def _errors_to_exit_codes() -> Iterator[None]:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         stderr.print("[bold red]error:[/] stdout was closed before the output was complete.")
         raise typer.Exit(EXIT_CODES["output_not_written"]) from None
-    except MemoryError:
-        stderr.print("[bold red]error:[/] out of memory; try --device cuda or a machine with more memory.")
-        raise typer.Exit(1) from None
     except (typer.Exit, typer.Abort, typer.TyperException):
         raise  # usage errors and deliberate exits: typer reports them itself
     except Exception as exc:
+        if _out_of_memory(exc):
+            # The network's passes need more than the machine has: a property of the input (exit 3).
+            message = (f"out of memory: the passes over this network need more memory than is available "
+                       f"({_bounded(exc)}); check the input shape (--input-shape), or run on a machine with more "
+                       f"memory. {NOTHING_WRITTEN}")
+            stderr.print(f"[bold red]error:[/] {_printable(_true_to_disk(message))}", highlight=False, markup=True,
+                         soft_wrap=True)
+            raise typer.Exit(EXIT_CODES["unreadable_input"]) from None
         # A bug in pathcond, not a problem with the input: one paragraph, unless asked for more.
         if os.environ.get(DEBUG_VARIABLE):
             raise
         stderr.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {_printable(str(exc))}\n"
+            f"[bold red]internal error:[/] {_printable(_bounded(exc))}\n"
             f"This is a bug in pathcond {__version__}; please report it with the command line. "
             f"Set {DEBUG_VARIABLE}=1 to see the traceback.",
             highlight=False, markup=True, soft_wrap=True,
@@ -212,6 +224,24 @@ def _errors_to_exit_codes() -> Iterator[None]:
         raise typer.Exit(1) from None
     finally:
         _guarded = False
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, or torch's RuntimeError (CPU or CUDA)."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def _bounded(exc: BaseException) -> str:
+    """An unexpected exception in one line of at most a few hundred characters (it may quote a file)."""
+    from .formats import shown
+
+    return shown(" ".join(f"{type(exc).__name__}: {exc}".split()), BOUNDED_CHARS)
+
+
+BOUNDED_CHARS = 300
 
 
 def _printable(text: str) -> str:

@@ -7,14 +7,17 @@ Every message about a failed write tells the truth about what is on disk.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
+import torch
 import yaml
 
 import pathcond_cli
@@ -285,3 +288,131 @@ def test_stdout_checkpoint_that_fails_never_names_a_scratch_file_as_written(tmp_
     result = _shell(f"{command} > /dev/full", tmp_path)
     assert result.returncode == 6 and b"Traceback" not in result.stderr
     assert b"incomplete" in result.stderr and b"Nothing was written" in result.stderr
+
+
+# -- 7. input never exits 1 (internal error): each case gets its documented code ------------------
+
+
+def _external_entry(d: Path, key: str, value: str) -> list:
+    path = _external_data_onnx(d)
+    model = onnx.load(str(path), load_external_data=False)
+    tensor = model.graph.initializer[0]
+    entries = {entry.key: entry for entry in tensor.external_data}
+    if key not in entries:
+        entries[key] = tensor.external_data.add(key=key)
+    entries[key].value = value
+    onnx.save_model(model, str(path))
+    return ["rescale", path, "-o", d / "o.onnx"]
+
+
+def _onnx_bias_of_one(d: Path) -> list:
+    path = write_onnx_mlp(d / "b.onnx", transform=lambda name, a: a[:1] if name == "fc1.bias" else a)
+    return ["rescale", path, "-o", d / "o.onnx"]
+
+
+def _spec_bias_of_one(d: Path) -> list:
+    tensors = mlp_tensors()
+    tensors["fc1.bias"] = tensors["fc1.bias"][:1]
+    checkpoint, spec = write_mlp(d, tensors=tensors)
+    return ["rescale", checkpoint, "--arch", spec, "-o", d / "o.safetensors"]
+
+
+def _spec_scale(d: Path, factor: float) -> list:
+    spec = mlp_spec()
+    spec["layers"].insert(2, {"name": "gain", "type": "scale", "factor": factor})
+    checkpoint, spec_path = write_mlp(d, spec=spec)
+    return ["rescale", checkpoint, "--arch", spec_path, "-o", d / "o.safetensors"]
+
+
+def _spec_with_digits(d: Path, suffix: str) -> list:
+    checkpoint, _ = write_mlp(d)
+    spec = d / f"digits{suffix}"
+    layers = mlp_spec()["layers"]
+    text = json.dumps({"layers": [{**layers[0], "shape": ["DIGITS"]}, *layers[1:]]}).replace('"DIGITS"', "9" * 5000)
+    if suffix != ".json":
+        text = yaml.safe_dump({"layers": [{**layers[0], "shape": ["DIGITS"]}, *layers[1:]]}).replace("DIGITS", "9" * 5000)
+    spec.write_text(text)
+    return ["rescale", checkpoint, "--arch", spec, "-o", d / "o.safetensors"]
+
+
+def _factory(d: Path, name: str, body: str) -> list:
+    (d / f"{name}.py").write_text(body)
+    checkpoint = d / "f.safetensors"
+    import safetensors.torch
+
+    safetensors.torch.save_file({"0.weight": mlp_tensors()["fc1.weight"], "0.bias": mlp_tensors()["fc1.bias"]},
+                                str(checkpoint))
+    return ["rescale", checkpoint, "--arch", f"{name}:build", "--input-shape", "6", "-o", d / "o.safetensors"]
+
+
+INPUT_CASES = {
+    "external-offset-not-a-number": (lambda d: _external_entry(d, "offset", "abc"), 3, "offset and length"),
+    "external-length-negative": (lambda d: _external_entry(d, "length", "-5"), 3, "offset and length"),
+    "external-length-in-exponent-notation": (lambda d: _external_entry(d, "length", "1e3"), 3, "offset and length"),
+    "onnx-gemm-bias-of-one": (_onnx_bias_of_one, 3, "one bias value for each"),
+    "spec-bias-of-one": (_spec_bias_of_one, 3, "one bias value for each"),
+    # The network overflows float64 by itself: nothing can be verified (exit 5, saying why).
+    "spec-scale-overflowing-float64": (lambda d: _spec_scale(d, 1e308), 5, "not finite"),
+    "spec-integer-of-5000-digits-yaml": (lambda d: _spec_with_digits(d, ".yaml"), 3, "4300 digits"),
+    "spec-integer-of-5000-digits-json": (lambda d: _spec_with_digits(d, ".json"), 3, "4300 digits"),
+    "input-shape-beyond-int64": (lambda d: ["rescale", write_onnx_mlp(d / "n.onnx"), "--input-shape", str(2**63),
+                                            "-o", d / "o.onnx"], 2, "int64"),
+    "factory-calling-sys-exit": (lambda d: _factory(d, "exits_in_build", "import sys\ndef build():\n    sys.exit()\n"),
+                                 3, "sys.exit()"),
+    "factory-calling-sys-exit-0-on-import": (lambda d: _factory(d, "exits_on_import", "import sys\nsys.exit(0)\n"),
+                                             3, "sys.exit(0)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INPUT_CASES))
+def test_input_problems_get_their_documented_exit_code(tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    build, code, needle = INPUT_CASES[case]
+    args = build(tmp_path)
+    stderr = _refused(tmp_path, code, args, needle)
+    assert "internal error" not in stderr
+
+
+@pytest.mark.parametrize("failure", [MemoryError(), RuntimeError(
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+    "320000000000 bytes. Error code 12 (Cannot allocate memory)")], ids=["python", "torch"])
+def test_an_allocation_that_fails_is_exit_3_not_an_internal_error(tmp_path, monkeypatch, failure):
+    checkpoint, spec = write_mlp(tmp_path)
+
+    def allocating(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(pathcond_cli.api, "diag_g", allocating)
+    stderr = _refused(tmp_path, 3, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "o.safetensors"],
+                      "out of memory", "Nothing was written")
+    assert "internal error" not in stderr
+
+
+def _float64_mlp_with_gains(path: Path, gains: list[float]) -> Path:
+    """The float64 test MLP with Mul nodes by ``gains`` after its first ReLU."""
+    model = onnx_mlp_model(transform=lambda name, a: a.astype("float64"))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
+    relu = next(node for node in model.graph.node if node.name == "relu1")
+    source = relu.output[0] = "gained0"
+    for i, gain in enumerate(gains):
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(gain), f"gain{i}"))
+        target = "r1" if i == len(gains) - 1 else f"gained{i + 1}"
+        model.graph.node.insert(2 + i, onnx.helper.make_node("Mul", [source, f"gain{i}"], [target], name=f"gain{i}"))
+        source = target
+    onnx.save_model(model, str(path))
+    return path
+
+
+def test_a_float64_constant_factor_whose_square_overflows_is_rescaled_exactly(tmp_path):
+    """A Mul by 1e200 in float64: c² overflows float64; the squared network keeps it as a logarithm.
+    Oracle: diag(G) of the same network with the factor split in two (1e100 · 1e100, squares that fit)."""
+    path, out = _float64_mlp_with_gains(tmp_path / "big.onnx", [1e200]), tmp_path / "o.onnx"
+    assert_clean_exit(invoke("rescale", path, "-o", out, "-q"), 0)
+    before, after = pathcond_cli.load(path), pathcond_cli.load(out)
+    assert compare(before.graph, before.params, after.params).passed
+    whole = pathcond_cli.analyse(before).diag.log_g
+    split = pathcond_cli.analyse(pathcond_cli.load(_float64_mlp_with_gains(tmp_path / "split.onnx", [1e100, 1e100]))).diag.log_g
+    for a, b in zip(whole, split):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-9)
+    assert max(float(t.max()) for t in whole) > 2 * math.log(1e200)  # the g that the square would have overflowed

@@ -247,9 +247,29 @@ def check_weight_types(graph: Graph, params: Mapping[str, torch.Tensor], source:
                     f"tensor '{shown(key)}' ({role} of '{shown(node.name)}') is empty (shape {tuple(tensor.shape)}): "
                     "a layer with no units has nothing to rescale"
                 )
+        problem = _bias_size_problem(node, params)
+        if problem:
+            problems.append(problem)
     if problems:
         raise InputError(f"{source}: the network's tensors cannot be rescaled:\n"
                          + "\n".join(f"  - {p}" for p in problems))
+
+
+def _bias_size_problem(node, params: Mapping[str, torch.Tensor]) -> str | None:
+    """A layer's bias holds one value per output unit: a bias broadcast from fewer values (ONNX
+    allows a [1] bias for Gemm) ties the units together, and cannot be rescaled unit by unit."""
+    from ..rules import rule_for
+
+    rule = rule_for(node)
+    keys = node.parameter_keys()
+    weight, bias = params.get(keys.get("weight", "")), params.get(keys.get("bias", ""))
+    if weight is None or bias is None or not hasattr(rule, "out_channels") or weight.dim() not in rule.roles["weight"]:
+        return None
+    units = rule.out_channels(node, params)
+    if bias.dim() == 1 and bias.numel() == units:
+        return None
+    return (f"tensor '{shown(keys['bias'])}' (bias of '{shown(node.name)}') has shape {tuple(bias.shape)}; the layer has "
+            f"{units} output units and needs one bias value for each")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -327,7 +347,10 @@ def refuse_beyond_memory(estimate: int, label: str, detail: str) -> None:
 
 
 def _gib(size: int) -> str:
-    return f"{size / 2**30:.3g} GiB"
+    try:
+        return f"{size / 2**30:.3g} GiB"
+    except OverflowError:  # an estimate from a spec's integers has no bound
+        return f"10^{math.log10(size) - 30 * math.log10(2):.0f} GiB"
 
 
 def _one_line(exc: Exception) -> str:

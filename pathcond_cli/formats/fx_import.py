@@ -131,10 +131,10 @@ def load_factory(spec: str) -> nn.Module:
         sys.path.insert(0, os.getcwd())
     try:
         target: Any = importlib.import_module(module_name)
-    except Exception as exc:  # importing runs arbitrary user code, which may raise anything
+    except (Exception, SystemExit) as exc:  # importing runs arbitrary user code, which may raise anything
         raise InputError(
             f"architecture factory '{spec}': cannot import module '{module_name}' "
-            f"({type(exc).__name__}: {exc}); it is looked up on sys.path and in the current directory"
+            f"({_raised(exc)}); it is looked up on sys.path and in the current directory"
         ) from None
     for part in attribute.split("."):
         if not hasattr(target, part):
@@ -144,13 +144,20 @@ def load_factory(spec: str) -> nn.Module:
         raise InputError(f"architecture factory '{spec}': '{attribute}' is not callable")
     try:
         built = target()
-    except Exception as exc:  # the factory is user code
-        raise InputError(f"architecture factory '{spec}': calling {attribute}() failed ({type(exc).__name__}: {exc})") from None
+    except (Exception, SystemExit) as exc:  # the factory is user code; sys.exit() there ends nothing but the factory
+        raise InputError(f"architecture factory '{spec}': calling {attribute}() failed ({_raised(exc)})") from None
     if not isinstance(built, nn.Module):
         raise InputError(
             f"architecture factory '{spec}': {attribute}() returned {type(built).__name__}, not a torch.nn.Module"
         )
     return built
+
+
+def _raised(exc: BaseException) -> str:
+    """What user code raised, in a message; a sys.exit() call is named as such."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})" if exc.code is not None else "it called sys.exit()"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _trace(module: nn.Module, source: str) -> torch.fx.GraphModule:
