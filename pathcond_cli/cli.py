@@ -32,7 +32,7 @@ from .defaults import (
     BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
 )
 from .errors import EXIT_CODES, InputError, OutputError, PathcondError
-from .fileio import NOTHING_WRITTEN, TMP_SUFFIX, atomic_write, describe, sigint_deferred, written_files
+from .fileio import NOTHING_WRITTEN, TMP_SUFFIX, atomic_write, describe, printable, sigint_deferred, written_files
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
@@ -193,7 +193,8 @@ def _errors_to_exit_codes() -> Iterator[None]:
                      soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
-        stderr.print(f"[bold red]interrupted:[/] {_what_is_on_disk()}", highlight=False, markup=True, soft_wrap=True)
+        stderr.print(f"[bold red]interrupted:[/] {_printable(_what_is_on_disk())}", highlight=False, markup=True,
+                     soft_wrap=True)
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
     except BrokenPipeError:
         # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
@@ -245,8 +246,16 @@ BOUNDED_CHARS = 300
 
 
 def _printable(text: str) -> str:
-    """``text`` without rich markup and with undecodable file-name bytes shown as escapes."""
-    return rich.markup.escape(describe(text))
+    """``text`` without rich markup, with undecodable file-name bytes and control characters shown
+    as escapes, and no line longer than :data:`MESSAGE_LINE_CHARS` (a name read from a file may
+    be a megabyte long)."""
+    lines = [line if len(line) <= MESSAGE_LINE_CHARS else
+             f"{line[:MESSAGE_LINE_CHARS]}... ({len(line) - MESSAGE_LINE_CHARS} more characters)"
+             for line in printable(text, keep="\n").split("\n")]
+    return rich.markup.escape("\n".join(lines))
+
+
+MESSAGE_LINE_CHARS = 1000
 
 
 def _true_to_disk(message: str) -> str:

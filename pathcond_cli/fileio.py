@@ -46,6 +46,14 @@ def describe(path: os.PathLike | str) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def printable(text: str, *, keep: str = "") -> str:
+    """``text`` as it can be shown on a terminal: undecodable bytes and every control or format
+    character (ESC, BEL, CR, bidirectional overrides, ...) but those in ``keep`` as backslash
+    escapes, so that a name read from a file cannot drive the terminal."""
+    return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii")
+                   for c in describe(text))
+
+
 def resolve_destination(destination: Path) -> Path:
     """Where writing ``destination`` really lands: a symlink to a regular file is written through."""
     with contextlib.suppress(OSError):

@@ -416,3 +416,99 @@ def test_a_float64_constant_factor_whose_square_overflows_is_rescaled_exactly(tm
     for a, b in zip(whole, split):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-9)
     assert max(float(t.max()) for t in whole) > 2 * math.log(1e200)  # the g that the square would have overflowed
+
+
+# -- 9. names from files never drive the terminal; messages stay short -----------------------------
+
+HOSTILE = "\x1b]0;pwned\x07\x1b[2J[/][bold]"
+
+
+def _hostile_onnx(path: Path) -> Path:
+    model = onnx_mlp_model()
+    for node in model.graph.node:
+        node.name = HOSTILE + node.name
+    onnx.save_model(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("command", ["inspect", "rescale"])
+def test_names_from_files_reach_the_tables_escaped(tmp_path, command):
+    model = _hostile_onnx(tmp_path / "n.onnx")
+    extra = ["-o", tmp_path / "o.onnx"] if command == "rescale" else []
+    result = invoke(command, model, *extra)
+    stderr = assert_clean_exit(result, 0)
+    assert "\x1b" not in stderr and "\x07" not in stderr
+    assert "\\x1b]0;pwned" in stderr  # shown escaped; "[/]" taken as markup would have failed the run
+    with_json = invoke(command, model, *extra, "--json")
+    layers = [row["layer"] for row in json.loads(with_json.stdout)["diag_g"]["per_layer"]]
+    assert layers == [HOSTILE + "fc1", HOSTILE + "fc2", HOSTILE + "fc3"]  # JSON carries the names as they are
+
+
+def test_warnings_with_names_from_files_are_escaped(tmp_path):
+    tensors = {**mlp_tensors(), HOSTILE + "extra": torch.zeros(2)}
+    checkpoint, spec = write_mlp(tmp_path, tensors=tensors)
+    result = invoke("rescale", checkpoint, "--arch", spec, "-o", tmp_path / "o.safetensors", "--allow-unused")
+    stderr = assert_clean_exit(result, 0, "warning")
+    assert "\x1b" not in stderr and "\\x1b]0;pwned" in stderr
+
+
+def test_sidecar_spec_linking_out_of_the_model_folder_is_refused(tmp_path):
+    model_dir, outside = tmp_path / "model", tmp_path / "outside"
+    model_dir.mkdir()
+    outside.mkdir()
+    checkpoint, _ = write_mlp(model_dir, "net")
+    (outside / "secret.yaml").write_text(yaml.safe_dump(mlp_spec()))
+    (model_dir / "net.pathcond.yaml").symlink_to(outside / "secret.yaml")
+    stderr = _refused(tmp_path, 3, ["inspect", checkpoint], "symbolic link", "net.pathcond.yaml")
+    assert "secret" not in stderr
+    # A link that stays inside the folder is followed as before.
+    (model_dir / "net.pathcond.yaml").unlink()
+    (model_dir / "real.yaml").write_text(yaml.safe_dump(mlp_spec()))
+    (model_dir / "net.pathcond.yaml").symlink_to("real.yaml")
+    assert_clean_exit(invoke("inspect", checkpoint, "-q"), 0)
+
+
+MEGABYTE = 2**20
+
+
+def _long_name_cases(d: Path) -> dict[str, tuple[list, int]]:
+    long = "n" * MEGABYTE
+    checkpoint, spec = write_mlp(d)
+    out = ["-o", d / "o.safetensors"]
+    layers = mlp_spec()["layers"]
+    bad_layer = d / "layer.yaml"
+    bad_layer.write_text(yaml.safe_dump({"layers": [*layers, {"name": long, "type": "nonsense"}]}))
+    unused, _ = write_mlp(d, "unused", tensors={**mlp_tensors(), long: torch.zeros(1)})
+    softmax = onnx_mlp_model()
+    softmax.graph.node.append(onnx.helper.make_node("Softmax", ["y"], ["s"], name=long))
+    softmax.graph.output[0].name = "s"
+    onnx.save_model(softmax, str(d / "softmax.onnx"))
+    bias = onnx_mlp_model()
+    bias.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(np.zeros(1, np.float32), long))  # a [1] bias
+    for node in bias.graph.node:
+        node.input[:] = [long if name == "fc1.bias" else name for name in node.input]
+    onnx.save_model(bias, str(d / "bias.onnx"))
+    return {
+        "model-path": (["rescale", d / f"{long}.safetensors"], 3),
+        "output-directory": (["rescale", checkpoint, "--arch", spec, "-o", d / long / "o.safetensors"], 6),
+        "output-name": (["rescale", checkpoint, "--arch", spec, "-o", d / f"{long}.safetensors"], 6),
+        "report-directory": (["rescale", checkpoint, "--arch", spec, *out, "--report", d / long / "r.json"], 6),
+        "plot-directory": (["rescale", checkpoint, "--arch", spec, *out, "--plot", d / long / "p.png"], 6),
+        "spec-path": (["rescale", checkpoint, "--arch", d / f"{long}.yaml", *out], 3),
+        "factory": (["rescale", checkpoint, "--arch", f"{long}:build", "--input-shape", "6", *out], 3),
+        "spec-layer-name": (["rescale", checkpoint, "--arch", bad_layer, *out], 3),
+        "unused-tensor-key": (["rescale", unused, "--arch", spec, *out], 3),
+        "onnx-node-name": (["rescale", d / "softmax.onnx", "-o", d / "o.onnx"], 4),
+        "onnx-tensor-name": (["rescale", d / "bias.onnx", "-o", d / "o.onnx"], 3),
+        "input-shape": (["rescale", checkpoint, "--arch", spec, "--input-shape", "9," * (MEGABYTE // 2) + "a", *out], 2),
+    }
+
+
+@pytest.mark.parametrize("case", ["model-path", "output-directory", "output-name", "report-directory", "plot-directory",
+                                  "spec-path", "factory", "spec-layer-name", "unused-tensor-key", "onnx-node-name",
+                                  "onnx-tensor-name", "input-shape"])
+def test_a_megabyte_name_is_quoted_in_a_few_hundred_characters(tmp_path, case):
+    args, code = _long_name_cases(tmp_path)[case]
+    result = invoke(*args)
+    assert_clean_exit(result, code)
+    assert len(result.stderr) < 5000, f"{len(result.stderr)} characters on stderr"
