@@ -100,16 +100,24 @@ def _minimise(log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: 
         slope = float(gradient @ step)
         if not slope < 0 or -slope <= 1e-13 * max(1.0, abs(current)):
             break
-        t = min(1.0, 2 * REACH / float(step.abs().max()))
-        while t >= MIN_STEP:
-            trial, trial_shares = value(c + t * step)
-            if trial <= current + ARMIJO * t * slope:
-                break
-            t *= 0.5
-        else:
+        moved = armijo_step(value, c, step, current, slope)
+        if moved is None:
             break
-        c, current, shares = c + t * step, trial, trial_shares
+        c, current, shares = moved
     return c
+
+
+def armijo_step(value, c: torch.Tensor, step: torch.Tensor, current: float,
+                slope: float) -> tuple[torch.Tensor, float, torch.Tensor] | None:
+    """Backtrack from a step capped at 2·REACH along ``step`` until F falls enough (Armijo):
+    the new point, F there and its shares; None when no step of at least MIN_STEP does."""
+    t = min(1.0, 2 * REACH / float(step.abs().max()))
+    while t >= MIN_STEP:
+        trial, trial_shares = value(c + t * step)
+        if trial <= current + ARMIJO * t * slope:
+            return c + t * step, trial, trial_shares
+        t *= 0.5
+    return None
 
 
 def _newton_step(shares: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, flow: torch.Tensor,
