@@ -604,7 +604,7 @@ def _fill_closed_output_streams() -> None:
 
     for fd in (1, 2):
         try:
-            writable = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
+            writable = (fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         except OSError:
             writable = False
         if writable:
