@@ -34,8 +34,8 @@ from .defaults import (
 )
 from .errors import EXIT_CODES, InputError, OutputError, PathcondError, batch_exit_code
 from .fileio import (
-    PlannedOutput, atomic_write, check_batch_destinations, check_destination, check_output_directory, describe,
-    resolve_destination, sigint_deferred, written_files,
+    NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations, check_output_directory,
+    describe, printable, resolve_destination, sigint_deferred, written_files,
 )
 
 EXIT_HELP = (
@@ -83,7 +83,16 @@ def _root(
     # Options of ``pathcond`` itself; the help text is the Typer's.
     pass
 
-stderr = Console(stderr=True)
+
+def _console_width() -> int | None:
+    """rich's own choice of width, except for COLUMNS=0, which rich takes as a width of zero
+    and so prints nothing at all, error messages included."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    return FALLBACK_COLUMNS if columns.isdigit() and int(columns) == 0 else None
+
+
+FALLBACK_COLUMNS = 80
+stderr = Console(stderr=True, width=_console_width())
 
 ModelArg = Annotated[list[str], typer.Argument(
     metavar="MODEL",
@@ -103,28 +112,31 @@ ShapeOpt = Annotated[Optional[str], typer.Option(
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
-PlotOpt = Annotated[Optional[Path], typer.Option(
+PlotOpt = Annotated[Optional[str], typer.Option(
     "--plot", help="Also draw log10 diag(G) per layer (before and after) and F per iteration to FILE.png, .svg "
     "or .pdf. Needs matplotlib: pip install 'pathcond[plot]'.",
 )]
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def _check_plot(path: Path | None) -> None:
-    """--plot's usage errors and an unwritable destination, before any work is done."""
-    if path is None:
+def _check_plot(name: str | None) -> None:
+    """--plot's usage errors, before any work is done (its destination is checked with the others)."""
+    if name is None:
         return
+    path = Path(name)
     if path.suffix.lower() not in PLOT_SUFFIXES:
         raise typer.BadParameter(f"'{path}': the plot is written as {', '.join(PLOT_SUFFIXES)}, chosen by the suffix",
                                  param_hint="--plot")
     if importlib.util.find_spec("matplotlib") is None:
         raise typer.BadParameter("drawing a plot needs matplotlib, which is not installed: "
                                  "pip install 'pathcond[plot]'", param_hint="--plot")
-    check_destination(path)
 AllowUnusedOpt = Annotated[bool, typer.Option(
     "--allow-unused", help="Carry checkpoint tensors the architecture does not read through unchanged (a warning), "
     "instead of refusing the checkpoint (exit 3).",
 )]
+
+
+INT64_MAX = 2**63 - 1
 
 
 def _parse_shape(text: str | None) -> tuple[int, ...] | None:
@@ -133,9 +145,13 @@ def _parse_shape(text: str | None) -> tuple[int, ...] | None:
     try:
         shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
     except ValueError:
-        raise typer.BadParameter(f"'{text}' is not a comma-separated list of integers", param_hint="--input-shape") from None
+        raise typer.BadParameter(f"'{text[:200]}' is not a comma-separated list of integers",
+                                 param_hint="--input-shape") from None
     if not shape or any(d <= 0 for d in shape):
-        raise typer.BadParameter(f"'{text}' must list positive sizes, e.g. 3,32,32", param_hint="--input-shape")
+        raise typer.BadParameter(f"'{text[:200]}' must list positive sizes, e.g. 3,32,32", param_hint="--input-shape")
+    if any(d > INT64_MAX for d in shape):
+        raise typer.BadParameter(f"'{text[:200]}': a size beyond {INT64_MAX} (int64) is no tensor size",
+                                 param_hint="--input-shape")
     return shape
 
 
@@ -180,7 +196,8 @@ def _errors_to_exit_codes() -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        stderr.print(f"[bold red]interrupted:[/] {_what_is_on_disk()}", highlight=False, markup=True, soft_wrap=True)
+        stderr.print(f"[bold red]interrupted:[/] {_printable(_what_is_on_disk())}", highlight=False, markup=True,
+                     soft_wrap=True)
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
     except BrokenPipeError:
         # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
@@ -202,22 +219,73 @@ def _failure(exc: Exception) -> tuple[int, str, str]:
     """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure.
     A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
     if isinstance(exc, PathcondError):
-        return exc.exit_code, "error", str(exc)
-    if isinstance(exc, MemoryError):
-        return 1, "error", "out of memory; try --device cuda or a machine with more memory."
+        return exc.exit_code, "error", _true_to_disk(str(exc))
+    if _out_of_memory(exc):
+        # The network's passes need more than the machine has: a property of the input (exit 3).
+        return EXIT_CODES["unreadable_input"], "error", _true_to_disk(
+            f"out of memory: the passes over this network need more memory than is available ({_bounded(exc)}); "
+            f"check the input shape (--input-shape), or run on a machine with more memory. {NOTHING_WRITTEN}")
     if isinstance(exc, typer.TyperException):  # a usage error met while processing one of several files
         return exc.exit_code, "error", exc.format_message()
     if os.environ.get(DEBUG_VARIABLE):
         raise exc
     return 1, "internal error", (
-        f"{type(exc).__name__}: {exc}\nThis is a bug in pathcond {__version__}; please report it with the "
+        f"{_bounded(exc)}\nThis is a bug in pathcond {__version__}; please report it with the "
         f"command line. Set {DEBUG_VARIABLE}=1 to see the traceback."
     )
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, or torch's RuntimeError (CPU or CUDA)."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+def _bounded(exc: BaseException) -> str:
+    """An unexpected exception in one line of at most a few hundred characters (it may quote a file)."""
+    from .formats import shown
+
+    return shown(" ".join(f"{type(exc).__name__}: {exc}".split()), BOUNDED_CHARS)
+
+
+BOUNDED_CHARS = 300
+
 
 def _printable(text: str) -> str:
-    """``text`` without rich markup and with undecodable file-name bytes shown as escapes."""
-    return rich.markup.escape(describe(text))
+    """``text`` without rich markup, with undecodable file-name bytes and control characters shown
+    as escapes, and no line longer than :data:`MESSAGE_LINE_CHARS` (a name read from a file may
+    be a megabyte long)."""
+    lines = [line if len(line) <= MESSAGE_LINE_CHARS else
+             f"{line[:MESSAGE_LINE_CHARS]}... ({len(line) - MESSAGE_LINE_CHARS} more characters)"
+             for line in printable(text, keep="\n").split("\n")]
+    return rich.markup.escape("\n".join(lines))
+
+
+MESSAGE_LINE_CHARS = 1000
+
+
+def _true_to_disk(message: str) -> str:
+    """``message``, whose closing 'Nothing was written.' is not the truth once an earlier output
+    of this run (the checkpoint, or with --in-place the input) was renamed into place."""
+    if not written_files:
+        return message
+    return (message.removesuffix(NOTHING_WRITTEN).rstrip() + " Written in full before this error: "
+            + ", ".join(f"'{describe(path)}'" for path in written_files) + ".")
+
+
+@contextlib.contextmanager
+def _writing_stdout(what: str) -> Iterator[None]:
+    """A write to stdout that fails (its reader went away, a full disk) as an exit-6 error."""
+    try:
+        yield
+    except OSError as exc:
+        # Python flushes stdout again at exit, which would fail again, with a traceback.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        cause = "it was closed" if isinstance(exc, BrokenPipeError) else exc.strerror or str(exc)
+        raise OutputError(f"cannot write {what} to stdout: {cause}; what reached stdout is incomplete. "
+                          f"{NOTHING_WRITTEN}") from None
 
 
 def _what_is_on_disk() -> str:
@@ -291,7 +359,8 @@ def _closed(stream) -> bool:
 def _scratch_directory() -> Iterator[Path]:
     """A private temporary directory for output headed to stdout (``-o -``)."""
     try:
-        scratch = tempfile.TemporaryDirectory(prefix="pathcond-")
+        # Named like pathcond's staging directories: what is written there is not an output.
+        scratch = tempfile.TemporaryDirectory(prefix="pathcond-", suffix=TMP_SUFFIX)
     except OSError as exc:
         raise OutputError(
             f"cannot write the output for stdout: no temporary directory in '{tempfile.gettempdir()}' "
@@ -299,23 +368,6 @@ def _scratch_directory() -> Iterator[Path]:
         ) from None
     with scratch as name:
         yield Path(name)
-
-
-def _input_files(source_path: Path | None, arch: str | None) -> list[Path]:
-    """Every file the run reads that is known before loading: checkpoint, shards, external data, spec."""
-    from .formats import checkpoint_files
-
-    files = checkpoint_files(source_path) if source_path is not None else []
-    if arch is not None and arch.lower().endswith((".yaml", ".yml", ".json")):
-        files.append(Path(arch))
-    return files
-
-
-def _same_path(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
 
 
 def _default_output(path: Path) -> Path:
@@ -334,8 +386,9 @@ def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, qu
     if report_file is not None:
         atomic_write(report_file, lambda tmp: tmp.write_text(text + "\n"))
     if as_json:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
+        with _writing_stdout("the JSON report"):
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
     if quiet:
         return
     if as_json:
@@ -351,12 +404,7 @@ def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> N
         return
     from .plot import draw
 
-    try:
-        atomic_write(plot, lambda tmp: draw(report, analysis, result, tmp, plot.suffix.lower().lstrip(".")))
-    except OutputError as exc:
-        done = (f"the rescaled checkpoint '{report['output']}' was written and verified" if "output" in report
-                else "the report is complete")
-        raise OutputError(f"{exc} Only the plot is missing: {done}.") from None
+    atomic_write(plot, lambda tmp: draw(report, analysis, result, tmp, plot.suffix.lower().lstrip(".")))
 
 
 @app.command(epilog=EXIT_HELP)
@@ -388,7 +436,7 @@ def rescale(
         f"optimum, for checkpoints whose dtype cannot hold the unbounded one ({', '.join(BOUNDED_SOLVERS)}).",
     )] = None,
     as_json: JsonOpt = False,
-    report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
+    report_file: Annotated[Optional[str], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     plot: PlotOpt = None,
     allow_unused: AllowUnusedOpt = False,
@@ -437,27 +485,24 @@ def rescale(
     if output == "-" and sys.stdout.isatty():
         raise typer.BadParameter("-o - writes the binary checkpoint to stdout, but stdout is a terminal; "
                                  "redirect it to a file or a pipe", param_hint="-o")
-    if report_file is not None and output is not None and output != "-" and _same_path(report_file, Path(output)):
-        raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file", param_hint="--report")
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
-    if report_file is not None:
-        report_file = resolve_destination(report_file)
     with _errors_to_exit_codes():
         _check_plot(plot)
         solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": device, "criterion": criterion,
                          "max_log_scale": max_log_scale}
-        report, result = _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_unused,
-                                     solve_options)
-        _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
-        _draw(plot, report, result.analysis, result)
+        report, result, report_path, plot_path = _rescale_to(model, output, arch, shape, in_place, report_file, plot,
+                                                             quiet, allow_unused, solve_options)
+        _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
+        _draw(plot_path, report, result.analysis, result)
 
 
-def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_unused, solve_options):
+def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, solve_options):
     """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
-    returns the JSON report and the result."""
+    returns the JSON report, the result, and where the report and the plot go."""
     from .api import rescale as rescale_model, save
-    from .formats import check_streamable, load_model, output_format_mismatch
+    from .destinations import check_destinations, written
+    from .formats import check_streamable, detect_format, files_read, load_model, output_format_mismatch
     from .report import rescale_report
 
     global _stdout_started
@@ -468,7 +513,6 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
             mismatch = output_format_mismatch(source, Path(output))
             if mismatch:
                 raise typer.BadParameter(mismatch, param_hint="-o")
-        inputs = _input_files(source_path, arch)
         if output == "-":
             destination = None
         elif output is not None:
@@ -479,14 +523,11 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
             raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
         else:
             destination = _default_output(source_path)
-        if destination is not None:
-            destination = resolve_destination(destination)
-            check_destination(destination, inputs=inputs, in_place=in_place)
-        if report_file is not None:
-            check_destination(report_file, inputs=inputs)
-            if destination is not None and _same_path(report_file, destination):
-                raise typer.BadParameter("the report would overwrite the rescaled checkpoint; choose another file",
-                                         param_hint="--report")
+        kind = detect_format(source)
+        outputs = [written("-o", output if output not in (None, "-") else destination, kind),
+                   written("--report", report_file), written("--plot", plot)]
+        destination, report_path, plot_path = check_destinations(outputs, files_read(source_path, arch),
+                                                                 in_place=in_place)
 
         stages.stage("loading")
         load_start = time.perf_counter()
@@ -510,10 +551,10 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
                 seconds["total"] = time.perf_counter() - started
                 report = rescale_report(result, "-", seconds)
                 _stdout_started = True
-                with open(target, "rb") as handle:
+                with open(target, "rb") as handle, _writing_stdout("the checkpoint"):
                     shutil.copyfileobj(handle, sys.stdout.buffer)
-                sys.stdout.buffer.flush()
-    return report, result
+                    sys.stdout.buffer.flush()
+    return report, result, report_path, plot_path
 
 
 def _check_batch_options(models: list[str], *, as_json: bool, output: str | None = None,
@@ -539,13 +580,15 @@ def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in
     """Where each of several MODELs is written: ``<stem>.pathcond<suffix>`` in ``output_dir``,
     beside the input without it, the input itself with ``in_place``. Refuses, before any work, a
     missing ``output_dir`` and outputs that collide with each other or with an input."""
+    from .formats import files_read
+
     if output_dir is not None:
         check_output_directory(output_dir)
     planned = []
     for model in models:
         source = Path(model)
         try:
-            inputs = _input_files(source, arch)
+            inputs = files_read(source, arch)
         except (PathcondError, OSError):
             inputs = [source]  # unreadable: reported, with its exit code, when its turn comes
         if in_place:
@@ -565,8 +608,8 @@ def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, al
         planned = _batch_plan(models, output_dir, arch, in_place)
 
         def rescale_one(index: int) -> dict[str, Any]:
-            report, _ = _rescale_to(models[index], str(planned[index].destination), arch, shape, in_place, None,
-                                    quiet, allow_unused, solve_options)
+            report, *_ = _rescale_to(models[index], str(planned[index].destination), arch, shape, in_place, None,
+                                     None, quiet, allow_unused, solve_options)
             return report
 
         _run_batch("rescale", models, rescale_one, as_json=as_json, quiet=quiet)
@@ -669,20 +712,22 @@ def inspect(
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes():
         _check_plot(plot)
-        report, analysis = _inspect_one(model, arch, shape, device, allow_unused, quiet)
+        report, analysis, plot_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot)
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
-        _draw(plot, report, analysis)
+        _draw(plot_path, report, analysis)
 
 
-def _inspect_one(model, arch, shape, device, allow_unused, quiet):
-    """Load and analyse one model; returns the JSON report and the analysis."""
+def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
+    """Load and analyse one model; returns the JSON report, the analysis and where the plot goes."""
     from .api import analyse
-    from .formats import load_model
+    from .destinations import check_destinations, written
+    from .formats import files_read, load_model
     from .report import analysis_report
 
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
-        source, _, name = _read_source(model)
+        source, source_path, name = _read_source(model)
+        plot_path, = check_destinations([written("--plot", plot)], files_read(source_path, arch))
         stages.stage("loading")
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - started
@@ -691,7 +736,7 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet):
         report = analysis_report(analysis)
     report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
                          "total": round(time.perf_counter() - started, 6)}
-    return report, analysis
+    return report, analysis, plot_path
 
 
 @app.command()
@@ -703,6 +748,7 @@ def version() -> None:
 def main() -> None:
     """The ``pathcond`` command. Ctrl-C at any moment exits 130 with one line saying what is on disk."""
     signal.signal(signal.SIGINT, _interrupted)
+    _fill_closed_output_streams()
     try:
         app()
     finally:
@@ -712,6 +758,31 @@ def main() -> None:
         # The shutdown's garbage collections would walk every object torch created at import
         # (0.3 s on every run); what is left is freed with the process anyway.
         gc.freeze()
+
+
+def _fill_closed_output_streams() -> None:
+    """Started with stdout or stderr closed (``>&-``, ``2>&-``): the descriptor, missing or
+    taken by a file opened for reading, is pointed at /dev/null, so that no file the run opens
+    takes that number. stdout is then closed for the commands (``-o -`` and ``--json`` refuse
+    it); messages to a closed stderr are swallowed instead of failing the run (the exit status
+    still tells)."""
+    import fcntl
+
+    for fd in (1, 2):
+        try:
+            writable = (fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        except OSError:
+            writable = False
+        if writable:
+            continue
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+        if fd == 1:
+            sys.stdout = None
+        else:
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - lives as long as the process
 
 
 def _interrupted(signum, frame) -> None:

@@ -13,12 +13,13 @@ count renormalises activations as it goes and keeps the scale in a log offset.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from .graph import Graph, Input
+from .graph import Graph, Input, Node, Scale
 from .groups import RescalingGroups
 from .rules import per_channel, rule_for
 
@@ -104,10 +105,20 @@ def squared_network(
                 if bias is not None:
                     y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
             else:
+                unit, log_gain = _unit_gain(node)
                 offset = max(offsets[i] for i in node.inputs)
-                y = rule.squared(node, [_rescaled(values[i], offsets[i] - offset) for i in node.inputs], power)
+                y = rule.squared(unit, [_rescaled(values[i], offsets[i] - offset) for i in node.inputs], power)
+                offset += power * log_gain
             values[node.name], offsets[node.name] = _renormalise(y, offset)
     return SquaredPass(values, offsets)
+
+
+def _unit_gain(node: Node) -> tuple[Node, float]:
+    """``node`` with a constant factor c ≠ 0 replaced by its sign, and ln|c|: the factor's power
+    is carried in the log offset, where c = 1e200 does not overflow as c² does."""
+    if isinstance(node, Scale) and node.factor != 0:
+        return dataclasses.replace(node, factor=math.copysign(1.0, node.factor)), math.log(abs(node.factor))
+    return node, 0.0
 
 
 def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -161,9 +172,10 @@ def log_gradients(
             result[node.name] = (torch.log_(grad_w).add_(sigma + forward.offsets[source]), log_bias)
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
-            grads = _vjp(lambda *xs: rule.squared(node, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
+            unit, log_gain = _unit_gain(node)
+            grads = _vjp(lambda *xs: rule.squared(unit, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
             for source, grad in zip(node.inputs, grads):
-                send(source, grad, sigma)
+                send(source, grad, sigma + power * log_gain)
     return result
 
 

@@ -11,6 +11,12 @@ class PathcondError(Exception):
     exit_code = 1
 
 
+class UsageError(PathcondError):
+    """The command line contradicts itself (e.g. two outputs of one run name the same file)."""
+
+    exit_code = 2
+
+
 class InputError(PathcondError):
     """The model file, spec or checkpoint cannot be read or does not match its description."""
 
@@ -49,7 +55,7 @@ class InvalidWeightsError(PathcondError):
 
 EXIT_CODES = {
     "success": 0,
-    "usage": 2,
+    "usage": UsageError.exit_code,
     "unreadable_input": InputError.exit_code,
     "unsupported_model": UnsupportedModelError.exit_code,
     "verification_failed": VerificationError.exit_code,

@@ -29,7 +29,9 @@ TMP_SUFFIX = ".pathcond-tmp"
 # Most file systems limit one path component to 255 bytes.
 NAME_MAX = 255
 # The staging name repeats the target's name; cut it so the staging name stays under NAME_MAX.
-_STAGED_NAME_CHARS = 120
+_STAGED_NAME_BYTES = 120
+# How a failed write ends its message; the CLI replaces it when an earlier output of the run was written.
+NOTHING_WRITTEN = "Nothing was written."
 # Files renamed into place by this process (the CLI says so when interrupted afterwards).
 written_files: list[Path] = []
 _STALE = re.compile(r"^\..*\.pid(\d+)\.[^.]*" + re.escape(TMP_SUFFIX) + "$", re.DOTALL)
@@ -42,6 +44,14 @@ def describe(path: os.PathLike | str) -> str:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # a surrogate that no file-name byte decodes to
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable(text: str, *, keep: str = "") -> str:
+    """``text`` as it can be shown on a terminal: undecodable bytes and every control or format
+    character (ESC, BEL, CR, bidirectional overrides, ...) but those in ``keep`` as backslash
+    escapes, so that a name read from a file cannot drive the terminal."""
+    return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii")
+                   for c in describe(text))
 
 
 def resolve_destination(destination: Path) -> Path:
@@ -193,7 +203,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def _staging_prefix(destination: Path) -> str:
-    return f".{destination.name[:_STAGED_NAME_CHARS]}.pid{os.getpid()}."
+    # Cut in bytes (a character of the name may take four); undecodable bytes are dropped.
+    name = os.fsencode(destination.name)[:_STAGED_NAME_BYTES].decode("utf-8", "ignore")
+    return f".{name}.pid{os.getpid()}."
 
 
 @contextlib.contextmanager
@@ -210,7 +222,7 @@ def atomic_path(destination: Path) -> Iterator[Path]:
         fd, tmp_name = tempfile.mkstemp(prefix=_staging_prefix(destination), suffix=TMP_SUFFIX, dir=directory)
         os.close(fd)
     except OSError as exc:
-        raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
+        raise output_error_from(exc, destination) from None
     tmp = Path(tmp_name)
     try:
         yield tmp
@@ -223,7 +235,7 @@ def atomic_path(destination: Path) -> Iterator[Path]:
         _fsync_directory(directory)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
+        raise output_error_from(exc, destination) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -313,7 +325,7 @@ def staged_output(destination: Path) -> Iterator[Stage]:
     try:
         stage_dir = Path(tempfile.mkdtemp(prefix=_staging_prefix(destination), suffix=TMP_SUFFIX, dir=directory))
     except OSError as exc:
-        raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
+        raise output_error_from(exc, destination) from None
     stage = Stage(destination, directory, stage_dir / destination.name)
     moved: list[Path] = []
     try:
@@ -334,10 +346,11 @@ def staged_output(destination: Path) -> Iterator[Stage]:
             with sigint_deferred():
                 os.replace(stage.path, destination)
                 stage.committed = True
-                written_files.append(destination)
+                if not directory.name.endswith(TMP_SUFFIX):
+                    written_files.append(destination)
             _fsync_directory(directory)
         except OSError as exc:
-            raise OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.") from None
+            raise output_error_from(exc, destination) from None
         keep = {os.path.realpath(p) for p in [*moved, destination, *stage.keep]}
         for old in stage.obsolete:
             if os.path.realpath(old) not in keep:
@@ -362,7 +375,7 @@ def atomic_write(destination: Path, write: Callable[[Path], None]) -> None:
 
 def output_error_from(exc: OSError, destination: Path) -> OutputError:
     """An OSError met while writing ``destination``, as the exit-6 error users read."""
-    return OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. Nothing was written.")
+    return OutputError(f"cannot write '{describe(destination)}': {_reason(exc)}. {NOTHING_WRITTEN}")
 
 
 def _set_mode(path: Path, final: Path) -> None:

@@ -12,8 +12,12 @@ like the fixed ground), every parameter's exponent depends only on the pair (L(d
 
 with S_IJ the sum of ḡ over the parameters from aggregate J into aggregate I and K_I the sum
 of k over I's free groups. That is the same objective on a network of a few hundred pairs:
-one pass over ḡ builds it, and a dense damped Newton method minimises it in milliseconds.
-F(Zc*) is exact, so the solver takes the point only if it lowers F.
+one pass over ḡ builds it, and a damped Newton method minimises it in milliseconds. Only the
+pairs that occur are held, and each Newton system (a weighted graph Laplacian of the pairs, a
+rank-one term and a diagonal) is solved by a sparse LU factorisation: memory and time grow
+with the number of pairs, not with the square or the cube of the number of layers, so a
+3,000-layer chain costs a fraction of a second per step. F(Zc*) is exact, so the solver takes
+the point only if it lowers F.
 """
 
 from __future__ import annotations
@@ -45,13 +49,15 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
         sources, local = torch.unique(aggregate[dp.src], return_inverse=True)
         log_rows.append(_log_rows_by_source(objective, t, local, len(sources)).reshape(-1))
         blocks.append((aggregate[dp.dst][:, :, None] * size + sources).reshape(-1))
-    log_blocks = group_logsumexp(torch.cat(blocks), torch.cat(log_rows), size * size)
+    pairs, slot = torch.unique(torch.cat(blocks), return_inverse=True)
+    log_blocks = group_logsumexp(slot, torch.cat(log_rows), len(pairs))
     shift_k = torch.zeros(size, dtype=torch.float64, device=objective.device).index_add(
         0, aggregate[:-1], objective.k)[:count]
-    # a few hundred unknowns: solved on the CPU whatever the device, without a sync per step
-    log_blocks = log_blocks.cpu()
-    pairs = torch.nonzero(torch.isfinite(log_blocks)).flatten()
-    shifts = _minimise(log_blocks[pairs], pairs // size, pairs % size, shift_k.cpu(), count, objective.p)
+    # one unknown per layer: solved on the CPU whatever the device, without a sync per step
+    log_blocks, pairs = log_blocks.cpu(), pairs.cpu()
+    present = torch.isfinite(log_blocks)
+    pairs = pairs[present]
+    shifts = _minimise(log_blocks[present], pairs // size, pairs % size, shift_k.cpu(), count, objective.p)
     return torch.cat([shifts, shifts.new_zeros(1)]).to(objective.device)[aggregate[:-1]]
 
 
@@ -73,36 +79,73 @@ def _minimise(log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: 
               p: int) -> torch.Tensor:
     """Damped Newton with an Armijo line search on p·ln Σ s e^{−2(c_into − c_out_of)} + 2k·c
     (index ``count`` is the ground, c = 0 there)."""
-    incidence = torch.zeros(len(log_s), count + 1, dtype=torch.float64, device=log_s.device)
-    rows = torch.arange(len(log_s), device=log_s.device)
-    incidence[rows, into] += 1.0
-    incidence[rows, out_of] -= 1.0
-    incidence = incidence[:, :count]
-    unused = (incidence != 0).sum(0) == 0
-    c = torch.zeros(count, dtype=torch.float64, device=log_s.device)
+    moving = into != out_of  # a pair within one aggregate has an exponent no shift changes
+    used = torch.zeros(count + 1, dtype=torch.bool)
+    used[into[moving]] = True
+    used[out_of[moving]] = True
+    unused = ~used[:count]
+    c = torch.zeros(count, dtype=torch.float64)
 
     def value(c: torch.Tensor) -> tuple[float, torch.Tensor]:
-        exponents = log_s - 2 * incidence @ c
+        grounded = torch.cat([c, c.new_zeros(1)])
+        exponents = log_s - 2 * (grounded[into] - grounded[out_of])
         return p * float(torch.logsumexp(exponents, 0)) + 2 * float(k @ c), torch.softmax(exponents, 0)
 
     current, shares = value(c)
     for _ in range(MAX_ITERATIONS):
-        flow = incidence.T @ shares
+        flow = torch.zeros(count + 1, dtype=torch.float64).index_add_(0, into, shares).index_add_(0, out_of, -shares)
+        flow = flow[:count]
         gradient = 2 * (k - p * flow)
-        hessian = 4 * p * ((incidence.T * shares) @ incidence - torch.outer(flow, flow))
-        ridge = 1e-12 * float(hessian.diagonal().max().clamp_min(1.0))
-        damping = gradient.abs() / REACH + unused.to(torch.float64) + ridge
-        step = -torch.linalg.solve(hessian + torch.diag(damping), gradient)
+        step = -_newton_step(shares[moving], into[moving], out_of[moving], flow, gradient, unused, count, p)
         slope = float(gradient @ step)
         if not slope < 0 or -slope <= 1e-13 * max(1.0, abs(current)):
             break
-        t = min(1.0, 2 * REACH / float(step.abs().max()))
-        while t >= MIN_STEP:
-            trial, trial_shares = value(c + t * step)
-            if trial <= current + ARMIJO * t * slope:
-                break
-            t *= 0.5
-        else:
+        moved = armijo_step(value, c, step, current, slope)
+        if moved is None:
             break
-        c, current, shares = c + t * step, trial, trial_shares
+        c, current, shares = moved
     return c
+
+
+def armijo_step(value, c: torch.Tensor, step: torch.Tensor, current: float,
+                slope: float) -> tuple[torch.Tensor, float, torch.Tensor] | None:
+    """Backtrack from a step capped at 2·REACH along ``step`` until F falls enough (Armijo):
+    the new point, F there and its shares; None when no step of at least MIN_STEP does."""
+    t = min(1.0, 2 * REACH / float(step.abs().max()))
+    while t >= MIN_STEP:
+        trial, trial_shares = value(c + t * step)
+        if trial <= current + ARMIJO * t * slope:
+            return c + t * step, trial, trial_shares
+        t *= 0.5
+    return None
+
+
+def _newton_step(shares: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, flow: torch.Tensor,
+                 gradient: torch.Tensor, unused: torch.Tensor, count: int, p: int) -> torch.Tensor:
+    """(H + D)⁻¹ g for the Hessian H = 4p (L − f fᵀ) of the objective, L = Σ_pairs w (e_I − e_J)(e_I − e_J)ᵀ
+    (the ground's row and column dropped), f the flow, and the damping D = diag(|g| / REACH +
+    [unused] + ridge). Solved as the bordered sparse system [[4pL + D, 2√p f], [2√p fᵀ, 1]],
+    whose first block row is (4pL + D − 4p f fᵀ) x = g: no dense count × count matrix."""
+    import numpy as np
+    import scipy.sparse
+    import scipy.sparse.linalg
+
+    weight = 4 * p * shares.numpy()
+    rows = np.concatenate([into.numpy(), out_of.numpy(), into.numpy(), out_of.numpy()])
+    cols = np.concatenate([into.numpy(), out_of.numpy(), out_of.numpy(), into.numpy()])
+    values = np.concatenate([weight, weight, -weight, -weight])
+    inside = (rows < count) & (cols < count)
+    laplacian_diagonal = np.bincount(rows[inside & (rows == cols)], values[inside & (rows == cols)], minlength=count)
+    hessian_diagonal = laplacian_diagonal - 4 * p * flow.numpy() ** 2
+    ridge = 1e-12 * max(float(hessian_diagonal.max()), 1.0)
+    damping = (gradient.abs() / REACH).numpy() + unused.numpy() + ridge
+    border = 2 * np.sqrt(p) * flow.numpy()
+    index = np.arange(count)
+    matrix = scipy.sparse.coo_matrix(
+        (np.concatenate([values[inside], damping, border, border, [1.0]]),
+         (np.concatenate([rows[inside], index, index, np.full(count, count), [count]]),
+          np.concatenate([cols[inside], index, np.full(count, count), index, [count]]))),
+        shape=(count + 1, count + 1),
+    ).tocsc()
+    solution = scipy.sparse.linalg.splu(matrix).solve(np.concatenate([gradient.numpy(), [0.0]]))
+    return torch.from_numpy(solution[:count])

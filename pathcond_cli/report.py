@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import rich.markup
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -16,6 +17,7 @@ from rich.table import Table
 from . import __version__
 from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
 from .diag import unused_parameters
+from .fileio import printable
 from .objective import degenerate_mask
 
 SCHEMA_VERSION = 2
@@ -205,6 +207,12 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _safe(text: str, *, keep: str = "") -> str:
+    """A string read from a file (a path, a node or tensor name), for rich markup: its control
+    characters (ESC, ...) shown as escapes, its brackets not taken as markup."""
+    return rich.markup.escape(printable(text, keep=keep))
+
+
 def _conditioning_text(measure: dict[str, Any]) -> str:
     return f"D {_fmt(measure['D'], 6)} (ln mean/geomean g {_fmt(measure['D_per_parameter'])})"
 
@@ -216,8 +224,8 @@ def _spread_text(diag: dict[str, Any]) -> str:
 
 def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) -> None:
     """Rich tables for people (the console writes to stderr); warnings last."""
-    console.print(f"pathcond {report['command']} · {report['model']}", style="bold", highlight=False, markup=False,
-                  soft_wrap=True)
+    console.print(f"pathcond {report['command']} · {printable(report['model'])}", style="bold", highlight=False,
+                  markup=False, soft_wrap=True)
     summary = Table(show_header=False)
     summary.add_column("", style="bold")
     summary.add_column("")
@@ -225,7 +233,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     after = report.get("diag_g_after")
     conditioning = report["conditioning"]
     summary.add_row("format", report["format"])
-    summary.add_row("architecture from", report["arch_source"])
+    summary.add_row("architecture from", _safe(report["arch_source"]))
     summary.add_row("device", report["device"])
     summary.add_row("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"]))
     summary.add_row("parameters", _fmt(report["parameters"]))
@@ -264,8 +272,8 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
         independent = verification.get("independent")
         if independent and independent["runtime"]:
             summary.add_row("independent check", f"{independent['runtime']}: {independent['status']}"
-                            + (f" ({independent['detail']})" if independent["status"] != "passed" else ""))
-        summary.add_row("output", report["output"])
+                            + (f" ({_safe(independent['detail'])})" if independent["status"] != "passed" else ""))
+        summary.add_row("output", _safe(report["output"]))
     summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
     console.print(summary)
     if per_layer and diag["per_layer"]:
@@ -273,7 +281,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     if diag["histogram"]:
         console.print(histogram_text(diag["histogram"], after["histogram"] if after else None), highlight=False)
     if report.get("degenerate_groups"):
-        shown = ", ".join(report["degenerate_groups"][:10])
+        shown = ", ".join(_safe(group) for group in report["degenerate_groups"][:10])
         more = len(report["degenerate_groups"]) - 10
         console.print(f"[yellow]degenerate groups frozen at u = 0:[/] {shown}{f' (+{more} more)' if more > 0 else ''}")
     render_warnings(report, console)
@@ -281,7 +289,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
 
 def render_warnings(report: dict[str, Any], console: Console) -> None:
     for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+        console.print(f"[yellow]warning:[/] {_safe(warning, keep=chr(10))}", highlight=False, soft_wrap=True)
 
 
 def _layer_table(diag: dict[str, Any], after: dict[str, Any] | None) -> Table:
@@ -292,7 +300,7 @@ def _layer_table(diag: dict[str, Any], after: dict[str, Any] | None) -> Table:
         layers.add_column(column, justify="left" if column == "layer" else "right")
     rows_after = after["per_layer"] if after else [None] * len(diag["per_layer"])
     for row, row_after in zip(diag["per_layer"], rows_after):
-        cells = [row["layer"], _fmt(row["parameters"]), _fmt(row["zeros"]), _fmt(row["log10_min"]), _fmt(row["log10_max"])]
+        cells = [_safe(row["layer"]), _fmt(row["parameters"]), _fmt(row["zeros"]), _fmt(row["log10_min"]), _fmt(row["log10_max"])]
         if row_after is not None:
             cells += [_fmt(row_after["log10_min"]), _fmt(row_after["log10_max"])]
         layers.add_row(*cells)
@@ -321,11 +329,11 @@ def histogram_text(bins: list[dict[str, Any]], bins_after: list[dict[str, Any]] 
 
 def summary_line(report: dict[str, Any]) -> str:
     """One line closing the run, printed last on stderr."""
-    parts = [f"pathcond {report['command']}: {report['model']}"]
+    parts = [f"pathcond {report['command']}: {printable(report['model'])}"]
     conditioning = report["conditioning"]
     if report["command"] == "rescale":
         verification, solver = report["verification"], report["solver"]
-        parts[0] += f" → {report['output']}"
+        parts[0] += f" → {printable(report['output'])}"
         parts.append(f"verified (max rel error {_fmt(verification['max_rel_error'], 2)})" if verification["passed"]
                      else "NOT verified")
         parts.append(f"D {_fmt(conditioning['before']['D'], 5)} → {_fmt(conditioning['after']['D'], 5)}")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .errors import VerificationError
 from .evaluate import forward
 from .fileio import sigint_deferred
 from .graph import BatchNorm, Graph
@@ -115,6 +116,12 @@ def _measure(run: Runner, original: Mapping[str, torch.Tensor], changed: Mapping
     for mode in modes:
         train = mode == "train"
         before = run(None, train)
+        if not all(bool(torch.isfinite(t).all()) for t in before):
+            raise VerificationError(
+                f"the original network's outputs are not finite ({mode} mode, on standard normal inputs): it "
+                "overflows float64 by itself (a constant factor or weights too large?), so no rescaling can be "
+                "verified to compute the same function. Nothing was written."
+            )
         mode_abs, mode_rel = _max_errors(before, run(changed, train))
         limit = tolerance
         if math.isfinite(mode_rel) and mode_rel > tolerance:

@@ -247,9 +247,29 @@ def check_weight_types(graph: Graph, params: Mapping[str, torch.Tensor], source:
                     f"tensor '{shown(key)}' ({role} of '{shown(node.name)}') is empty (shape {tuple(tensor.shape)}): "
                     "a layer with no units has nothing to rescale"
                 )
+        problem = _bias_size_problem(node, params)
+        if problem:
+            problems.append(problem)
     if problems:
         raise InputError(f"{source}: the network's tensors cannot be rescaled:\n"
                          + "\n".join(f"  - {p}" for p in problems))
+
+
+def _bias_size_problem(node, params: Mapping[str, torch.Tensor]) -> str | None:
+    """A layer's bias holds one value per output unit: a bias broadcast from fewer values (ONNX
+    allows a [1] bias for Gemm) ties the units together, and cannot be rescaled unit by unit."""
+    from ..rules import rule_for
+
+    rule = rule_for(node)
+    keys = node.parameter_keys()
+    weight, bias = params.get(keys.get("weight", "")), params.get(keys.get("bias", ""))
+    if weight is None or bias is None or not hasattr(rule, "out_channels") or weight.dim() not in rule.roles["weight"]:
+        return None
+    units = rule.out_channels(node, params)
+    if bias.dim() == 1 and bias.numel() == units:
+        return None
+    return (f"tensor '{shown(keys['bias'])}' (bias of '{shown(node.name)}') has shape {tuple(bias.shape)}; the layer has "
+            f"{units} output units and needs one bias value for each")
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -330,6 +350,25 @@ def check_streamable(model: LoadedModel) -> None:
         )
 
 
+def files_read(path: Path | None, arch: str | None) -> list[Path]:
+    """Every file a run on checkpoint ``path`` (None for stdin) with ``--arch arch`` may read,
+    known before loading, the checkpoint first: its shards or external data, the spec file, the
+    sidecar specs beside it when ``arch`` is not given (whether or not the embedded spec makes
+    reading one unnecessary), the Python source of a factory. Never raises."""
+    from .safetensors_format import SPEC_SUFFIXES, sidecar_candidates
+
+    files = checkpoint_files(path) if path is not None else []
+    if arch is not None and arch.lower().endswith(SPEC_SUFFIXES):
+        files.append(Path(arch))
+    elif arch is not None and ":" in arch:
+        from .fx_import import factory_source_files
+
+        files += factory_source_files(arch)
+    elif arch is None and path is not None and path.suffix != ".onnx":
+        files += [candidate for candidate in sidecar_candidates(path) if os.path.lexists(candidate)]
+    return files
+
+
 def available_memory() -> int | None:
     """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit; None if unknown."""
     available = None
@@ -363,7 +402,10 @@ def refuse_beyond_memory(estimate: int, label: str, detail: str) -> None:
 
 
 def _gib(size: int) -> str:
-    return f"{size / 2**30:.3g} GiB"
+    try:
+        return f"{size / 2**30:.3g} GiB"
+    except OverflowError:  # an estimate from a spec's integers has no bound
+        return f"10^{math.log10(size) - 30 * math.log10(2):.0f} GiB"
 
 
 def _one_line(exc: Exception) -> str:

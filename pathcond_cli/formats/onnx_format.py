@@ -186,7 +186,14 @@ def _load_external_data(model: onnx.ModelProto, path: Path, label: str) -> list[
         location = _external_location(tensor)
         files[location] = contained_file(folder, location, label, f"the external data of tensor '{tensor.name[:120]}'")
     for tensor in tensors:
-        info = external_data_helper.ExternalDataInfo(tensor)
+        try:
+            info = external_data_helper.ExternalDataInfo(tensor)
+        except ValueError:
+            entries = ", ".join(f"{e.key}={e.value!r}" for e in tensor.external_data if e.key in ("offset", "length"))
+            raise InputError(
+                f"{label}: tensor '{tensor.name[:120]}' has external data entries {entries[:300]}; offset and length "
+                "must be non-negative integers (in bytes)."
+            ) from None
         size = files[info.location].stat().st_size
         offset = info.offset or 0
         length = info.length if info.length is not None else size - offset

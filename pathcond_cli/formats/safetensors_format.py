@@ -327,6 +327,7 @@ def _architecture(
     candidates = sidecar_candidates(path) if path is not None else []
     for candidate in candidates:
         if candidate.is_file():
+            candidate = contained_file(candidate.parent, candidate.name, display, "the sidecar spec")
             graph = graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
             return graph, f"sidecar {candidate}", candidate
     raise InputError(_no_architecture_message(display, candidates))

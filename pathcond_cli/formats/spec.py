@@ -170,6 +170,8 @@ def parse_spec_text(text: str, *, source: str) -> dict[str, Any]:
         raise InputError(f"{source}: invalid JSON in the architecture spec: {_brief(str(exc), 300)}") from None
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: invalid YAML in the architecture spec: {_brief(str(exc), 500)}") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4300)
+        raise InputError(f"{source}: a value in the architecture spec cannot be read: {_brief(str(exc), 300)}") from None
     if not isinstance(spec, dict):
         raise InputError(f"{source}: an architecture spec must be a mapping with a 'layers' list")
     return spec
