@@ -263,7 +263,7 @@ def _bias_size_problem(node, params: Mapping[str, torch.Tensor]) -> str | None:
     rule = rule_for(node)
     keys = node.parameter_keys()
     weight, bias = params.get(keys.get("weight", "")), params.get(keys.get("bias", ""))
-    if weight is None or bias is None or not hasattr(rule, "out_channels") or weight.dim() not in rule.roles["weight"]:
+    if weight is None or bias is None or not hasattr(rule, "out_channels") or weight.dim() not in type(node).roles["weight"]:
         return None
     units = rule.out_channels(node, params)
     if bias.dim() == 1 and bias.numel() == units:
