@@ -37,7 +37,8 @@ from .fileio import atomic_write, check_destination, describe, resolve_destinati
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
     "4 unsupported architecture · 5 verification failed (output removed) · "
-    "6 output not writable · 7 NaN/Inf weights · 130 interrupted."
+    "6 output not writable · 7 NaN/Inf weights · 8 rescaling not storable in the checkpoint's dtypes "
+    "(--max-log-scale none or a bound of yours) · 130 interrupted."
 )
 
 DEBUG_VARIABLE = "PATHCOND_DEBUG"
@@ -46,6 +47,9 @@ DEBUG_VARIABLE = "PATHCOND_DEBUG"
 _stdout_started = False
 # Whether a command is running inside ``_errors_to_exit_codes`` (see ``_interrupted``).
 _guarded = False
+# The running command's report so far, once its input is read: with --json a failure prints it
+# with an ``error`` object, so that a pipeline always gets one document.
+_report_so_far: dict[str, Any] | None = None
 
 app = typer.Typer(
     name="pathcond",
@@ -132,6 +136,20 @@ def _parse_shape(text: str | None) -> tuple[int, ...] | None:
     return shape
 
 
+def _parse_max_log_scale(text: str) -> float | str:
+    """``auto``, ``none`` or a finite bound ≥ 0."""
+    value = text.strip().lower()
+    if value in ("auto", "none"):
+        return value
+    try:
+        bound = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"'{text}' is not auto, none or a number", param_hint="--max-log-scale") from None
+    if not (math.isfinite(bound) and bound >= 0):
+        raise typer.BadParameter(f"'{text}' is not a finite bound ≥ 0", param_hint="--max-log-scale")
+    return bound
+
+
 def _parse_device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA only when torch sees that device."""
     value = text.strip().lower()
@@ -164,19 +182,22 @@ def _import_library() -> None:
 
 
 @contextlib.contextmanager
-def _errors_to_exit_codes() -> Iterator[None]:
-    """One paragraph on stderr and a distinct exit code; never a traceback."""
-    global _guarded, _stdout_started
+def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
+    """One paragraph on stderr and a distinct exit code; never a traceback. With ``as_json``, a
+    failure after the input was read also prints the report so far with its ``error`` on stdout."""
+    global _guarded, _stdout_started, _report_so_far
     _import_library()
-    _guarded, _stdout_started = True, False
+    _guarded, _stdout_started, _report_so_far = True, False, None
     written_files.clear()
     try:
         yield
     except PathcondError as exc:
         stderr.print(f"[bold red]error:[/] {_printable(str(exc))}", highlight=False, markup=True, soft_wrap=True)
+        _error_document(as_json, exc, exc.exit_code, describe(str(exc)))
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         stderr.print(f"[bold red]interrupted:[/] {_what_is_on_disk()}", highlight=False, markup=True, soft_wrap=True)
+        _error_document(as_json, exc, EXIT_CODES["interrupted"], _what_is_on_disk())
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
     except BrokenPipeError:
         # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
@@ -184,8 +205,10 @@ def _errors_to_exit_codes() -> Iterator[None]:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         stderr.print("[bold red]error:[/] stdout was closed before the output was complete.")
         raise typer.Exit(EXIT_CODES["output_not_written"]) from None
-    except MemoryError:
-        stderr.print("[bold red]error:[/] out of memory; try --device cuda or a machine with more memory.")
+    except MemoryError as exc:
+        message = "out of memory; try --device cuda or a machine with more memory."
+        stderr.print(f"[bold red]error:[/] {message}")
+        _error_document(as_json, exc, 1, message)
         raise typer.Exit(1) from None
     except (typer.Exit, typer.Abort, typer.TyperException):
         raise  # usage errors and deliberate exits: typer reports them itself
@@ -193,15 +216,26 @@ def _errors_to_exit_codes() -> Iterator[None]:
         # A bug in pathcond, not a problem with the input: one paragraph, unless asked for more.
         if os.environ.get(DEBUG_VARIABLE):
             raise
-        stderr.print(
-            f"[bold red]internal error:[/] {type(exc).__name__}: {_printable(str(exc))}\n"
-            f"This is a bug in pathcond {__version__}; please report it with the command line. "
-            f"Set {DEBUG_VARIABLE}=1 to see the traceback.",
-            highlight=False, markup=True, soft_wrap=True,
-        )
+        message = (f"{type(exc).__name__}: {describe(str(exc))}\nThis is a bug in pathcond {__version__}; please "
+                   f"report it with the command line. Set {DEBUG_VARIABLE}=1 to see the traceback.")
+        stderr.print(f"[bold red]internal error:[/] {rich.markup.escape(message)}", highlight=False, markup=True,
+                     soft_wrap=True)
+        _error_document(as_json, exc, 1, message)
         raise typer.Exit(1) from None
     finally:
         _guarded = False
+
+
+def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: str) -> None:
+    """With --json, the report so far and its ``error`` on stdout (once the input was read)."""
+    if not as_json or _report_so_far is None:
+        return
+    from .report import error_document
+
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.write(json.dumps(error_document(_report_so_far, exc, exit_code, message), indent=2,
+                                    allow_nan=False) + "\n")
+        sys.stdout.flush()
 
 
 def _printable(text: str) -> str:
@@ -368,10 +402,12 @@ def rescale(
                                           "knob: the solver stops at --tol; a run that hits the cap is reported "
                                           "as not converged.")] = DEFAULT_MAX_ITER,
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
-    max_log_scale: Annotated[Optional[float], typer.Option(
-        "--max-log-scale", min=0.0, help="Bound every neuron scale factor to e^±U (|u_h| ≤ U): the bounded "
-        f"optimum, for checkpoints whose dtype cannot hold the unbounded one ({', '.join(BOUNDED_SOLVERS)}).",
-    )] = None,
+    max_log_scale: Annotated[str, typer.Option(
+        "--max-log-scale", metavar="auto|none|U", help="Bound on every |u_h| (neuron scale factors e^±U). auto: "
+        "the unbounded optimum, or, when the checkpoint's dtypes cannot store it, the optimum within the largest "
+        "bound that keeps every rescaled tensor storable (a warning says what it kept). none: unbounded; a "
+        f"rescaling the dtypes cannot hold exits 8. U: the bounded optimum ({', '.join(BOUNDED_SOLVERS)}).",
+    )] = "auto",
     as_json: JsonOpt = False,
     report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
@@ -392,12 +428,11 @@ def rescale(
                                  "solver", param_hint="--solver")
     if not math.isfinite(tol):
         raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
-    if max_log_scale is not None and not math.isfinite(max_log_scale):
-        raise typer.BadParameter(f"{max_log_scale} is not a finite bound", param_hint="--max-log-scale")
-    if max_log_scale is not None and criterion == "enorm":
+    bound = _parse_max_log_scale(max_log_scale)
+    if isinstance(bound, float) and criterion == "enorm":
         raise typer.BadParameter("--max-log-scale bounds PathCond's solvers; --criterion enorm takes no bound",
                                  param_hint="--max-log-scale")
-    if max_log_scale is not None and solver not in BOUNDED_SOLVERS:
+    if isinstance(bound, float) and solver not in BOUNDED_SOLVERS:
         raise typer.BadParameter(f"solver '{solver}' is unconstrained; with --max-log-scale use one of "
                                  f"{', '.join(BOUNDED_SOLVERS)}", param_hint="--solver")
     if output == "-" and as_json:
@@ -415,10 +450,10 @@ def rescale(
     device = _parse_device(device)
     if report_file is not None:
         report_file = resolve_destination(report_file)
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(as_json):
         _check_plot(plot)
         solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": device, "criterion": criterion,
-                         "max_log_scale": max_log_scale}
+                         "max_log_scale": bound}
         report, result = _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_unused,
                                      solve_options)
         _emit(report, as_json=as_json, report_file=report_file, quiet=quiet)
@@ -428,11 +463,11 @@ def rescale(
 def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_unused, solve_options):
     """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
     returns the JSON report and the result."""
-    from .api import rescale as rescale_model, save
+    from .api import analyse, rescale as rescale_model, save
     from .formats import load_model, output_format_mismatch
-    from .report import rescale_report
+    from .report import analysis_report, loaded_report, rescale_report
 
-    global _stdout_started
+    global _stdout_started, _report_so_far
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
@@ -464,9 +499,13 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
         load_start = time.perf_counter()
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - load_start
+        _report_so_far = loaded_report(loaded, "rescale")
         stages.stage("analysing: groups, diag(G), path count")
-        result = rescale_model(loaded, progress=stages.solver, verify=False, **solve_options)
+        analysis = analyse(loaded, device=solve_options["device"])
+        _report_so_far = {**analysis_report(analysis), "command": "rescale"}
+        result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis, **solve_options)
         seconds = {"load": load_seconds, **result.seconds}
+        _report_so_far = rescale_report(result, None, seconds)
 
         stages.stage("writing and verifying the written file")
         if destination is not None:
@@ -505,11 +544,13 @@ def inspect(
     device = _parse_device(device)
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(as_json):
         _check_plot(plot)
         from .api import analyse
         from .formats import load_model
-        from .report import analysis_report
+        from .report import analysis_report, loaded_report
+
+        global _report_so_far
 
         started = time.perf_counter()
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
@@ -517,6 +558,7 @@ def inspect(
             stages.stage("loading")
             loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
             load_seconds = time.perf_counter() - started
+            _report_so_far = loaded_report(loaded, "inspect")
             stages.stage("analysing: groups, diag(G), path count")
             analysis = analyse(loaded, device=device)
             report = analysis_report(analysis)
