@@ -124,15 +124,8 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
     :class:`StorageError` naming the tensors that would overflow or lose their values. With
     ``advise`` both name the auto bound (not when that rule chose the rescaling)."""
     problems = check_storage(original, changed)
-    if not problems:
-        return []
-    bound = safe_log_scale(groups, original)
-    advice = (f"--max-log-scale auto (the default; max_log_scale='auto' in the API) bounds every neuron scale "
-              f"factor to e^±U with U = {bound:.4g}, the largest bound that keeps every rescaled tensor storable"
-              if math.isfinite(bound) and bound > 0 else
-              "a tensor already spans its dtype's whole range, so no rescaling keeps it representable; "
-              "convert the checkpoint to a wider dtype first")
     fatal = [p for p in problems if p.lost]
+    advice = _advice(groups, original) if fatal or (problems and advise) else ""
     if fatal:
         listed = "; ".join(p.describe() for p in fatal)
         raise StorageError(
@@ -141,6 +134,15 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
         )
     suffix = f"; {advice}." if advise else "."
     return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}{suffix}" for p in problems]
+
+
+def _advice(groups: RescalingGroups, original: Mapping[str, torch.Tensor]) -> str:
+    bound = safe_log_scale(groups, original)
+    if math.isfinite(bound) and bound > 0:
+        return (f"--max-log-scale auto (the default; max_log_scale='auto' in the API) bounds every neuron scale "
+                f"factor to e^±U with U = {bound:.4g}, the largest bound that keeps every rescaled tensor storable")
+    return ("a tensor already spans its dtype's whole range, so no rescaling keeps it representable; "
+            "convert the checkpoint to a wider dtype first")
 
 
 def lost_values(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> list[StorageCheck]:

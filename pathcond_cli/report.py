@@ -277,7 +277,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
         summary.add_row("objective", f"{name}(0) {_fmt(solver['objective_initial'], 10)} → {name}* "
                         f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})")
         summary.add_row("KKT residual", f"{_fmt(solver['kkt_residual'])} (tolerance {solver['tolerance']:g})")
-        summary.add_row("‖u‖∞", _fmt(report["u_inf"]))
+        summary.add_row("‖u‖∞", _fmt(report["u_inf"]) + _bound_text(solver))
         check = "[green]passed[/]" if verification["passed"] else "[red]FAILED[/]"
         summary.add_row("verification", f"max abs {_fmt(verification['max_abs_error'])} · max rel "
                         f"{_fmt(verification['max_rel_error'])} (tol {verification['tolerance']:g}, "
@@ -298,6 +298,17 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
         more = len(report["degenerate_groups"]) - 10
         console.print(f"[yellow]degenerate groups frozen at u = 0:[/] {shown}{f' (+{more} more)' if more > 0 else ''}")
     render_warnings(report, console)
+
+
+def _bound_text(solver: dict[str, Any]) -> str:
+    """The bound on |u_h| and how it was chosen, after ‖u‖∞ (nothing for an unbounded run)."""
+    if solver["max_log_scale"] is None:
+        return ""
+    text = f" (bound {_fmt(solver['max_log_scale'])}, {solver['max_log_scale_rule']}, {solver['groups_at_bound']:,} groups at it"
+    if solver["share_of_decrease_kept"] is not None:
+        text += (f"; unbounded ‖u*‖∞ {_fmt(solver['unbounded_u_inf'])}, "
+                 f"{100 * solver['share_of_decrease_kept']:.1f}% of its decrease kept")
+    return text + ")"
 
 
 def render_warnings(report: dict[str, Any], console: Console) -> None:
