@@ -278,9 +278,10 @@ def seed_table(runs: Runs, all_settings: list[Setting], lrs: list[float], slack:
                 for seed in np.nonzero(clean)[0]:
                     ratios.append(curves[seed, -1] / base[seed, -1])
                     target = base[seed, -1] * slack
+                    if target >= base[seed, 0]:
+                        continue  # the baseline did not learn on this seed: no target
                     reached = epochs_to_target(curves[seed], target)
-                    base_epochs = epochs_to_target(base[seed], target)
-                    speedups.append(0.0 if reached is None else base_epochs / max(reached, 1))
+                    speedups.append(0.0 if reached is None else epochs_to_target(base[seed], target) / max(reached, 1))
                 row[f"ratio_{method}"] = float(np.median(ratios)) if ratios else None
                 row[f"speedup_{method}"] = float(np.median(speedups)) if speedups else None
                 row[f"clean_{method}"] = int(clean.sum())
@@ -291,7 +292,7 @@ def seed_table(runs: Runs, all_settings: list[Setting], lrs: list[float], slack:
 def print_seed_table(rows: list[dict], slack: float) -> None:
     print(f"\nPer seed: median over the seeds where neither the method nor the baseline stalled of final loss / "
           f"baseline final loss (ratio) and of baseline epochs / method epochs to {slack:g} × that seed's baseline "
-          f"final loss (speed-up; 0 = never). Stalled (final loss > {STALLED:g} × the best method's on that seed, or "
+          f"final loss (speed-up; 0 = never; — where the baseline did not learn). Stalled (final loss > {STALLED:g} × the best method's on that seed, or "
           "diverged): seeds per method, counted apart")
     header = (f"{'setting':<18} {'lr':>7}" + "".join(f" {SHORT[m] + ' ratio':>9} {SHORT[m] + ' speed':>9}"
                                                      for m in RESCALINGS) + "   stalled " + "/".join(SHORT[m] for m in METHODS))

@@ -102,3 +102,6 @@ def test_seed_table_counts_stalled_seeds_apart(bench):
     assert row["clean_pathcond"] == 2 and row["ratio_pathcond"] == pytest.approx(np.median([0.5, 1.0]))
     assert row["speedup_pathcond"] == pytest.approx(np.median([2 / 1, 1.0]))
     assert row["clean_placebo"] == 1 and row["ratio_placebo"] == 1.0
+    flat = bench.Runs({("f", 0.1, m): np.array([[2.0, 2.0, 2.0]]) for m in bench.METHODS}, {})
+    [row] = bench.seed_table(flat, [bench.Setting("f", (1, 1), "classify")], [0.1], slack=1.1)
+    assert row["ratio_pathcond"] == 1.0 and row["speedup_pathcond"] is None, "no target where the baseline did not learn"
