@@ -51,11 +51,16 @@ import torch.nn.functional as F
 
 import pathcond_cli as pathcond
 
-METHODS = ("baseline", "pathcond", "enorm")
-COLOURS = {"baseline": "#555555", "pathcond": "#d62728", "enorm": "#1f77b4"}
-LABELS = {"baseline": "baseline (no rescaling)", "pathcond": "PathCond", "enorm": "ENorm"}
-STYLES = {"baseline": ("-", 2.6), "pathcond": ("-", 1.6), "enorm": ("--", 1.6)}  # ENorm dashed: it often overlaps PathCond
+METHODS = ("baseline", "pathcond", "placebo", "enorm")
+RESCALINGS = METHODS[1:]
+COLOURS = {"baseline": "#555555", "pathcond": "#d62728", "placebo": "#2ca02c", "enorm": "#1f77b4"}
+LABELS = {"baseline": "baseline (no rescaling)", "pathcond": "PathCond", "placebo": "placebo (u* per-layer mean)",
+          "enorm": "ENorm"}
+SHORT = {"baseline": "base", "pathcond": "PC", "placebo": "PL", "enorm": "EN"}
+# ENorm and the placebo dashed/dotted: they often overlap PathCond
+STYLES = {"baseline": ("-", 2.6), "pathcond": ("-", 1.6), "placebo": (":", 1.8), "enorm": ("--", 1.6)}
 DIVERGED = 1e6  # a loss this many times the initial one counts as divergence
+STALLED = 3.0  # a seed whose final loss is this many times the best method's on that seed (or diverged) stalled
 
 
 @dataclass(frozen=True)
@@ -113,12 +118,30 @@ def kaiming_init(model: torch.nn.Module, seed: int, *, scale: float = 1.0) -> to
 
 
 def rescaled_copy(model: torch.nn.Sequential, method: str, input_dim: int) -> tuple[torch.nn.Sequential, float]:
-    """A copy of ``model`` rescaled by ``method`` (function preserved and verified), and ‖u‖∞."""
+    """A copy of ``model`` rescaled by ``method`` (function preserved and verified), and ‖u‖∞.
+
+    The placebo applies PathCond's u* averaged over each layer's neurons: the same layer-level
+    shift, without the conditioning within a layer (function preserved; the equal starting
+    losses that ``run_training`` checks verify it).
+    """
     copy = deepcopy(model)
     if method == "baseline":
         return copy, 0.0
+    if method == "placebo":
+        result = pathcond.rescale_module(deepcopy(model), input_shape=(input_dim,))
+        u = per_layer_mean(result.solve.u, result.analysis.groups.labels)
+        changed = result.analysis.groups.apply(copy.state_dict(), u)
+        copy.load_state_dict(changed, strict=False)
+        return copy, float(u.abs().max()) if u.numel() else 0.0
     result = pathcond.rescale_module(copy, input_shape=(input_dim,), criterion=method)
     return copy, result.solve.u_inf
+
+
+def per_layer_mean(u: torch.Tensor, labels: list[str]) -> torch.Tensor:
+    """``u`` with each group's value replaced by the mean over its layer (labels ``layer:channel``)."""
+    layers = [label.rpartition(":")[0] for label in labels]
+    means = {layer: float(u[[i for i, name in enumerate(layers) if name == layer]].mean()) for layer in set(layers)}
+    return torch.tensor([means[layer] for layer in layers], dtype=u.dtype)
 
 
 def task_loss(task: str, output: torch.Tensor, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -229,6 +252,63 @@ def training_table(runs: Runs, all_settings: list[Setting], lrs: list[float], sl
     return rows
 
 
+def stalled(runs: Runs, setting: str, lr: float) -> dict[str, np.ndarray]:
+    """Per method, which seeds stalled: diverged, or a final loss above ``STALLED`` times the best
+    final loss of any method on the same seed (all start from the same loss)."""
+    finals = {m: runs.curves[(setting, lr, m)][:, -1] for m in METHODS}
+    best = np.nanmin(np.array(list(finals.values())), axis=0)
+    return {m: ~np.isfinite(f) | (f > STALLED * best) for m, f in finals.items()}
+
+
+def seed_table(runs: Runs, all_settings: list[Setting], lrs: list[float], slack: float) -> list[dict]:
+    """Per (setting, lr) and rescaling: the median over seeds where neither it nor the baseline
+    stalled of its final loss / the baseline's and of the epoch speed-up to ``slack`` × that
+    seed's baseline final loss; and the seeds that stalled, per method, counted apart."""
+    rows = []
+    for setting in all_settings:
+        for lr in lrs:
+            stuck = stalled(runs, setting.name, lr)
+            base = runs.curves[(setting.name, lr, "baseline")]
+            row = {"setting": setting.name, "lr": lr, "seeds": base.shape[0],
+                   "stalled": {m: int(stuck[m].sum()) for m in METHODS}}
+            for method in RESCALINGS:
+                curves = runs.curves[(setting.name, lr, method)]
+                clean = ~stuck[method] & ~stuck["baseline"]
+                ratios, speedups = [], []
+                for seed in np.nonzero(clean)[0]:
+                    ratios.append(curves[seed, -1] / base[seed, -1])
+                    target = base[seed, -1] * slack
+                    if target >= base[seed, 0]:
+                        continue  # the baseline did not learn on this seed: no target
+                    reached = epochs_to_target(curves[seed], target)
+                    speedups.append(0.0 if reached is None else epochs_to_target(base[seed], target) / max(reached, 1))
+                row[f"ratio_{method}"] = float(np.median(ratios)) if ratios else None
+                row[f"speedup_{method}"] = float(np.median(speedups)) if speedups else None
+                row[f"clean_{method}"] = int(clean.sum())
+            rows.append(row)
+    return rows
+
+
+def print_seed_table(rows: list[dict], slack: float) -> None:
+    print(f"\nPer seed: median over the seeds where neither the method nor the baseline stalled of final loss / "
+          f"baseline final loss (ratio) and of baseline epochs / method epochs to {slack:g} × that seed's baseline "
+          f"final loss (speed-up; 0 = never; — where the baseline did not learn). Stalled (final loss > {STALLED:g} × the best method's on that seed, or "
+          "diverged): seeds per method, counted apart")
+    header = (f"{'setting':<18} {'lr':>7}" + "".join(f" {SHORT[m] + ' ratio':>9} {SHORT[m] + ' speed':>9}"
+                                                     for m in RESCALINGS) + "   stalled " + "/".join(SHORT[m] for m in METHODS))
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        cells = "".join(f" {_fmt_ratio(row[f'ratio_{m}']):>9} {_fmt_ratio(row[f'speedup_{m}'], '×'):>9}"
+                        for m in RESCALINGS)
+        print(f"{row['setting']:<18} {row['lr']:>7.3g}{cells}   " + "/".join(str(row["stalled"][m]) for m in METHODS)
+              + f" of {row['seeds']}")
+
+
+def _fmt_ratio(value: float | None, unit: str = "") -> str:
+    return "—" if value is None else f"{value:.3g}{unit}"
+
+
 def _fmt_epochs(value: int | None) -> str:
     return "—" if value is None else str(value)
 
@@ -244,18 +324,18 @@ def _speedup(base: int | None, other: int | None) -> str:
 def print_training(rows: list[dict], runs: Runs, epochs: int, slack: float) -> None:
     print(f"\nFinal training loss after {epochs} epochs (mean over seeds) and epochs to reach "
           f"{slack:g} × the baseline's final loss (on the seed-mean curve); speed-up = baseline epochs / method epochs")
-    header = (f"{'setting':<18} {'lr':>7} {'baseline':>10} {'PathCond':>10} {'ENorm':>10}   "
-              f"{'ep base':>7} {'ep PC':>6} {'ep EN':>6}   {'PC speed-up':>11} {'EN speed-up':>11}")
+    header = (f"{'setting':<18} {'lr':>7}" + "".join(f" {SHORT[m]:>9}" for m in METHODS) + "  "
+              + "".join(f" {'ep ' + SHORT[m]:>7}" for m in METHODS) + "  "
+              + "".join(f" {SHORT[m] + ' speed-up':>12}" for m in RESCALINGS))
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['setting']:<18} {row['lr']:>7.3g} {row['final_baseline']:>10.4g} {row['final_pathcond']:>10.4g} "
-              f"{row['final_enorm']:>10.4g}   {_fmt_epochs(row['epochs_baseline']):>7} "
-              f"{_fmt_epochs(row['epochs_pathcond']):>6} {_fmt_epochs(row['epochs_enorm']):>6}   "
-              f"{_speedup(row['epochs_baseline'], row['epochs_pathcond']):>11} "
-              f"{_speedup(row['epochs_baseline'], row['epochs_enorm']):>11}")
+        print(f"{row['setting']:<18} {row['lr']:>7.3g}" + "".join(f" {row[f'final_{m}']:>9.4g}" for m in METHODS) + "  "
+              + "".join(f" {_fmt_epochs(row[f'epochs_{m}']):>7}" for m in METHODS) + "  "
+              + "".join(f" {_speedup(row['epochs_baseline'], row[f'epochs_{m}']):>12}" for m in RESCALINGS))
     print("\n‖u‖∞ at initialisation (mean over seeds): "
-          + "; ".join(f"{s}: PathCond {np.mean(runs.u_inf[(s, 'pathcond')]):.2f}, ENorm {np.mean(runs.u_inf[(s, 'enorm')]):.2f}"
+          + "; ".join(f"{s}: " + ", ".join(f"{LABELS[m].split(' ')[0]} {np.mean(runs.u_inf[(s, m)]):.2f}"
+                                           for m in RESCALINGS if (s, m) in runs.u_inf)
                       for s in dict.fromkeys(k[0] for k in runs.u_inf)))
 
 
@@ -354,9 +434,10 @@ def plot_summary(rows: list[dict], all_settings: list[Setting], lrs: list[float]
     from matplotlib.colors import TwoSlopeNorm
 
     names = [s.name for s in all_settings]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.55 * len(names) + 2.2), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(RESCALINGS), figsize=(5.5 * len(RESCALINGS), 0.55 * len(names) + 2.2),
+                             constrained_layout=True)
     lookup = {(r["setting"], r["lr"]): r for r in rows}
-    for ax, method in zip(axes, ("pathcond", "enorm")):
+    for ax, method in zip(axes, RESCALINGS):
         ratio = np.array([[lookup[(n, lr)][f"final_{method}"] / lookup[(n, lr)]["final_baseline"] for lr in lrs]
                           for n in names])
         log_ratio = np.log2(ratio)
@@ -442,6 +523,7 @@ def main(argv: list[str] | None = None) -> None:
         results_path.write_text(json.dumps({"lrs": lrs, "training": runs.to_json(), "width_ratio": width_rows}))
     rows = training_table(runs, all_settings, lrs, args.slack)
     print_training(rows, runs, epochs, args.slack)
+    print_seed_table(seed_table(runs, all_settings, lrs, args.slack), args.slack)
     print_width_ratio(width_rows)
     for setting in all_settings:
         plot_curves(runs, setting, lrs, args.out / f"train_{_slug(setting.name)}.png", args.slack)

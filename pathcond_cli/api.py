@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .defaults import CRITERIA, DEFAULT_CRITERION
+from .calibration import calibration_warnings
+from .bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
+from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
 from .diag import DiagG, PathCount, diag_g, path_count
 from .dtype_limits import ensure_storable
 from .errors import InputError, PathcondError, UnsupportedModelError, VerificationError
@@ -222,6 +224,7 @@ class RescaleResult:
     seconds: dict[str, float] = field(default_factory=dict)
     criterion: str = DEFAULT_CRITERION
     warnings: list[str] = field(default_factory=list)
+    bound: BoundChoice = field(default_factory=lambda: BoundChoice(NONE))
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -277,7 +280,7 @@ def rescale(
     analysis: Analysis | None = None,
     verify: bool = True,
     criterion: str = DEFAULT_CRITERION,
-    max_log_scale: float | None = None,
+    max_log_scale: float | str | None = "auto",
 ) -> RescaleResult:
     """Find the PathCond rescaling of ``model`` and apply it to its tensors (in memory).
 
@@ -287,38 +290,54 @@ def rescale(
     :class:`VerificationError` is raised when they differ beyond the dtype's tolerance; the
     CLI instead verifies the file it wrote. ``result.verification`` is None when skipped.
     ``max_iter`` is a safety cap (``result.solve.converged`` says whether the tolerance was
-    met); ``max_log_scale`` bounds every |u_h|. A rescaled tensor that would overflow or lose
-    its values in its dtype raises :class:`VerificationError`; a few values flushed below the
-    smallest normal are listed in ``result.warnings``.
+    met). ``max_log_scale`` bounds every |u_h| (:mod:`.bounds`): ``"auto"`` (the default) keeps
+    the unbounded optimum when the checkpoint's dtypes can store it and otherwise solves within
+    the largest bound that keeps every rescaled tensor storable (``result.bound`` says which,
+    ``result.warnings`` what it cost); a number U bounds |u_h| ≤ U; ``"none"`` or None solves
+    unbounded. With a number or ``"none"``, a rescaled tensor that would overflow or lose its
+    values in its dtype raises :class:`StorageError`. A few values flushed below the smallest
+    normal are listed in ``result.warnings``. ENorm takes no bound (``"auto"`` means none).
     """
     if criterion not in CRITERIA:
         raise ValueError(f"unknown criterion '{criterion}'; choose one of {', '.join(CRITERIA)}")
     if criterion == "enorm" and solver != DEFAULT_SOLVER:
         raise ValueError(f"solver '{solver}' minimises PathCond; ENorm has its own closed-form block updates")
-    if criterion == "enorm" and max_log_scale is not None:
+    rule, bound = parse_bound(max_log_scale)
+    if criterion == "enorm" and rule == USER:
         raise ValueError("max_log_scale bounds PathCond's solvers; ENorm's closed-form updates take no bound")
     device = resolve_device(device)
     analysis = analysis or analyse(model, device=device)
     seconds = dict(analysis.seconds)
     timed = _Stopwatch(seconds)
+
+    def run(bound: float | None) -> SolveResult:
+        # Under the auto rule an unconstrained solver (lbfgs) leaves the bounded solve to the default one.
+        method = DEFAULT_SOLVER if rule == AUTO and bound is not None and solver not in BOUNDED_SOLVERS else solver
+        return solve(analysis.groups, analysis.diag, method=method, tol=tol, max_iter=max_iter, device=device,
+                     progress=progress, max_log_scale=bound)
+
     if criterion == "enorm":
         result = timed("solve", lambda: enorm(analysis.groups, tol=tol, max_iter=max_iter, device=device,
                                               progress=progress))
     elif not any(bool(torch.isfinite(lg).any()) for lg in analysis.diag.log_g):
         result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver, tol, max_iter))
     else:
-        result = timed("solve", lambda: solve(analysis.groups, analysis.diag, method=solver, tol=tol,
-                                              max_iter=max_iter, device=device, progress=progress,
-                                              max_log_scale=max_log_scale))
+        result = timed("solve", lambda: run(bound))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
-    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
+    choice = BoundChoice(rule if criterion == "pathcond" else NONE, None if rule == USER else result)
+    if choice.rule == AUTO:
+        result, changed, choice = timed("solve", lambda: within_dtype(analysis.groups, model.params, result,
+                                                                      changed, run))
+    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
+                                       advise=choice.rule != AUTO)
+    storage_warnings += choice.warnings(model.source, result) + calibration_warnings(model, analysis.groups)
     verification = timed("verify", lambda: compare(model.graph, model.params, {**model.params, **changed})) if verify else None
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
-    return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings)
+    return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings, choice)
 
 
 ZERO_FUNCTION_NOTE = (

@@ -41,7 +41,8 @@ from .fileio import (
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
     "4 unsupported architecture · 5 verification failed (output removed) · "
-    "6 output not writable · 7 NaN/Inf weights · 130 interrupted. "
+    "6 output not writable · 7 NaN/Inf weights · 8 rescaling not storable in the checkpoint's dtypes "
+    "(--max-log-scale none or a bound of yours) · 130 interrupted. "
     "Several MODELs: 0 if every file succeeded, else the code their failures share, else 9."
 )
 
@@ -51,6 +52,9 @@ DEBUG_VARIABLE = "PATHCOND_DEBUG"
 _stdout_started = False
 # Whether a command is running inside ``_errors_to_exit_codes`` (see ``_interrupted``).
 _guarded = False
+# The running command's report so far, once its input is read: with --json a failure prints it
+# with an ``error`` object, so that a pipeline always gets one document.
+_report_so_far: dict[str, Any] | None = None
 
 app = typer.Typer(
     name="pathcond",
@@ -155,6 +159,20 @@ def _parse_shape(text: str | None) -> tuple[int, ...] | None:
     return shape
 
 
+def _parse_max_log_scale(text: str) -> float | str:
+    """``auto``, ``none`` or a finite bound ≥ 0."""
+    value = text.strip().lower()
+    if value in ("auto", "none"):
+        return value
+    try:
+        bound = float(value)
+    except ValueError:
+        raise typer.BadParameter(f"'{text}' is not auto, none or a number", param_hint="--max-log-scale") from None
+    if not (math.isfinite(bound) and bound >= 0):
+        raise typer.BadParameter(f"'{text}' is not a finite bound ≥ 0", param_hint="--max-log-scale")
+    return bound
+
+
 def _parse_device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA only when torch sees that device."""
     value = text.strip().lower()
@@ -187,17 +205,19 @@ def _import_library() -> None:
 
 
 @contextlib.contextmanager
-def _errors_to_exit_codes() -> Iterator[None]:
-    """One paragraph on stderr and a distinct exit code; never a traceback."""
-    global _guarded, _stdout_started
+def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
+    """One paragraph on stderr and a distinct exit code; never a traceback. With ``as_json``, a
+    failure after the input was read also prints the report so far with its ``error`` on stdout."""
+    global _guarded, _stdout_started, _report_so_far
     _import_library()
-    _guarded, _stdout_started = True, False
+    _guarded, _stdout_started, _report_so_far = True, False, None
     written_files.clear()
     try:
         yield
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         stderr.print(f"[bold red]interrupted:[/] {_printable(_what_is_on_disk())}", highlight=False, markup=True,
                      soft_wrap=True)
+        _error_document(as_json, exc, EXIT_CODES["interrupted"], _what_is_on_disk())
         raise typer.Exit(EXIT_CODES["interrupted"]) from None
     except BrokenPipeError:
         # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
@@ -210,6 +230,7 @@ def _errors_to_exit_codes() -> Iterator[None]:
     except Exception as exc:
         code, label, message = _failure(exc)
         stderr.print(f"[bold red]{label}:[/] {_printable(message)}", highlight=False, markup=True, soft_wrap=True)
+        _error_document(as_json, exc, code, message)
         raise typer.Exit(code) from None
     finally:
         _guarded = False
@@ -234,6 +255,7 @@ def _failure(exc: Exception) -> tuple[int, str, str]:
         f"command line. Set {DEBUG_VARIABLE}=1 to see the traceback."
     )
 
+
 def _out_of_memory(exc: BaseException) -> bool:
     """An allocation that failed: Python's MemoryError, or torch's RuntimeError (CPU or CUDA)."""
     if isinstance(exc, MemoryError):
@@ -250,6 +272,18 @@ def _bounded(exc: BaseException) -> str:
 
 
 BOUNDED_CHARS = 300
+
+
+def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: str) -> None:
+    """With --json, the report so far and its ``error`` on stdout (once the input was read)."""
+    if not as_json or _report_so_far is None:
+        return
+    from .report import error_document
+
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.write(json.dumps(error_document(_report_so_far, exc, exit_code, message), indent=2,
+                                    allow_nan=False) + "\n")
+        sys.stdout.flush()
 
 
 def _printable(text: str) -> str:
@@ -431,10 +465,12 @@ def rescale(
                                           "knob: the solver stops at --tol; a run that hits the cap is reported "
                                           "as not converged.")] = DEFAULT_MAX_ITER,
     tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
-    max_log_scale: Annotated[Optional[float], typer.Option(
-        "--max-log-scale", min=0.0, help="Bound every neuron scale factor to e^±U (|u_h| ≤ U): the bounded "
-        f"optimum, for checkpoints whose dtype cannot hold the unbounded one ({', '.join(BOUNDED_SOLVERS)}).",
-    )] = None,
+    max_log_scale: Annotated[str, typer.Option(
+        "--max-log-scale", metavar="auto|none|U", help="Bound on every |u_h| (neuron scale factors e^±U). auto: "
+        "the unbounded optimum, or, when the checkpoint's dtypes cannot store it, the optimum within the largest "
+        "bound that keeps every rescaled tensor storable (a warning says what it kept). none: unbounded; a "
+        f"rescaling the dtypes cannot hold exits 8. U: the bounded optimum ({', '.join(BOUNDED_SOLVERS)}).",
+    )] = "auto",
     as_json: JsonOpt = False,
     report_file: Annotated[Optional[str], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
@@ -457,12 +493,11 @@ def rescale(
                                  "solver", param_hint="--solver")
     if not math.isfinite(tol):
         raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
-    if max_log_scale is not None and not math.isfinite(max_log_scale):
-        raise typer.BadParameter(f"{max_log_scale} is not a finite bound", param_hint="--max-log-scale")
-    if max_log_scale is not None and criterion == "enorm":
+    bound = _parse_max_log_scale(max_log_scale)
+    if isinstance(bound, float) and criterion == "enorm":
         raise typer.BadParameter("--max-log-scale bounds PathCond's solvers; --criterion enorm takes no bound",
                                  param_hint="--max-log-scale")
-    if max_log_scale is not None and solver not in BOUNDED_SOLVERS:
+    if isinstance(bound, float) and solver not in BOUNDED_SOLVERS:
         raise typer.BadParameter(f"solver '{solver}' is unconstrained; with --max-log-scale use one of "
                                  f"{', '.join(BOUNDED_SOLVERS)}", param_hint="--solver")
     if len(models) > 1 or output_dir is not None:
@@ -471,7 +506,7 @@ def rescale(
             raise typer.BadParameter("--in-place replaces each input; --output-dir writes elsewhere: choose one",
                                      param_hint="--in-place")
         solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": _parse_device(device),
-                         "criterion": criterion, "max_log_scale": max_log_scale}
+                         "criterion": criterion, "max_log_scale": bound}
         _rescale_batch(models, output_dir, arch, _parse_shape(input_shape), in_place, as_json, quiet, allow_unused,
                        solve_options)
         return
@@ -487,10 +522,10 @@ def rescale(
                                  "redirect it to a file or a pipe", param_hint="-o")
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(as_json):
         _check_plot(plot)
         solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": device, "criterion": criterion,
-                         "max_log_scale": max_log_scale}
+                         "max_log_scale": bound}
         report, result, report_path, plot_path = _rescale_to(model, output, arch, shape, in_place, report_file, plot,
                                                              quiet, allow_unused, solve_options)
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
@@ -500,12 +535,12 @@ def rescale(
 def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, solve_options):
     """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
     returns the JSON report, the result, and where the report and the plot go."""
-    from .api import rescale as rescale_model, save
+    from .api import analyse, rescale as rescale_model, save
     from .destinations import check_destinations, written
     from .formats import check_streamable, detect_format, files_read, load_model, output_format_mismatch
-    from .report import rescale_report
+    from .report import analysis_report, loaded_report, rescale_report
 
-    global _stdout_started
+    global _stdout_started, _report_so_far
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
@@ -535,9 +570,13 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
         load_seconds = time.perf_counter() - load_start
         if destination is None:
             check_streamable(loaded)
+        _report_so_far = loaded_report(loaded, "rescale")
         stages.stage("analysing: groups, diag(G), path count")
-        result = rescale_model(loaded, progress=stages.solver, verify=False, **solve_options)
+        analysis = analyse(loaded, device=solve_options["device"])
+        _report_so_far = {**analysis_report(analysis), "command": "rescale"}
+        result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis, **solve_options)
         seconds = {"load": load_seconds, **result.seconds}
+        _report_so_far = rescale_report(result, None, seconds)
 
         stages.stage("writing and verifying the written file")
         if destination is not None:
@@ -622,10 +661,13 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
     exit code and the next file processed; the exit status is :func:`batch_exit_code`'s."""
     from .report import error_document, failure_report, render_warnings, summary_line
 
+    global _report_so_far
+
     total, failures, position, reported = len(models), [], 0, 0
     try:
         for position, model in enumerate(models, start=1):
             tag = f"[{position}/{total}]"
+            _report_so_far = None
             try:
                 report = process(position - 1)
             except BrokenPipeError:
@@ -635,7 +677,7 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
                 failures.append(code)
                 stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
                              highlight=False, markup=True, soft_wrap=True)
-                report = failure_report(command, describe(Path(model)), error_document(exc, code, message))
+                report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc, code, message)
             else:
                 if not quiet:
                     render_warnings(report, stderr)
@@ -710,7 +752,7 @@ def inspect(
     (model,) = models
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(as_json):
         _check_plot(plot)
         report, analysis, plot_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot)
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
@@ -722,8 +764,9 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
     from .api import analyse
     from .destinations import check_destinations, written
     from .formats import files_read, load_model
-    from .report import analysis_report
+    from .report import analysis_report, loaded_report
 
+    global _report_so_far
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
@@ -731,6 +774,7 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
         stages.stage("loading")
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - started
+        _report_so_far = loaded_report(loaded, "inspect")
         stages.stage("analysing: groups, diag(G), path count")
         analysis = analyse(loaded, device=device)
         report = analysis_report(analysis)

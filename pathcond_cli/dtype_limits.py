@@ -9,9 +9,9 @@ written every rescaled tensor is checked against the dtype it will be stored in:
 - values that were normal and are now subnormal or zero: a few are a warning, more than
   ``LOST_FRACTION`` of the tensor's normal values refuse the write (the values are lost).
 
-Refusals and warnings suggest a ``--max-log-scale`` that keeps every rescaled tensor inside
-its dtype's normal range: a weight changes by at most e^{2U} (scale of its two ends), a
-vector (bias, BatchNorm γ, β) by e^{U}.
+:func:`safe_log_scale` is the bound ``--max-log-scale auto`` (the default) applies when the
+unbounded optimum fails that check: the largest U for which every u with |u_h| ≤ U passes it.
+A refusal (only with ``--max-log-scale none`` or a bound of the user's) names that bound.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import VerificationError
+from .errors import StorageError
 from .groups import RescalingGroups
 
 LOST_FRACTION = 0.01
+ROUNDING_MARGIN = 1e-9
 
 
 @dataclass
@@ -56,22 +57,43 @@ class StorageCheck:
 
 
 def safe_log_scale(groups: RescalingGroups, params: Mapping[str, torch.Tensor]) -> float:
-    """The largest bound U on |u_h| that keeps every rescalable tensor's normal values normal
-    and finite in its own dtype (0 when a tensor already spans its dtype's whole range)."""
+    """The largest bound U such that every u with |u_h| ≤ U passes :func:`check_storage`.
+
+    An element moved by ``s`` free groups (s = 2 for a weight between two free groups, 1 for a
+    bias, a BatchNorm γ or β, or a weight with one fixed end, 0 inside one group) changes by
+    at most e^{sU}, and some u in the box reaches that factor, up or down, for every element
+    of a tensor at once (one sign for its output groups, the other for its input groups). So
+    per tensor U is limited by its largest |value| reaching the dtype's largest value and by
+    the (K+1)-th element to fall below the smallest normal, K the flushed values the check
+    allows (``LOST_FRACTION`` of its normal values); the bound is the smallest limit over the
+    rescalable tensors, 0 when a tensor already spans its dtype's range. It is exact (U plus
+    any ε fails for some u) unless a tensor's output and input groups overlap, where it is
+    conservative; a relative margin of ``ROUNDING_MARGIN`` absorbs the rounding of e^{sU}.
+    """
+    free = torch.cat([torch.ones(groups.num_free, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    ids = torch.cat([torch.arange(1, groups.num_free + 1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
     limit = math.inf
     for wb in groups.writebacks:
         tensor = params[wb.key]
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or not tensor.numel():
+            continue
+        shape = tuple(tensor.shape)
+        sides = wb.log_factor(free, -free, shape) * (wb.log_factor(ids, ids, shape) != 0)
+        magnitude = tensor.detach().abs().to(torch.float64)
+        sides = torch.broadcast_to(sides, magnitude.shape)
+        moved = (sides > 0) & (magnitude > 0)
+        if not bool(moved.any()):
             continue
         info = torch.finfo(tensor.dtype)
-        magnitude = tensor.detach().abs().to(torch.float64)
-        normal = magnitude[(magnitude >= info.tiny) & torch.isfinite(magnitude)]
-        if not normal.numel():
-            continue
-        headroom = min(math.log(info.max / float(normal.max())), math.log(float(normal.min()) / info.tiny))
-        sides = (wb.dst is not None) + (wb.src is not None)
-        limit = min(limit, max(headroom, 0.0) / max(sides, 1))
-    return limit
+        moved_magnitude, s = magnitude[moved], sides[moved]
+        log_m = moved_magnitude.log()
+        limit = min(limit, float(((math.log(info.max) - log_m) / s).min()))
+        normal = moved_magnitude >= info.tiny
+        allowed = math.floor(LOST_FRACTION * max(int((magnitude >= info.tiny).sum()), 1))
+        if int(normal.sum()) > allowed:
+            flush_at = (log_m[normal] - math.log(info.tiny)) / s[normal]
+            limit = min(limit, float(torch.kthvalue(flush_at, allowed + 1).values))
+    return max(limit * (1 - ROUNDING_MARGIN), 0.0) if math.isfinite(limit) else limit
 
 
 def check_storage(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> list[StorageCheck]:
@@ -97,23 +119,32 @@ def check_storage(original: Mapping[str, torch.Tensor], changed: Mapping[str, to
 
 
 def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str, torch.Tensor],
-                    changed: Mapping[str, torch.Tensor], u_inf: float) -> list[str]:
+                    changed: Mapping[str, torch.Tensor], u_inf: float, *, advise: bool = True) -> list[str]:
     """Warnings for tensors that keep their values with a few flushed below the smallest normal;
-    :class:`VerificationError` naming the tensors that would overflow or lose their values."""
+    :class:`StorageError` naming the tensors that would overflow or lose their values. With
+    ``advise`` both name the auto bound (not when that rule chose the rescaling)."""
     problems = check_storage(original, changed)
-    if not problems:
-        return []
-    bound = safe_log_scale(groups, original)
-    advice = (f"rerun with --max-log-scale {math.floor(bound * 10) / 10:g} (max_log_scale= in the API), which bounds "
-              f"every neuron scale factor to e^±U and keeps every rescaled tensor inside its dtype's normal range"
-              if math.isfinite(bound) and bound > 0 else
-              "a tensor already spans its dtype's whole range, so no rescaling keeps it representable; "
-              "convert the checkpoint to a wider dtype first")
     fatal = [p for p in problems if p.lost]
+    advice = _advice(groups, original) if fatal or (problems and advise) else ""
     if fatal:
         listed = "; ".join(p.describe() for p in fatal)
-        raise VerificationError(
+        raise StorageError(
             f"{source}: the rescaling (largest log scale |u| = {u_inf:.3g}) cannot be stored in the checkpoint's "
             f"dtypes: {listed}. Nothing was written; {advice}."
         )
-    return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}; {advice}." for p in problems]
+    suffix = f"; {advice}." if advise else "."
+    return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}{suffix}" for p in problems]
+
+
+def _advice(groups: RescalingGroups, original: Mapping[str, torch.Tensor]) -> str:
+    bound = safe_log_scale(groups, original)
+    if math.isfinite(bound) and bound > 0:
+        return (f"--max-log-scale auto (the default; max_log_scale='auto' in the API) bounds every neuron scale "
+                f"factor to e^±U with U = {bound:.4g}, the largest bound that keeps every rescaled tensor storable")
+    return ("a tensor already spans its dtype's whole range, so no rescaling keeps it representable; "
+            "convert the checkpoint to a wider dtype first")
+
+
+def lost_values(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> list[StorageCheck]:
+    """The tensors whose rescaled values the checkpoint's dtype cannot hold (a refusal, not a warning)."""
+    return [p for p in check_storage(original, changed) if p.lost]

@@ -53,6 +53,13 @@ class InvalidWeightsError(PathcondError):
     exit_code = 7
 
 
+class StorageError(PathcondError):
+    """The rescaled tensors cannot be held by the checkpoint's dtypes (values would overflow or be
+    flushed below the smallest normal): with ``--max-log-scale none`` or a bound of the user's."""
+
+    exit_code = 8
+
+
 EXIT_CODES = {
     "success": 0,
     "usage": UsageError.exit_code,
@@ -61,6 +68,7 @@ EXIT_CODES = {
     "verification_failed": VerificationError.exit_code,
     "output_not_written": OutputError.exit_code,
     "invalid_weights": InvalidWeightsError.exit_code,
+    "not_storable": StorageError.exit_code,
     "interrupted": 130,
     "several_failures": 9,
 }

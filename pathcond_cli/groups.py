@@ -80,22 +80,28 @@ class WriteBack:
 
     def factor(self, u_ext: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of ``shape``."""
+        return torch.exp(self.log_factor(u_ext, u_ext, shape))
+
+    def log_factor(self, dst_values: torch.Tensor, src_values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """``dst_values[dst] − src_values[src]`` per stored element, shaped like :meth:`factor`
+        (two value vectors, so that per-element facts such as how many free groups move an
+        element come from the same layout code as the rescaling itself)."""
         if self.layout == "vector":
-            log = u_ext[self.dst] if self.src is None else u_ext[self.dst] - u_ext[self.src]
-            return torch.exp(log).reshape(shape)
+            log = dst_values[self.dst] if self.src is None else dst_values[self.dst] - src_values[self.src]
+            return log.reshape(shape)
         ndim = len(shape)
         in_per_group = 1 if self.src is None else len(self.src) // self.groups
-        log = torch.zeros(self.out_channels, in_per_group, dtype=u_ext.dtype, device=u_ext.device)
+        log = torch.zeros(self.out_channels, in_per_group, dtype=dst_values.dtype, device=dst_values.device)
         if self.dst is not None:
-            log += u_ext[self.dst][:, None]
+            log += dst_values[self.dst][:, None]
         if self.src is not None:
-            per_group = u_ext[self.src].reshape(self.groups, 1, in_per_group)
+            per_group = src_values[self.src].reshape(self.groups, 1, in_per_group)
             log -= per_group.expand(self.groups, self.out_channels // self.groups, in_per_group).reshape(log.shape)
         if self.layout == "weight_t":
             log = log.t()
         elif self.layout == "conv_transpose":
             log = swap_group_axes(log, self.groups)
-        return torch.exp(log).reshape(*log.shape, *([1] * (ndim - 2)))
+        return log.reshape(*log.shape, *([1] * (ndim - 2)))
 
 
 @dataclass

@@ -18,6 +18,7 @@ from . import __version__
 from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
 from .diag import unused_parameters
 from .fileio import printable
+from .model import LoadedModel
 from .objective import degenerate_mask
 
 SCHEMA_VERSION = 2
@@ -75,6 +76,23 @@ def _conditioning(measure: Conditioning) -> dict[str, Any]:
     }
 
 
+def loaded_report(model: LoadedModel, command: str) -> dict[str, Any]:
+    """The keys known once the model is read, before any analysis: the report so far of a
+    command that fails later (see :func:`error_document`)."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "pathcond_version": __version__,
+        "command": command,
+        "model": model.source,
+        "format": model.format,
+        "arch_source": model.arch_source,
+        "parameters": model.parameter_count,
+        "hidden_units": model.hidden_units,
+        "input_shape": [list(node.shape) for node in model.graph.inputs],
+        "warnings": list(model.warnings),
+    }
+
+
 def analysis_report(
     analysis: Analysis,
     *,
@@ -89,16 +107,9 @@ def analysis_report(
     # A parameter on no path has g = 0: without zeros in diag(G) there is nothing to look for.
     unused = unused_parameters(groups) if any(layer.zeros for layer in summary.layers) else {}
     return {
-        "schema": SCHEMA_VERSION,
-        "pathcond_version": __version__,
-        "command": "inspect",
-        "model": model.source,
-        "format": model.format,
-        "arch_source": model.arch_source,
+        **loaded_report(model, "inspect"),
         "device": analysis.device,
-        "parameters": model.parameter_count,
         "dag_parameters": groups.p,
-        "hidden_units": model.hidden_units,
         "groups": {
             "free": groups.num_free,
             "fixed": groups.num_fixed,
@@ -108,23 +119,15 @@ def analysis_report(
         "paths": {"log10": _finite(analysis.paths.log10), "exact": analysis.paths.exact},
         "conditioning": {"before": _conditioning(analysis.conditioning)},
         "diag_g": _diag_section(summary, analysis.diag.log_g, ln_bounds or (summary.ln_low, summary.ln_high)),
-        "input_shape": [list(node.shape) for node in model.graph.inputs],
         "unused_parameters": unused,
         "warnings": list(model.warnings) + _unused_warning(unused, model),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
     }
 
 
-def error_document(error: BaseException, exit_code: int, message: str) -> dict[str, Any]:
-    """The ``error`` object of the JSON document of a failed run: the exit code, the exception's
-    class name and the one paragraph printed on stderr."""
-    return {"exit_code": exit_code, "type": type(error).__name__, "message": message}
-
-
-def failure_report(command: str, model: str, error: dict[str, Any]) -> dict[str, Any]:
-    """The JSON document of a file that failed in a run over several files."""
-    return {"schema": SCHEMA_VERSION, "pathcond_version": __version__, "command": command, "model": model,
-            "error": error}
+def failure_report(command: str, model: str) -> dict[str, Any]:
+    """What is known of a file that failed before it was read, in a run over several files."""
+    return {"schema": SCHEMA_VERSION, "pathcond_version": __version__, "command": command, "model": model}
 
 
 def _unused_warning(unused: dict[str, int], model) -> list[str]:
@@ -137,7 +140,29 @@ def _unused_warning(unused: dict[str, int], model) -> list[str]:
             "(--input-shape)."]
 
 
-def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]) -> dict[str, Any]:
+def _bound_keys(result: RescaleResult) -> dict[str, Any]:
+    """How the bound on |u_h| was chosen (``--max-log-scale``) and what it cost."""
+    bound = result.bound
+    return {
+        "max_log_scale_rule": bound.rule,
+        "unbounded_u_inf": _finite(bound.unbounded.u_inf) if bound.unbounded is not None else None,
+        "share_of_decrease_kept": _finite(bound.share_of_decrease_kept(result.solve)),
+    }
+
+
+def error_document(report: dict[str, Any], exc: BaseException, exit_code: int, message: str) -> dict[str, Any]:
+    """The JSON document of a run that failed after its input was read: the report so far
+    (``report``) with ``error`` = {exit_code, type (the exception's class name), message (the
+    paragraph printed on stderr)}. A failed ``rescale`` reports no output: ``output`` is null."""
+    document = dict(report)
+    if document["command"] == "rescale":
+        document["output"] = None
+    document["error"] = {"exit_code": exit_code, "type": type(exc).__name__, "message": message}
+    return document
+
+
+def rescale_report(result: RescaleResult, output: str | None, seconds: dict[str, float]) -> dict[str, Any]:
+    """The ``rescale`` report; ``output`` and ``verification`` are null before the file is written."""
     analysis = result.analysis
     solve, verification = result.solve, result.verification
     # One set of histogram bins for before and after, so the two read side by side.
@@ -177,11 +202,12 @@ def rescale_report(result: RescaleResult, output: str, seconds: dict[str, float]
             "converged": solve.converged,
             "max_log_scale": solve.max_log_scale,
             "groups_at_bound": solve.groups_at_bound,
+            **_bound_keys(result),
         },
         "u_inf": _finite(solve.u_inf),
         "degenerate_groups": [labels[h] for h in solve.degenerate],
         "warnings": report["warnings"] + result.warnings,
-        "verification": {
+        "verification": None if verification is None else {
             "max_abs_error": _finite(verification.max_abs_error),
             "max_rel_error": _finite(verification.max_rel_error),
             "tolerance": verification.tolerance,
@@ -264,7 +290,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
         summary.add_row("objective", f"{name}(0) {_fmt(solver['objective_initial'], 10)} → {name}* "
                         f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})")
         summary.add_row("KKT residual", f"{_fmt(solver['kkt_residual'])} (tolerance {solver['tolerance']:g})")
-        summary.add_row("‖u‖∞", _fmt(report["u_inf"]))
+        summary.add_row("‖u‖∞", _fmt(report["u_inf"]) + _bound_text(solver))
         check = "[green]passed[/]" if verification["passed"] else "[red]FAILED[/]"
         summary.add_row("verification", f"max abs {_fmt(verification['max_abs_error'])} · max rel "
                         f"{_fmt(verification['max_rel_error'])} (tol {verification['tolerance']:g}, "
@@ -285,6 +311,17 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
         more = len(report["degenerate_groups"]) - 10
         console.print(f"[yellow]degenerate groups frozen at u = 0:[/] {shown}{f' (+{more} more)' if more > 0 else ''}")
     render_warnings(report, console)
+
+
+def _bound_text(solver: dict[str, Any]) -> str:
+    """The bound on |u_h| and how it was chosen, after ‖u‖∞ (nothing for an unbounded run)."""
+    if solver["max_log_scale"] is None:
+        return ""
+    text = f" (bound {_fmt(solver['max_log_scale'])}, {solver['max_log_scale_rule']}, {solver['groups_at_bound']:,} groups at it"
+    if solver["share_of_decrease_kept"] is not None:
+        text += (f"; unbounded ‖u*‖∞ {_fmt(solver['unbounded_u_inf'])}, "
+                 f"{100 * solver['share_of_decrease_kept']:.1f}% of its decrease kept")
+    return text + ")"
 
 
 def render_warnings(report: dict[str, Any], console: Console) -> None:

@@ -30,7 +30,7 @@ from pathcond_cli.cli import app
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_models"
 TMP_MARK = ".pathcond-tmp"
-DOCUMENTED_ERRORS = {3, 4, 5, 6, 7}
+DOCUMENTED_ERRORS = {3, 4, 5, 6, 7, 8}
 
 # Environment for subprocesses: no forced colours or terminal, whatever the caller's shell says.
 CLEAN_ENV = {k: v for k, v in os.environ.items()
@@ -58,7 +58,7 @@ def assert_clean_exit(result, code: int, *needles: str) -> str:
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     if code != 0:
         assert result.stderr.strip(), "a failure must say why on stderr"
-        assert result.stdout == "", "nothing goes to stdout on failure"
+        check_error_output(result)
     lowered = result.stderr.lower()
     for needle in needles:
         assert needle.lower() in lowered, f"{needle!r} not in stderr:\n{result.stderr}"
@@ -272,6 +272,17 @@ def _check_rescale(report: dict, seconds: dict) -> None:
     assert _is_int(solver["max_iter"]) and isinstance(solver["tolerance"], float)
     assert solver["converged"] == (solver["kkt_residual"] <= solver["tolerance"])
     assert isinstance(report["u_inf"], float) and report["u_inf"] >= 0
+    rule, bound = solver["max_log_scale_rule"], solver["max_log_scale"]
+    assert rule in ("auto", "user", "none")
+    assert bound is None or (_is_number(bound) and report["u_inf"] <= bound), "u within the bound used"
+    assert _is_int(solver["groups_at_bound"]) and (bound is not None or solver["groups_at_bound"] == 0)
+    unbounded, share = solver["unbounded_u_inf"], solver["share_of_decrease_kept"]
+    assert (unbounded is None) == (rule == "user") and (unbounded is None or unbounded >= 0)
+    assert (share is not None) == (rule == "auto")
+    if rule == "auto" and bound is None:
+        assert share == 1.0 and unbounded == report["u_inf"]
+    if share is not None:
+        assert 0 <= share <= 1 + 1e-9
     assert isinstance(report["degenerate_groups"], list) and all(isinstance(g, str) for g in report["degenerate_groups"])
     verification = report["verification"]
     for key in ("max_abs_error", "max_rel_error", "tolerance"):
@@ -285,6 +296,17 @@ def _check_rescale(report: dict, seconds: dict) -> None:
     assert isinstance(report["output"], str)
     for stage in ("load", "groups", "diag_g", "path_count", "solve", "apply", "write", "verify_written", "total"):
         assert stage in seconds, stage
+
+
+def check_error_output(result) -> None:
+    """stdout of a failed run: empty, or (``--json``, input read) one document whose ``error``
+    is {exit_code: the exit status, type, message: the paragraph on stderr}."""
+    if not result.stdout:
+        return
+    error = parse_single_json(result.stdout)["error"]
+    assert set(error) == {"exit_code", "type", "message"}
+    assert error["exit_code"] == result.exit_code and isinstance(error["type"], str) and error["type"]
+    assert error["message"] and " ".join(error["message"].split()) in " ".join(result.stderr.split())
 
 
 def parse_single_json(text: str) -> dict:

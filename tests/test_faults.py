@@ -625,8 +625,9 @@ def test_onnx_in_place(tmp_path):
 # -- the command line's own safety nets --------------------------------------------------------
 
 
-def test_non_finite_rescaling_is_a_verification_failure_exit_5(tmp_path, monkeypatch):
-    """Whatever the solver returns, a rescaling that overflows is never written."""
+def test_non_finite_rescaling_is_refused_exit_8(tmp_path, monkeypatch):
+    """Whatever the solver returns, a rescaling that overflows is never written (here even the
+    auto rule's bounded solve returns u beyond its bound: the final storage check refuses it)."""
     checkpoint, spec = write_mlp(tmp_path)
     real_solve = pathcond_cli.api.solve
 
@@ -637,9 +638,9 @@ def test_non_finite_rescaling_is_a_verification_failure_exit_5(tmp_path, monkeyp
 
     monkeypatch.setattr(pathcond_cli.api, "solve", overflowing)
     # refused by the dtype check before anything is written (dtype_limits), naming the tensor
-    _fails_cleanly(tmp_path, 5, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"],
+    _fails_cleanly(tmp_path, 8, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"],
                    "would exceed float32", "fc1.weight", "--max-log-scale")
-    _fails_cleanly(tmp_path, 5, ["rescale", checkpoint, "--arch", spec, "--in-place"], "would exceed float32")
+    _fails_cleanly(tmp_path, 8, ["rescale", checkpoint, "--arch", spec, "--in-place"], "would exceed float32")
 
 
 def test_written_file_that_does_not_read_back_exit_5(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ tiny ONNX MLP, and the sample models — are mutated with seeded generators at t
   embedded spec, ONNX nodes/attributes/initializers/inputs/opsets).
 
 ``pathcond rescale`` (in-process) must then either succeed with a verified output, or fail
-with a documented exit code (3, 4, 5, 6, 7) and a one-paragraph message — never with a
+with a documented exit code (3, 4, 5, 6, 7, 8) and a one-paragraph message — never with a
 traceback — and leave no output or temporary file behind and the input untouched.
 """
 
@@ -28,8 +28,8 @@ import yaml
 
 import pathcond_cli
 from cli_support import (
-    DOCUMENTED_ERRORS, SAMPLES, assert_unchanged, check_report, invoke, leftovers, mlp_spec, mlp_tensors,
-    onnx_mlp_model, snapshot,
+    DOCUMENTED_ERRORS, SAMPLES, assert_unchanged, check_error_output, check_report, invoke, leftovers, mlp_spec,
+    mlp_tensors, onnx_mlp_model, snapshot,
 )
 from pathcond_cli.formats.spec import dump_spec
 from pathcond_cli.verify import compare
@@ -358,5 +358,5 @@ def test_mutated_checkpoint(tmp_path, specs, name, data):
     else:
         assert result.exit_code in DOCUMENTED_ERRORS, f"exit {result.exit_code}: {result.stderr}"
         assert result.stderr.startswith("error:"), result.stderr
-        assert result.stdout == ""
+        check_error_output(result)
         assert_unchanged(tmp_path, before)

@@ -16,7 +16,7 @@ from pathcond_cli.api import rescale
 from pathcond_cli.curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
 from pathcond_cli.diag import diag_g
 from pathcond_cli.dtype_limits import check_storage, ensure_storable, safe_log_scale
-from pathcond_cli.errors import VerificationError
+from pathcond_cli.errors import StorageError
 from pathcond_cli.groups import build_groups
 from pathcond_cli.layer_shift import layer_shift_start
 from pathcond_cli.model import LoadedModel
@@ -219,14 +219,15 @@ def test_overflowing_tensor_is_refused_with_a_suggested_bound(nets):
     changed = groups.apply(params, u)
     problems = check_storage(params, changed)
     assert problems and any(p.overflowed for p in problems) and all(p.lost for p in problems if p.overflowed)
-    with pytest.raises(VerificationError) as caught:
+    with pytest.raises(StorageError) as caught:
         ensure_storable("net.safetensors", groups, params, changed, 14.0)
+    assert caught.value.exit_code == 8
     message = str(caught.value)
     overflowing = [p.key for p in problems if p.overflowed]
     assert all(f"'{key}'" in message for key in overflowing)
-    assert "--max-log-scale" in message and "float16" in message and "Nothing was written" in message
-    suggested = float(message.split("--max-log-scale ")[1].split(" ")[0])
-    assert suggested == pytest.approx(math.floor(safe_log_scale(groups, params) * 10) / 10)
+    assert "--max-log-scale auto" in message and "float16" in message and "Nothing was written" in message
+    suggested = float(message.split("U = ")[1].split(",")[0])
+    assert suggested == pytest.approx(safe_log_scale(groups, params), rel=1e-3)
     # the suggested bound really keeps every tensor in range, whatever u within the box
     for sign in (1.0, -1.0):
         bounded = groups.apply(params, torch.full_like(u, sign * suggested))
@@ -244,7 +245,7 @@ def test_few_flushed_values_warn_many_refuse(nets):
     warnings = ensure_storable("net.safetensors", groups, original, changed, 1.0)
     assert len(warnings) == 1 and "'big'" in warnings[0] and "4 of its 1,000 normal values" in warnings[0]
     changed["big"][:20] = 0.0
-    with pytest.raises(VerificationError, match="'big'"):
+    with pytest.raises(StorageError, match="'big'"):
         ensure_storable("net.safetensors", groups, original, changed, 1.0)
 
 
@@ -289,9 +290,11 @@ def test_cli_max_log_scale_reports_the_bound(tmp_path):
 
 def test_cli_refuses_a_rescaling_the_dtype_cannot_hold(tmp_path, monkeypatch):
     """Any u preserves the function in exact arithmetic; u = 14 on every group overflows
-    float16, so the write is refused with exit 5, the tensor named and a bound suggested."""
+    float16, so with --max-log-scale none the write is refused with exit 8 (not 5: nothing
+    failed to verify), the tensor named, the auto bound suggested, and --json still prints
+    the report so far with its error."""
     import pathcond_cli.api as api
-    from cli_support import assert_clean_exit, invoke, mlp_tensors, write_mlp
+    from cli_support import assert_clean_exit, invoke, mlp_tensors, parse_single_json, write_mlp
 
     real_solve = api.solve
 
@@ -304,9 +307,14 @@ def test_cli_refuses_a_rescaling_the_dtype_cannot_hold(tmp_path, monkeypatch):
     tensors = mlp_tensors((6, 8, 5, 3), dtype=torch.float16)
     checkpoint, spec = write_mlp(tmp_path, tensors=tensors)
     target = tmp_path / "out.safetensors"
-    result = invoke("rescale", checkpoint, "--arch", spec, "-o", target)
-    stderr = assert_clean_exit(result, 5, "float16", "--max-log-scale", "nothing was written")
+    result = invoke("rescale", checkpoint, "--arch", spec, "-o", target, "--max-log-scale", "none", "--json")
+    stderr = assert_clean_exit(result, 8, "float16", "--max-log-scale auto", "nothing was written")
     assert "'" in stderr and not target.exists()
+    document = parse_single_json(result.stdout)
+    error = document["error"]
+    assert error["exit_code"] == 8 and error["type"] == "StorageError" and "float16" in error["message"]
+    assert " ".join(error["message"].split()) in " ".join(stderr.split())
+    assert document["command"] == "rescale" and document["groups"]["free"] > 0 and document["output"] is None
 
 
 LAYER_SHIFT_ARCHS = ["mlp", "residual", "bottleneck", "concat", "conv_bn", "self_loop", "grouped_conv"]
