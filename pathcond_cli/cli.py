@@ -281,19 +281,23 @@ def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: 
     from .report import error_document
 
     with contextlib.suppress(OSError, ValueError):
-        sys.stdout.write(json.dumps(error_document(_report_so_far, exc, exit_code, message), indent=2,
-                                    allow_nan=False) + "\n")
+        document = error_document(_report_so_far, exc, exit_code, _shown_message(message))
+        sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
         sys.stdout.flush()
 
 
 def _printable(text: str) -> str:
-    """``text`` without rich markup, with undecodable file-name bytes and control characters shown
-    as escapes, and no line longer than :data:`MESSAGE_LINE_CHARS` (a name read from a file may
-    be a megabyte long)."""
-    lines = [line if len(line) <= MESSAGE_LINE_CHARS else
-             f"{line[:MESSAGE_LINE_CHARS]}... ({len(line) - MESSAGE_LINE_CHARS} more characters)"
-             for line in printable(text, keep="\n").split("\n")]
-    return rich.markup.escape("\n".join(lines))
+    """``text`` as :func:`_shown_message`, escaped for rich markup."""
+    return rich.markup.escape(_shown_message(text))
+
+
+def _shown_message(text: str) -> str:
+    """``text`` with undecodable file-name bytes and control characters shown as escapes, and no
+    line longer than :data:`MESSAGE_LINE_CHARS` (a name read from a file may be a megabyte long):
+    the paragraph on stderr, and the ``message`` of a JSON error document."""
+    return "\n".join(line if len(line) <= MESSAGE_LINE_CHARS else
+                     f"{line[:MESSAGE_LINE_CHARS]}... ({len(line) - MESSAGE_LINE_CHARS} more characters)"
+                     for line in printable(text, keep="\n").split("\n"))
 
 
 MESSAGE_LINE_CHARS = 1000
@@ -677,7 +681,8 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
                 failures.append(code)
                 stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
                              highlight=False, markup=True, soft_wrap=True)
-                report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc, code, message)
+                report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc, code,
+                                        _shown_message(message))
             else:
                 if not quiet:
                     render_warnings(report, stderr)

@@ -127,13 +127,18 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
     fatal = [p for p in problems if p.lost]
     advice = _advice(groups, original) if fatal or (problems and advise) else ""
     if fatal:
-        listed = "; ".join(p.describe() for p in fatal)
+        listed = "; ".join(p.describe() for p in fatal[:LISTED_TENSORS])
+        if len(fatal) > LISTED_TENSORS:
+            listed += f"; and {len(fatal) - LISTED_TENSORS} more tensor(s)"
         raise StorageError(
             f"{source}: the rescaling (largest log scale |u| = {u_inf:.3g}) cannot be stored in the checkpoint's "
             f"dtypes: {listed}. Nothing was written; {advice}."
         )
     suffix = f"; {advice}." if advise else "."
     return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}{suffix}" for p in problems]
+
+
+LISTED_TENSORS = 5  # the message stays one readable paragraph; the advice comes after the list
 
 
 def _advice(groups: RescalingGroups, original: Mapping[str, torch.Tensor]) -> str:
