@@ -70,15 +70,17 @@ def safe_log_scale(groups: RescalingGroups, params: Mapping[str, torch.Tensor]) 
     any ε fails for some u) unless a tensor's output and input groups overlap, where it is
     conservative; a relative margin of ``ROUNDING_MARGIN`` absorbs the rounding of e^{sU}.
     """
-    free = torch.cat([torch.ones(groups.num_free, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
-    ids = torch.cat([torch.arange(1, groups.num_free + 1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    on = {"dtype": torch.float64, "device": groups.device}
+    free = torch.cat([torch.ones(groups.num_free, **on), torch.zeros(1, **on)])
+    ids = torch.cat([torch.arange(1, groups.num_free + 1, **on), torch.zeros(1, **on)])
     limit = math.inf
     for wb in groups.writebacks:
         tensor = params[wb.key]
         if not tensor.is_floating_point() or not tensor.numel():
             continue
         shape = tuple(tensor.shape)
-        sides = wb.log_factor(free, -free, shape) * (wb.log_factor(ids, ids, shape) != 0)
+        # The write-back maps live on the analysis device, the checkpoint's tensors where they were read.
+        sides = (wb.log_factor(free, -free, shape) * (wb.log_factor(ids, ids, shape) != 0)).to(tensor.device)
         magnitude = tensor.detach().abs().to(torch.float64)
         sides = torch.broadcast_to(sides, magnitude.shape)
         moved = (sides > 0) & (magnitude > 0)
