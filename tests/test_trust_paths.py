@@ -53,8 +53,9 @@ def _refused(directory: Path, code: int, args, *needles: str) -> str:
 
 
 def _external_data_onnx(directory: Path) -> Path:
+    """An MLP with external data whose first weight (8 KiB) is large enough to stay external when written."""
     path = directory / "net.onnx"
-    onnx.save_model(onnx_mlp_model(), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+    onnx.save_model(onnx_mlp_model((64, 32, 5, 3)), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="net.weights", size_threshold=0)
     return path
 
