@@ -130,6 +130,21 @@ def write_mlp(
     return checkpoint, spec_path
 
 
+def write_sharded_mlp(directory: Path) -> tuple[Path, Path]:
+    """The MLP as a two-shard checkpoint (``model.safetensors.index.json``) and its spec ``model.arch.yaml``."""
+    tensors = mlp_tensors()
+    layout = {"model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
+              "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"]}
+    for file, keys in layout.items():
+        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(directory / file), metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 0},
+                                 "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
+    spec = directory / "model.arch.yaml"
+    spec.write_text(yaml.safe_dump(mlp_spec()))
+    return index, spec
+
+
 def onnx_mlp_model(
     dims: Sequence[int] = (6, 8, 5, 3),
     *,

@@ -29,7 +29,7 @@ import pathcond_cli.api
 import pathcond_cli.fileio
 from cli_support import (
     assert_clean_exit, assert_unchanged, check_report, invoke, leftovers, mlp_spec, mlp_tensors,
-    onnx_mlp_model, parse_single_json, snapshot, write_mlp, write_onnx_mlp,
+    onnx_mlp_model, parse_single_json, snapshot, write_mlp, write_onnx_mlp, write_sharded_mlp,
 )
 from pathcond_cli.verify import Verification, compare
 
@@ -680,22 +680,8 @@ def test_inconsistent_onnx_tensor_names_the_tensor_exit_3(tmp_path):
 # -- sharded checkpoints: several files, the index last ---------------------------------------
 
 
-def _sharded(tmp_path: Path) -> tuple[Path, Path]:
-    tensors = mlp_tensors()
-    layout = {"model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
-              "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"]}
-    for file, keys in layout.items():
-        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
-    index = tmp_path / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": 0},
-                                 "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
-    spec = tmp_path / "model.arch.yaml"
-    spec.write_text(yaml.safe_dump(mlp_spec()))
-    return index, spec
-
-
 def test_sharded_checkpoint_is_written_whole_and_verified(tmp_path):
-    index, spec = _sharded(tmp_path)
+    index, spec = write_sharded_mlp(tmp_path)
     out = tmp_path / "out" / "rescaled.safetensors.index.json"
     out.parent.mkdir()
     result = invoke("rescale", index, "--arch", spec, "-o", out, "--json")
@@ -706,7 +692,7 @@ def test_sharded_checkpoint_is_written_whole_and_verified(tmp_path):
 
 
 def test_sharded_in_place_interrupted_while_verifying_keeps_every_file(tmp_path, monkeypatch):
-    index, spec = _sharded(tmp_path)
+    index, spec = write_sharded_mlp(tmp_path)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -739,7 +725,7 @@ def test_text_files_are_unreadable_not_internal_errors_exit_3(tmp_path, name):
 
 def test_sharded_output_named_json_reads_back(tmp_path):
     """A sharded output may be named anything.json; it must read back for verification."""
-    index, spec = _sharded(tmp_path)
+    index, spec = write_sharded_mlp(tmp_path)
     out = tmp_path / "out.json"
     result = invoke("rescale", index, "--arch", spec, "-o", out, "--json")
     assert_clean_exit(result, 0)

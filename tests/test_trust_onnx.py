@@ -20,7 +20,6 @@ import onnx
 import pytest
 import safetensors.torch
 import torch
-import yaml
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
@@ -28,7 +27,7 @@ import pathcond_cli
 import pathcond_cli.api
 import pathcond_cli.verify
 from cli_support import (
-    assert_clean_exit, assert_unchanged, invoke, mlp_spec, mlp_tensors, onnx_mlp_model, parse_single_json, snapshot,
+    assert_clean_exit, assert_unchanged, invoke, onnx_mlp_model, parse_single_json, snapshot, write_sharded_mlp,
 )
 from onnx_models import exported
 from pathcond_cli.formats import onnx_format
@@ -362,22 +361,9 @@ def test_in_place_leaves_data_under_another_name_and_says_so(tmp_path):
                                  for e in t.external_data}
 
 
-def _sharded_input(folder: Path) -> tuple[Path, Path]:
-    tensors = mlp_tensors()
-    layout = {"model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
-              "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"]}
-    for file, keys in layout.items():
-        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(folder / file))
-    index = folder / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
-    spec = folder / "model.arch.yaml"
-    spec.write_text(yaml.safe_dump(mlp_spec()))
-    return index, spec
-
-
 @pytest.mark.parametrize("case", ["foreign name", "more than its tensors"])
 def test_replacing_an_index_never_deletes_shards_not_provably_its_own(tmp_path, case):
-    index, spec = _sharded_input(tmp_path)
+    index, spec = write_sharded_mlp(tmp_path)
     out = tmp_path / "out.safetensors.index.json"
     if case == "foreign name":
         shard = "thesis.txt"
@@ -393,7 +379,7 @@ def test_replacing_an_index_never_deletes_shards_not_provably_its_own(tmp_path, 
 
 
 def test_replacing_its_own_earlier_index_leaves_no_stale_shards(tmp_path):
-    index, spec = _sharded_input(tmp_path)
+    index, spec = write_sharded_mlp(tmp_path)
     out = tmp_path / "out.safetensors.index.json"
     for _ in range(3):
         assert_clean_exit(invoke("rescale", index, "--arch", spec, "-o", out, "-q"), 0)

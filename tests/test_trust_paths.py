@@ -11,7 +11,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ import pathcond_cli.api
 import pathcond_cli.formats
 from cli_support import (
     CLEAN_ENV, assert_clean_exit, assert_unchanged, invoke, leftovers, mlp_spec, mlp_tensors, module_command,
-    onnx_mlp_model, snapshot, write_mlp, write_onnx_mlp,
+    onnx_mlp_model, snapshot, write_mlp, write_onnx_mlp, write_sharded_mlp,
 )
 from pathcond_cli.verify import compare
 
@@ -60,21 +59,6 @@ def _external_data_onnx(directory: Path) -> Path:
     return path
 
 
-def _sharded(directory: Path) -> tuple[Path, Path]:
-    import safetensors.torch
-
-    tensors = mlp_tensors()
-    layout = {"model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
-              "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"]}
-    for file, keys in layout.items():
-        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(directory / file))
-    index = directory / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
-    spec = directory / "model.arch.yaml"
-    spec.write_text(yaml.safe_dump(mlp_spec()))
-    return index, spec
-
-
 def _read_file_cases(d: Path) -> dict[str, list]:
     """Command lines whose -o, --report or --plot names a file the run reads."""
     checkpoint, spec = write_mlp(d)
@@ -93,7 +77,7 @@ def _read_file_cases(d: Path) -> dict[str, list]:
     module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     safetensors.torch.save_file(module.state_dict(), str(factory_checkpoint))
     onnx_model = _external_data_onnx(d)
-    index, index_spec = _sharded(d)
+    index, index_spec = write_sharded_mlp(d)
     arch = ["--arch", spec]
     return {
         "report-over-sidecar": ["rescale", sidecar_checkpoint, "-o", d / "o.safetensors", "--report", d / "side.pathcond.yaml"],
@@ -137,7 +121,7 @@ def _with_each_output(d: Path) -> dict[str, list]:
     """Command lines whose outputs name the same file, or one names a companion of the checkpoint."""
     checkpoint, spec = write_mlp(d)
     onnx_model = _external_data_onnx(d)
-    index, index_spec = _sharded(d)
+    index, index_spec = write_sharded_mlp(d)
     arch = ["--arch", spec]
     return {
         "report-is-the-output": ["rescale", checkpoint, *arch, "-o", d / "o.safetensors", "--report", d / "o.safetensors"],
