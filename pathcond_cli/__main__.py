@@ -1,7 +1,7 @@
 """The ``pathcond`` command and ``python -m pathcond_cli``.
 
-Ctrl-C is handled from this module's first instructions on: the handler is installed when the
-module is imported, through the C-level ``_signal`` module (loaded at interpreter start-up,
+Ctrl-C and SIGTERM are handled from this module's first instructions on: the handler is
+installed when the module is imported, through the C-level ``_signal`` module (loaded at interpreter start-up,
 unlike ``signal``, whose enum classes take a moment to build), before the command line modules
 (typer, rich) are imported; :func:`pathcond_cli.cli.main` replaces it with the one that knows
 what a command has written.
@@ -12,11 +12,13 @@ import os
 
 
 def _interrupted_while_starting(signum, frame) -> None:
-    os.write(2, b"interrupted: nothing was written; the input is unchanged.\n")
-    os._exit(130)
+    label = b"terminated (SIGTERM)" if signum == _signal.SIGTERM else b"interrupted"
+    os.write(2, label + b": nothing was written; the input is unchanged.\n")
+    os._exit(128 + signum)
 
 
 _signal.signal(_signal.SIGINT, _interrupted_while_starting)
+_signal.signal(_signal.SIGTERM, _interrupted_while_starting)
 
 
 def main() -> None:

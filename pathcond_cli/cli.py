@@ -34,15 +34,15 @@ from .defaults import (
 )
 from .errors import EXIT_CODES, InputError, OutputError, PathcondError, batch_exit_code
 from .fileio import (
-    NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations, check_output_directory,
-    describe, printable, resolve_destination, sigint_deferred, written_files,
+    INTERRUPTING_SIGNALS, NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations,
+    check_output_directory, describe, interrupts_deferred, printable, resolve_destination, written_files,
 )
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
     "4 unsupported architecture · 5 verification failed (output removed) · "
     "6 output not writable · 7 NaN/Inf weights · 8 rescaling not storable in the checkpoint's dtypes "
-    "(--max-log-scale none or a bound of yours) · 130 interrupted. "
+    "(--max-log-scale none or a bound of yours) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM). "
     "Several MODELs: 0 if every file succeeded, else the code their failures share, else 9."
 )
 
@@ -52,6 +52,8 @@ DEBUG_VARIABLE = "PATHCOND_DEBUG"
 _stdout_started = False
 # Whether a command is running inside ``_errors_to_exit_codes`` (see ``_interrupted``).
 _guarded = False
+# The interrupting signal received during the command, if any (see ``_interrupted``).
+_signal_received: int | None = None
 # The running command's report so far, once its input is read: with --json a failure prints it
 # with an ``error`` object, so that a pipeline always gets one document.
 _report_so_far: dict[str, Any] | None = None
@@ -199,7 +201,7 @@ def _parse_device(text: str) -> str:
 def _import_library() -> None:
     """Import what every command's work needs (torch first) with Ctrl-C held back until it is
     loaded: delivered then, at most a second late, before any command code has run."""
-    with sigint_deferred():
+    with interrupts_deferred():
         for name in ("torch", "pathcond_cli.api", "pathcond_cli.formats", "pathcond_cli.report"):
             importlib.import_module(name)
 
@@ -208,17 +210,22 @@ def _import_library() -> None:
 def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
     """One paragraph on stderr and a distinct exit code; never a traceback. With ``as_json``, a
     failure after the input was read also prints the report so far with its ``error`` on stdout."""
-    global _guarded, _stdout_started, _report_so_far
+    global _guarded, _stdout_started, _report_so_far, _signal_received
     _import_library()
-    _guarded, _stdout_started, _report_so_far = True, False, None
+    _guarded, _stdout_started, _report_so_far, _signal_received = True, False, None, None
     written_files.clear()
     try:
-        yield
+        try:
+            yield
+        except Exception as exc:
+            _raise_if_interrupted(exc)
+            raise
     except KeyboardInterrupt as exc:
-        stderr.print(f"[bold red]interrupted:[/] {_printable(_what_is_on_disk())}", highlight=False, markup=True,
+        label, code = _interruption()
+        stderr.print(f"[bold red]{label}:[/] {_printable(_what_is_on_disk())}", highlight=False, markup=True,
                      soft_wrap=True)
-        _error_document(as_json, exc, EXIT_CODES["interrupted"], _what_is_on_disk())
-        raise typer.Exit(EXIT_CODES["interrupted"]) from None
+        _error_document(as_json, exc, code, _what_is_on_disk())
+        raise typer.Exit(code) from None
     except BrokenPipeError:
         # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
         with contextlib.suppress(OSError):
@@ -324,6 +331,20 @@ def _writing_stdout(what: str) -> Iterator[None]:
         cause = "it was closed" if isinstance(exc, BrokenPipeError) else exc.strerror or str(exc)
         raise OutputError(f"cannot write {what} to stdout: {cause}; what reached stdout is incomplete. "
                           f"{NOTHING_WRITTEN}") from None
+
+
+def _interruption() -> tuple[str, int]:
+    """How the interrupt that stopped the command is named, and its exit status (128 + signal)."""
+    if _signal_received == signal.SIGTERM:
+        return "terminated (SIGTERM)", EXIT_CODES["terminated"]
+    return "interrupted", EXIT_CODES["interrupted"]
+
+
+def _raise_if_interrupted(exc: Exception) -> None:
+    """A signal that landed inside a C extension can come back as that library's own error (a
+    failed read, a runtime error): once a signal was received, the failure is the interrupt."""
+    if _signal_received is not None:
+        raise KeyboardInterrupt from exc
 
 
 def _what_is_on_disk() -> str:
@@ -677,6 +698,7 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
             except BrokenPipeError:
                 raise
             except Exception as exc:
+                _raise_if_interrupted(exc)
                 code, label, message = _failure(exc)
                 failures.append(code)
                 stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
@@ -689,7 +711,7 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
                     stderr.print(f"{tag} {summary_line(report)}", highlight=False, markup=False, soft_wrap=True)
             if as_json:
                 # Whole or absent, and in one write: lines of parallel runs sharing a file never interleave.
-                with sigint_deferred():
+                with interrupts_deferred():
                     sys.stdout.flush()
                     sys.stdout.buffer.write((json.dumps(report, allow_nan=False) + "\n").encode())
                     sys.stdout.buffer.flush()
@@ -697,9 +719,10 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
         if not quiet:
             stderr.print(_batch_summary(command, total, failures), highlight=False, markup=False, soft_wrap=True)
     except KeyboardInterrupt:
-        stderr.print(f"[bold red]interrupted:[/] {_printable(_batch_on_disk(command, position, total, reported))}",
+        label, code = _interruption()
+        stderr.print(f"[bold red]{label}:[/] {_printable(_batch_on_disk(command, position, total, reported))}",
                      highlight=False, markup=True, soft_wrap=True)
-        raise typer.Exit(EXIT_CODES["interrupted"]) from None
+        raise typer.Exit(code) from None
     code = batch_exit_code(failures)
     if code:
         raise typer.Exit(code)
@@ -795,15 +818,18 @@ def version() -> None:
 
 
 def main() -> None:
-    """The ``pathcond`` command. Ctrl-C at any moment exits 130 with one line saying what is on disk."""
-    signal.signal(signal.SIGINT, _interrupted)
+    """The ``pathcond`` command. Ctrl-C at any moment exits 130, SIGTERM 143, with one line saying
+    what is on disk."""
+    for signum in INTERRUPTING_SIGNALS:
+        signal.signal(signum, _interrupted)
     _fill_closed_output_streams()
     try:
         app()
     finally:
         # The command is over and its report printed: an interrupt during the interpreter's
         # shutdown would kill it by signal, which would tell the caller a finished run failed.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in INTERRUPTING_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
         # The shutdown's garbage collections would walk every object torch created at import
         # (0.3 s on every run); what is left is freed with the process anyway.
         gc.freeze()
@@ -835,11 +861,14 @@ def _fill_closed_output_streams() -> None:
 
 
 def _interrupted(signum, frame) -> None:
-    """Inside a command, Ctrl-C unwinds (staging directories are removed) and is reported by
-    ``_errors_to_exit_codes``; outside one (start-up, option parsing) nothing is open, and click
-    would report it as 'Aborted!' with exit 1, so it ends the process here."""
+    """Inside a command, Ctrl-C or SIGTERM unwinds (staging directories are removed) and is
+    reported by ``_errors_to_exit_codes``; outside one (start-up, option parsing) nothing is
+    open, and click would report it as 'Aborted!' with exit 1, so it ends the process here."""
+    global _signal_received
+    _signal_received = signum
     if _guarded:
         raise KeyboardInterrupt
-    os.write(2, f"interrupted: {_what_is_on_disk()}\n".encode("utf-8", "backslashreplace"))
-    os._exit(EXIT_CODES["interrupted"])
+    label, code = _interruption()
+    os.write(2, f"{label}: {_what_is_on_disk()}\n".encode("utf-8", "backslashreplace"))
+    os._exit(code)
 

@@ -70,6 +70,7 @@ EXIT_CODES = {
     "invalid_weights": InvalidWeightsError.exit_code,
     "not_storable": StorageError.exit_code,
     "interrupted": 130,
+    "terminated": 143,
     "several_failures": 9,
 }
 

@@ -228,7 +228,7 @@ def atomic_path(destination: Path) -> Iterator[Path]:
         yield tmp
         _fsync_file(tmp)
         _set_mode(tmp, destination)
-        with sigint_deferred():
+        with interrupts_deferred():
             os.replace(tmp, destination)
             if not directory.name.endswith(TMP_SUFFIX):
                 written_files.append(destination)
@@ -282,15 +282,20 @@ def is_companion_name(name: str, preferred: str) -> bool:
     return name == preferred or re.fullmatch(tagged, name, re.DOTALL) is not None
 
 
+# What a user or a scheduler sends to stop a run: Ctrl-C, and Slurm, Kubernetes or `kill` at a time limit.
+INTERRUPTING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextlib.contextmanager
-def sigint_deferred() -> Iterator[None]:
-    """Hold Ctrl-C back for the block; it is delivered, not lost, when the block ends.
+def interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) and SIGTERM back for the block; a signal that arrives is delivered,
+    not lost, when the block ends.
 
     Used where an interrupt must not land: between renaming a file into place and recording it
     as written (the report of what is on disk stays true), and inside the C++ initialisation of
     torch and onnxruntime, where a KeyboardInterrupt raised by the handler was measured to abort
     the process (pybind11 terminate) or to be swallowed by an import fallback. The Python-level
-    handler is swapped for one that only takes note, rather than the signal masked: a signal
+    handlers are swapped for ones that only take note, rather than the signals masked: a signal
     sent to the process goes to any thread that does not mask it, and torch runs threads of its
     own. Only the main thread handles signals, so elsewhere there is nothing to hold back.
     """
@@ -298,13 +303,15 @@ def sigint_deferred() -> Iterator[None]:
         yield
         return
     held = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    previous = {signum: signal.signal(signum, lambda received, frame: held.append(received))
+                for signum in INTERRUPTING_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if held:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(held[0])
 
 
 @contextlib.contextmanager
@@ -343,7 +350,7 @@ def staged_output(destination: Path) -> Iterator[Stage]:
                 moved.append(final)
             _fsync_directory(directory)
             _set_mode(stage.path, destination)
-            with sigint_deferred():
+            with interrupts_deferred():
                 os.replace(stage.path, destination)
                 stage.committed = True
                 if not directory.name.endswith(TMP_SUFFIX):

@@ -13,7 +13,7 @@ import torch
 
 from .errors import VerificationError
 from .evaluate import forward
-from .fileio import sigint_deferred
+from .fileio import interrupts_deferred
 from .graph import BatchNorm, Graph
 from .model import LoadedModel
 
@@ -277,7 +277,7 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
     why one is missing ("" when none is)."""
     runners: list[tuple[str, Callable]] = []
     try:
-        with sigint_deferred():
+        with interrupts_deferred():
             import onnxruntime
     except ImportError:
         onnxruntime = None

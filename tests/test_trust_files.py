@@ -32,7 +32,7 @@ from cli_support import (
     CLEAN_ENV, assert_clean_exit, assert_unchanged, invoke, leftovers, mlp_spec, mlp_tensors, module_command,
     onnx_mlp_model, parse_single_json, snapshot, write_mlp, write_onnx_mlp,
 )
-from pathcond_cli.fileio import sigint_deferred
+from pathcond_cli.fileio import interrupts_deferred
 from pathcond_cli.verify import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -490,22 +490,23 @@ def _python_call() -> None:
     """A call into Python code: where the interpreter runs pending signal handlers."""
 
 
-def test_sigint_inside_a_deferred_block_is_delivered_when_it_ends():
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupt_inside_a_deferred_block_is_delivered_when_it_ends(signum):
     """Held back, not lost, even with torch's worker threads running (a signal sent to the
     process may land on any of them): the handler runs once, after the block."""
     torch.ones(1 << 16).sum()  # torch's intra-op threads exist
     calls = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: calls.append("handler"))
+    previous = signal.signal(signum, lambda received, frame: calls.append(("handler", received)))
     try:
-        with sigint_deferred():
+        with interrupts_deferred():
             for _ in range(3):
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
                 _python_call()
             calls.append("inside")
         _python_call()
     finally:
-        signal.signal(signal.SIGINT, previous)
-    assert calls == ["inside", "handler"]
+        signal.signal(signum, previous)
+    assert calls == ["inside", ("handler", signum)]
 
 
 def test_commands_import_the_libraries_with_sigint_held_back(monkeypatch):
@@ -538,8 +539,10 @@ def test_the_package_imports_nothing_before_the_ctrl_c_handler_is_installed():
     assert done.stdout.strip() == "[]"
 
 
-def test_sigint_in_a_subprocess_exits_130_without_traceback(tmp_path):
-    """At any moment, start-up imports included: exit 130, no traceback, the truth about the disk."""
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupt_in_a_subprocess_exits_128_plus_the_signal_without_traceback(tmp_path, signum, code):
+    """At any moment, start-up imports included: exit 130 (Ctrl-C) or 143 (SIGTERM, what
+    schedulers send at a time limit), no traceback, no staged file, the truth about the disk."""
     import time
 
     checkpoint, spec = write_mlp(tmp_path)
@@ -548,16 +551,17 @@ def test_sigint_in_a_subprocess_exits_130_without_traceback(tmp_path):
     for delay in (0.05, 0.15, 0.3, 0.5, 2.0, 3.5):
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         time.sleep(delay)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         _, stderr = process.communicate(timeout=120)
         if process.returncode == 0:
             continue  # finished before the signal
-        if process.returncode == -signal.SIGINT and not stderr:
+        if process.returncode == -signum and not stderr:
             continue  # the interpreter itself was still starting: no Python code had run yet
         if b"KeyboardInterrupt" in stderr and f'File "{ROOT / "pathcond_cli"}'.encode() not in stderr:
             continue  # Python's own start-up (site, runpy): no frame of pathcond's code had run yet
-        assert process.returncode == 130, stderr
+        assert process.returncode == code, stderr
         assert b"Traceback" not in stderr
+        assert stderr.startswith(b"terminated (SIGTERM): " if signum == signal.SIGTERM else b"interrupted: "), stderr
         out = tmp_path / "out.safetensors"
         expected = b"completely written" if out.exists() else b"nothing was written"
         assert expected in stderr, stderr
