@@ -20,10 +20,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import rich.markup
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -31,13 +32,14 @@ from . import __version__
 from .defaults import (
     BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
 )
-from .errors import EXIT_CODES, InputError, OutputError, PathcondError
+from .errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError
 from .fileio import atomic_write, check_destination, describe, resolve_destination, sigint_deferred, written_files
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
     "4 unsupported architecture · 5 verification failed (output removed) · "
-    "6 output not writable · 7 NaN/Inf weights · 130 interrupted."
+    "6 output not writable · 7 NaN/Inf weights · 130 interrupted · 1 internal error (a bug in pathcond: please "
+    "report it)."
 )
 
 DEBUG_VARIABLE = "PATHCOND_DEBUG"
@@ -80,24 +82,55 @@ def _root(
 
 stderr = Console(stderr=True)
 
+
+class _Command(typer.core.TyperCommand):
+    """Typer's command, with arguments shown as the README writes them: ``MODEL``, not Typer's
+    ``{MODEL}`` in the usage line and ``MODEL <str>`` in the list of arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if isinstance(param, typer.core.TyperArgument):
+                param.display_type_rich = lambda ctx: None
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def _complete_device(ctx, param, incomplete: str) -> list[str]:
+    """auto, cpu, cuda and cuda:N for each CUDA device torch sees (torch is only imported for ``cuda:``)."""
+    choices = list(DEVICE_CHOICES)
+    if incomplete.startswith("cuda"):
+        import torch
+
+        choices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    return [choice for choice in choices if choice.startswith(incomplete.lower())]
+
 ModelArg = Annotated[str, typer.Argument(
     metavar="MODEL",
     help="Checkpoint: .onnx, .safetensors, .safetensors.index.json (sharded), or - to read from stdin.",
 )]
 ArchOpt = Annotated[Optional[str], typer.Option(
-    "--arch",
+    "--arch", metavar="SPEC|MODULE:FACTORY",
     help="Architecture of a safetensors checkpoint: a spec file (.yaml/.json) or a Python factory "
     "'module.path:callable' returning an nn.Module. Default: the spec embedded by pathcond, then a "
     "sidecar <stem>.pathcond.yaml/.json next to the checkpoint.",
 )]
-ShapeOpt = Annotated[Optional[str], typer.Option(
-    "--input-shape", help="Input shape without the batch dimension, e.g. 3,32,32 (for symbolic ONNX dims or to override).",
+ShapeOpt = Annotated[Optional[list[str]], typer.Option(
+    "--input-shape", metavar="[NAME:]SHAPE", help="Input shape without the batch dimension, e.g. 3,32,32 (for symbolic "
+    "ONNX dims or to override). NAME:SHAPE shapes the input called NAME (repeat the option for each input).",
 )]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", metavar="[auto|cpu|cuda|cuda:N]", shell_complete=_complete_device,
+    help="auto (CUDA when present), cpu, cuda or cuda:N.",
+)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
 PlotOpt = Annotated[Optional[Path], typer.Option(
-    "--plot", help="Also draw log10 diag(G) per layer (before and after) and F per iteration to FILE.png, .svg "
+    "--plot", metavar="FILE", help="Also draw log10 diag(G) per layer (before and after) and F per iteration to FILE.png, .svg "
     "or .pdf. Needs matplotlib: pip install 'pathcond[plot]'.",
 )]
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -120,9 +153,28 @@ AllowUnusedOpt = Annotated[bool, typer.Option(
 )]
 
 
-def _parse_shape(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
+def _parse_shape(texts: list[str] | None) -> tuple[int, ...] | dict[str, tuple[int, ...]] | None:
+    """``--input-shape 3,32,32`` (the single input) or ``--input-shape NAME:3,32,32``, repeated
+    once per input (as onnxsim, polygraphy and trtexec take them): a tuple or a name → shape dict."""
+    if not texts:
         return None
+    named: dict[str, tuple[int, ...]] = {}
+    for text in texts:
+        name, colon, sizes = text.rpartition(":")
+        if not colon:
+            if len(texts) > 1:
+                raise typer.BadParameter(f"'{text}' has no input name; repeated --input-shape options each name their "
+                                         "input, e.g. --input-shape x:3,32,32", param_hint="--input-shape")
+            return _parse_sizes(text)
+        if not name:
+            raise typer.BadParameter(f"'{text}': the input name before ':' is empty", param_hint="--input-shape")
+        if name in named:
+            raise typer.BadParameter(f"input '{name}' is given two shapes", param_hint="--input-shape")
+        named[name] = _parse_sizes(sizes)
+    return named
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
     except ValueError:
@@ -164,8 +216,9 @@ def _import_library() -> None:
 
 
 @contextlib.contextmanager
-def _errors_to_exit_codes() -> Iterator[None]:
-    """One paragraph on stderr and a distinct exit code; never a traceback."""
+def _errors_to_exit_codes(complete: bool = False) -> Iterator[None]:
+    """One paragraph on stderr and a distinct exit code; never a traceback. ``complete``
+    (``--json``) lists every problem of a refused network, consequences included."""
     global _guarded, _stdout_started
     _import_library()
     _guarded, _stdout_started = True, False
@@ -173,7 +226,8 @@ def _errors_to_exit_codes() -> Iterator[None]:
     try:
         yield
     except PathcondError as exc:
-        stderr.print(f"[bold red]error:[/] {_printable(str(exc))}", highlight=False, markup=True, soft_wrap=True)
+        text = exc.complete if complete and isinstance(exc, UnsupportedModelError) else str(exc)
+        stderr.print(f"[bold red]error:[/] {_printable(text)}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         stderr.print(f"[bold red]interrupted:[/] {_what_is_on_disk()}", highlight=False, markup=True, soft_wrap=True)
@@ -348,32 +402,34 @@ def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> N
         raise OutputError(f"{exc} Only the plot is missing: {done}.") from None
 
 
-@app.command(epilog=EXIT_HELP)
+@app.command(cls=_Command, epilog=EXIT_HELP)
 def rescale(
     model: ModelArg,
     output: Annotated[Optional[str], typer.Option(
-        "-o", "--output", help="Where to write the rescaled checkpoint (same format), or - for stdout. "
+        "-o", "--output", metavar="FILE", help="Where to write the rescaled checkpoint (same format), or - for stdout. "
         "Default: <stem>.pathcond<suffix> beside the input.",
     )] = None,
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
-    solver: Annotated[str, typer.Option("--solver", help=f"PathCond minimiser, one of: {', '.join(SOLVERS)} (default {DEFAULT_SOLVER}: "
-                                        "Newton's method, 25-140 passes on every network measured).")] = DEFAULT_SOLVER,
-    criterion: Annotated[str, typer.Option(
-        "--criterion", help="pathcond (condition the path kernel) or enorm (equi-normalisation: minimise the sum of "
+    solver: Annotated[Literal[SOLVERS], typer.Option(
+        "--solver", metavar=f"[{'|'.join(SOLVERS)}]", help=f"PathCond minimiser (default {DEFAULT_SOLVER}: Newton's "
+        "method, 14-76 gradient-equivalent passes on every network measured, benchmarks/README.md).",
+    )] = DEFAULT_SOLVER,
+    criterion: Annotated[Literal[CRITERIA], typer.Option(
+        "--criterion", metavar=f"[{'|'.join(CRITERIA)}]", help="pathcond (condition the path kernel) or enorm (equi-normalisation: minimise the sum of "
         "squared weights on the same groups, with its own closed-form solver), to compare criteria.",
     )] = DEFAULT_CRITERION,
-    max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Safety cap on solver iterations, not a tuning "
+    max_iter: Annotated[int, typer.Option("--max-iter", min=0, metavar="N", help="Safety cap on solver iterations, not a tuning "
                                           "knob: the solver stops at --tol; a run that hits the cap is reported "
                                           "as not converged.")] = DEFAULT_MAX_ITER,
-    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, metavar="T", help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
     max_log_scale: Annotated[Optional[float], typer.Option(
         "--max-log-scale", min=0.0, help="Bound every neuron scale factor to e^±U (|u_h| ≤ U): the bounded "
         f"optimum, for checkpoints whose dtype cannot hold the unbounded one ({', '.join(BOUNDED_SOLVERS)}).",
     )] = None,
     as_json: JsonOpt = False,
-    report_file: Annotated[Optional[Path], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
+    report_file: Annotated[Optional[Path], typer.Option("--report", metavar="FILE", help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     plot: PlotOpt = None,
     allow_unused: AllowUnusedOpt = False,
@@ -383,10 +439,6 @@ def rescale(
 
     Example: pathcond rescale model.safetensors --arch model.yaml -o model.pc.safetensors
     """
-    if solver not in SOLVERS:
-        raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
-    if criterion not in CRITERIA:
-        raise typer.BadParameter(f"'{criterion}' is not one of {', '.join(CRITERIA)}", param_hint="--criterion")
     if criterion == "enorm" and solver != DEFAULT_SOLVER:
         raise typer.BadParameter("--solver chooses a PathCond minimiser; --criterion enorm has its own closed-form "
                                  "solver", param_hint="--solver")
@@ -415,7 +467,7 @@ def rescale(
     device = _parse_device(device)
     if report_file is not None:
         report_file = resolve_destination(report_file)
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(complete=as_json):
         _check_plot(plot)
         solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": device, "criterion": criterion,
                          "max_log_scale": max_log_scale}
@@ -486,7 +538,7 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, quiet, allow_
     return report, result
 
 
-@app.command(epilog=EXIT_HELP)
+@app.command(cls=_Command, epilog=EXIT_HELP)
 def inspect(
     model: ModelArg,
     arch: ArchOpt = None,
@@ -505,7 +557,7 @@ def inspect(
     device = _parse_device(device)
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
-    with _errors_to_exit_codes():
+    with _errors_to_exit_codes(complete=as_json):
         _check_plot(plot)
         from .api import analyse
         from .formats import load_model

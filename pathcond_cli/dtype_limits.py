@@ -28,6 +28,10 @@ from .groups import RescalingGroups
 LOST_FRACTION = 0.01
 
 
+# Tensors named in the single warning about values flushed below the smallest normal.
+_TENSORS_LISTED = 8
+
+
 @dataclass
 class StorageCheck:
     """What rescaling does to one stored tensor's representability."""
@@ -116,4 +120,13 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
             f"{source}: the rescaling (largest log scale |u| = {u_inf:.3g}) cannot be stored in the checkpoint's "
             f"dtypes: {listed}. Nothing was written; {advice}."
         )
-    return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}; {advice}." for p in problems]
+    if len(problems) == 1:
+        return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {problems[0].describe()}; {advice}."]
+    # One warning for all tensors: an fp16 network has one such tensor per layer, each saying the same.
+    flushed = sum(p.flushed for p in problems)
+    listed = ", ".join(f"'{p.key}' {p.flushed:,}/{p.normal:,}" for p in problems[:_TENSORS_LISTED])
+    more = f" and {len(problems) - _TENSORS_LISTED} more" if len(problems) > _TENSORS_LISTED else ""
+    dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in problems}))
+    return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {flushed:,} normal values of "
+            f"{len(problems)} {dtypes} tensors would fall below their dtype's smallest normal (stored as subnormals "
+            f"or zero; flushed/normal values per tensor: {listed}{more}); {advice}."]

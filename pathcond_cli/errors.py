@@ -9,6 +9,12 @@ class PathcondError(Exception):
     exit_code = 1
 
 
+class UsageError(PathcondError):
+    """The call itself is wrong (an option or argument), whatever the files hold: exit 2, like the CLI's own."""
+
+    exit_code = 2
+
+
 class InputError(PathcondError):
     """The model file, spec or checkpoint cannot be read or does not match its description."""
 
@@ -20,11 +26,18 @@ class UnsupportedModelError(PathcondError):
 
     exit_code = 4
 
-    def __init__(self, message: str, problems: list[str] | None = None):
-        self.problems = list(problems or [])
-        if self.problems:
-            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(message)
+    def __init__(self, message: str, problems: list[str] | None = None, follow_on: list[str] | None = None):
+        """``problems`` are the root causes; ``follow_on`` the problems of nodes that only read
+        the output of a refused node (counted in the message; ``complete`` lists them all)."""
+        root = list(problems or [])
+        self.follow_on = list(follow_on or [])
+        self.problems = root + self.follow_on
+        lines = [f"  - {p}" for p in root]
+        self.complete = "\n".join([message, *lines, *(f"  - {p}" for p in self.follow_on)])
+        if self.follow_on:
+            lines.append(f"  and {len(self.follow_on)} more problem(s) in nodes that read the output of those above, "
+                         "consequences of them (--json lists them all)")
+        super().__init__("\n".join([message, *lines]) if lines else message)
 
 
 class VerificationError(PathcondError):
@@ -47,7 +60,7 @@ class InvalidWeightsError(PathcondError):
 
 EXIT_CODES = {
     "success": 0,
-    "usage": 2,
+    "usage": UsageError.exit_code,
     "unreadable_input": InputError.exit_code,
     "unsupported_model": UnsupportedModelError.exit_code,
     "verification_failed": VerificationError.exit_code,

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import ops_models
 from onnx_models import EXPORTERS, MODELS, build, example_input, export, exported
-from pathcond_cli.errors import InputError, UnsupportedModelError
+from pathcond_cli.errors import InputError, UnsupportedModelError, UsageError
 from pathcond_cli.evaluate import forward
 from pathcond_cli.formats.onnx_format import load_onnx, reference_outputs, write_onnx
 from pathcond_cli.graph import BatchNorm, Identity, Linear
@@ -416,7 +416,7 @@ def test_input_shape_overrides_the_exported_size(exporter):
 
 
 def test_input_shape_of_the_wrong_rank_is_refused():
-    with pytest.raises(InputError, match="input-shape"):
+    with pytest.raises(UsageError, match="input-shape"):
         load_onnx(exported("cnn", "torchscript"), input_shape=(3, 8))
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..errors import InputError, UnsupportedModelError
 from ..graph import Graph
 from .movement import UnsupportedMovement, movement_layer
-from .offenders import grouped
+from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
 from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
@@ -350,17 +350,10 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
     raise _Unsupported("a parameter or constant used outside its module is not supported")
 
 
-_NOT_HOMOGENEOUS = {
-    "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax", "layernorm", "layer_norm", "hardswish",
-    "hardsigmoid", "relu6", "hardtanh", "elu", "selu", "celu", "mish", "softplus", "groupnorm", "group_norm",
-    "instancenorm", "multiheadattention", "scaled_dot_product_attention", "matmul", "bmm", "exp", "clamp", "clip",
-    "sqrt", "pow", "instance_norm", "instancenorm1d", "instancenorm2d", "instancenorm3d", "logsigmoid",
-    "softsign", "tanhshrink", "rrelu", "glu", "swish",
-}
 
 
 def _not_supported(name: str) -> str:
-    if name.lower().rstrip("_") in _NOT_HOMOGENEOUS:
+    if name.lower().rstrip("_") in NOT_HOMOGENEOUS_TYPES:
         raise _NotHomogeneous()
     return "not supported"
 

@@ -26,7 +26,7 @@ import torch
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
-from ..errors import InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError, UsageError
 from ..fileio import atomic_write, output_error_from
 from ..graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
@@ -83,13 +83,13 @@ class _NotHomogeneous(_Unsupported):
 def load_onnx(
     source: str | Path | bytes,
     *,
-    input_shape: tuple[int, ...] | None = None,
+    input_shape: tuple[int, ...] | dict[str, tuple[int, ...]] | None = None,
     name: str | None = None,
 ) -> LoadedModel:
     """Read an ONNX ReLU network: its DAG, every tensor it stores, and the model for writing back.
 
-    ``input_shape`` (batch excluded) overrides the shape the model declares and is required
-    when a non-batch dimension of the input is symbolic. ``params`` holds every initializer
+    ``input_shape`` (batch excluded; or ``{input name: shape}``) overrides the shape the model
+    declares and is required when a non-batch dimension of the input is symbolic. ``params`` holds every initializer
     and ``Constant`` tensor by ONNX name, plus, for a stored tensor that several layers read
     through ``Identity`` nodes, one copy per such Identity keyed by its output name.
     """
@@ -98,7 +98,10 @@ def load_onnx(
     _check(model, serialized, label)
     del serialized  # the whole file (97 MB for ResNet-50): not held through the rest of the load
     graph_input = _single_input(model, label)
-    shape = _input_shape(graph_input, input_shape, label)
+    from . import shapes_by_input
+
+    override = shapes_by_input(input_shape, [graph_input.name], label).get(graph_input.name)
+    shape = _input_shape(graph_input, override, label)
     inferred = _folded(_infer_shapes(model, graph_input.name, shape, label), graph_input.name, shape, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
@@ -253,11 +256,11 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
     if override is not None:
         override = tuple(int(d) for d in override)
         if any(d <= 0 for d in override):
-            raise InputError(f"{label}: --input-shape {override} must have positive dimensions.")
+            raise UsageError(f"{label}: --input-shape {override} must have positive dimensions.")
         if declared is not None and len(declared) != len(override) + 1:
-            raise InputError(
+            raise UsageError(
                 f"{label}: --input-shape {override} has {len(override)} dimension(s), but input "
-                f"'{graph_input.name}' has {len(declared) - 1} besides the batch dimension."
+                f"'{graph_input.name}' has {len(declared) - 1} besides the batch dimension (the shape is batch-free)."
             )
         return override
     if declared is None or any(d is None for d in declared[1:]):
@@ -460,6 +463,10 @@ class _Translator:
         self.splits: list[tuple[str, str, int, int]] = []
         self.problems: list[str] = []
         self.offenders: list[tuple[str, str]] = []
+        # Problems of nodes that read, directly or through other nodes, the output of a node
+        # already refused: consequences, reported after the root causes and counted.
+        self.follow_on: list[str] = []
+        self.after_refusal: set[str] = set()
 
     # ---- driver
 
@@ -476,16 +483,20 @@ class _Translator:
             self._translate_node(node)
         outputs = self._outputs()
         problems = grouped(self.offenders) + self.problems
-        if problems:
+        if problems or self.follow_on:
             raise UnsupportedModelError(
                 f"{self.label}: the network is not a ReLU DAG pathcond can rescale exactly; "
                 f"{len(problems)} problem(s):",
                 problems,
+                self.follow_on,
             )
         return Graph(list(self.nodes.values()), outputs, source=self.label)
 
     def _translate_node(self, node: onnx.NodeProto) -> None:
         handler = _HANDLERS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
+        follows_refusal = any(value in self.after_refusal for value in node.input)
+        if follows_refusal:
+            self.after_refusal.update(node.output)
         try:
             if handler is None:
                 if node.domain in DEFAULT_DOMAINS and node.op_type in _NOT_HOMOGENEOUS:
@@ -494,8 +505,11 @@ class _Translator:
             handler(self, node)
         except _NotHomogeneous:
             self.offenders.append((_op_label(node), _node_label(node)))
+            self.after_refusal.update(node.output)
         except _Unsupported as exc:
-            self.problems.append(f"node '{_node_label(node)}' ({_op_label(node)}): {exc}")
+            problem = f"node '{_node_label(node)}' ({_op_label(node)}): {exc}"
+            (self.follow_on if follows_refusal else self.problems).append(problem)
+            self.after_refusal.update(node.output)
 
     def _needed_values(self) -> set[str]:
         """Values the graph outputs depend on (nodes outside this set are dead and ignored).
@@ -542,8 +556,8 @@ class _Translator:
         return self._add_node(node, self._known_batch_free_shape(value))
 
     def _emit_for(self, onnx_node: onnx.NodeProto, make: Callable[..., Node], *inputs: str, **attributes) -> Node:
-        """Add the graph node standing for ``onnx_node`` (named after it) reading ``inputs``."""
-        node = make(name=self._unique(_node_label(onnx_node)), inputs=tuple(self._source(v) for v in inputs), **attributes)
+        """Add the graph node standing for ``onnx_node`` (named after its weight, or after it) reading ``inputs``."""
+        node = make(name=self._unique(_layer_name(onnx_node, attributes.get("weight"))), inputs=tuple(self._source(v) for v in inputs), **attributes)
         return self._emit(self._claim(onnx_node, node), onnx_node.output[0])
 
     def _claim(self, onnx_node: onnx.NodeProto, node: Node) -> Node:
@@ -1175,6 +1189,16 @@ def _symmetric_pads(node: onnx.NodeProto, spatial: int) -> tuple[int, ...]:
 
 def _node_label(node: onnx.NodeProto) -> str:
     return node.name or node.output[0]
+
+
+def _layer_name(node: onnx.NodeProto, weight_key: str | None) -> str:
+    """The layer's name: its weight's, as the exporter kept it from the module (``layer1.0.conv1``
+    for ``layer1.0.conv1.weight``, where torch.export names the node ``node_Conv_292``); the
+    node's name when the weight has no module name (``onnx::Conv_193`` of a folded export)."""
+    suffix = ".weight"
+    if weight_key and weight_key.endswith(suffix) and len(weight_key) > len(suffix) and "::" not in weight_key:
+        return weight_key[: -len(suffix)]
+    return _node_label(node)
 
 
 def _op_label(node: onnx.NodeProto) -> str:
