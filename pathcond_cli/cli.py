@@ -100,7 +100,7 @@ class _Command(typer.core.TyperCommand):
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
-def _complete_device(ctx, param, incomplete: str) -> list[str]:
+def _complete_device(incomplete: str) -> list[str]:
     """auto, cpu, cuda and cuda:N for each CUDA device torch sees (torch is only imported for ``cuda:``)."""
     choices = list(DEVICE_CHOICES)
     if incomplete.startswith("cuda"):
@@ -124,7 +124,7 @@ ShapeOpt = Annotated[Optional[list[str]], typer.Option(
     "ONNX dims or to override). NAME:SHAPE shapes the input called NAME (repeat the option for each input).",
 )]
 DeviceOpt = Annotated[str, typer.Option(
-    "--device", metavar="[auto|cpu|cuda|cuda:N]", shell_complete=_complete_device,
+    "--device", metavar="[auto|cpu|cuda|cuda:N]", autocompletion=_complete_device,
     help="auto (CUDA when present), cpu, cuda or cuda:N.",
 )]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
@@ -576,6 +576,49 @@ def inspect(
                              "total": round(time.perf_counter() - started, 6)}
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
         _draw(plot, report, analysis)
+
+
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@app.command("spec", cls=_Command, epilog=EXIT_HELP)
+def spec_command(
+    model: ModelArg,
+    arch: ArchOpt = None,
+    input_shape: ShapeOpt = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "-o", "--output", metavar="FILE", help="Write the spec to FILE (.yaml, .yml or .json) instead of stdout.",
+    )] = None,
+    allow_unused: AllowUnusedOpt = False,
+) -> None:
+    """Print the architecture spec of MODEL, as a safetensors checkpoint of its tensors needs it.
+
+    Its tensor keys are the names MODEL's tensors have (for an ONNX model, its initializers';
+    torch.export keeps the module's state_dict names). Example: pathcond spec model.onnx -o model.yaml
+    """
+    if output is not None and output.suffix.lower() not in SPEC_SUFFIXES:
+        raise typer.BadParameter(f"'{output}': a spec is written as {', '.join(SPEC_SUFFIXES)}, chosen by the suffix",
+                                 param_hint="-o")
+    shape = _parse_shape(input_shape)
+    if output is None and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but the spec is printed there; use -o FILE", param_hint="-o")
+    with _errors_to_exit_codes():
+        from .formats import load_model
+        from .formats.spec import spec_from_graph, spec_text
+
+        source, source_path, name = _read_source(model)
+        if output is not None:
+            output = resolve_destination(output)
+            check_destination(output, inputs=_input_files(source_path, arch))
+        loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
+        text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.suffix.lower() == ".json")
+        if output is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        atomic_write(output, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        stderr.print(f"wrote the spec of {name} ({len(loaded.graph.nodes)} layers) to '{describe(output)}'",
+                     highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

@@ -263,6 +263,21 @@ def spec_from_graph(graph: Graph) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "layers": layers, "outputs": list(graph.outputs)}
 
 
+def spec_text(spec: Mapping[str, Any], *, as_json: bool = False) -> str:
+    """A spec as a file's text: JSON, or YAML with one flow-style line per layer (as the docs
+    write specs by hand); :func:`parse_spec_text` reads either back to ``spec``."""
+    if as_json:
+        return json.dumps(spec, indent=2, allow_nan=False) + "\n"
+
+    def flow(value: Any) -> str:
+        return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=2**31, allow_unicode=True).strip()
+
+    lines = [f"format_version: {int(spec['format_version'])}", "layers:"]
+    lines += [f"  - {flow(dict(layer))}" for layer in spec["layers"]]
+    lines.append(f"outputs: {flow(list(spec['outputs']))}")
+    return "\n".join(lines) + "\n"
+
+
 def dump_spec(spec: Mapping[str, Any]) -> str:
     """Compact JSON of a spec (what pathcond embeds in checkpoint metadata)."""
     return json.dumps(spec, separators=(",", ":"), allow_nan=False)
