@@ -36,7 +36,7 @@ class UnsupportedModelError(PathcondError):
         self.complete = "\n".join([message, *lines, *(f"  - {p}" for p in self.follow_on)])
         if self.follow_on:
             lines.append(f"  and {len(self.follow_on)} more problem(s) in nodes that read the output of those above, "
-                         "consequences of them (--json lists them all)")
+                         "consequences of them (listed with --json; in the API, the error's follow_on)")
         super().__init__("\n".join([message, *lines]) if lines else message)
 
 

@@ -21,6 +21,7 @@ import onnx_models
 import pathcond_cli as pathcond
 from cli_support import SAMPLES, assert_clean_exit, invoke, leftovers, mlp_spec, mlp_tensors, parse_single_json
 from families import FAMILIES
+from test_faults import _sharded
 from pathcond_cli.api import analyse, module_model, resolve_device
 from pathcond_cli.cli import _complete_device
 from pathcond_cli.dtype_limits import ensure_storable
@@ -238,6 +239,16 @@ def test_convnext_refusal_leads_with_its_root_causes(tmp_path, exporter):
     assert all(p.split(":")[0] in complete for p in error.follow_on)
 
 
+def test_convnext_module_refusal_leads_with_its_root_causes():
+    with pytest.raises(UnsupportedModelError) as caught:
+        pathcond.rescale_module(_convnext_like(), (3, 32, 32))
+    error = caught.value
+    root = [p for p in error.problems if p not in error.follow_on]
+    assert [p.split(" ×")[0] for p in root] == ["LayerNorm", "GELU"]
+    assert len(error.follow_on) >= 3 and all(p.startswith("fx node") for p in error.follow_on)
+    assert str(error).count("\n  - ") == 2
+
+
 def test_flushed_values_of_many_tensors_are_one_warning():
     graph_spec = {"layers": [{"name": "x", "type": "input", "shape": [4]}, {"name": "fc1", "type": "linear"},
                              {"name": "relu", "type": "relu"}, {"name": "fc2", "type": "linear"}]}
@@ -360,20 +371,6 @@ def test_named_input_shape_of_an_onnx_model(tmp_path):
 # -- 7. sharded output in the layout loaders expect ---------------------------------------------
 
 
-def _sharded_input(directory: Path) -> tuple[Path, Path]:
-    directory.mkdir()
-    tensors = mlp_tensors()
-    layout = {"model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
-              "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"]}
-    for file, keys in layout.items():
-        safetensors.torch.save_file({k: tensors[k] for k in keys}, str(directory / file), metadata={"format": "pt"})
-    index = directory / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
-    spec = directory / "model.yaml"
-    spec.write_text(yaml.safe_dump(mlp_spec()))
-    return index, spec
-
-
 def _read_like_a_loader(directory: Path) -> dict[str, torch.Tensor]:
     """What ``from_pretrained(directory)`` reads: ``model.safetensors.index.json`` and the shards it names."""
     index = json.loads((directory / "model.safetensors.index.json").read_text())
@@ -385,7 +382,8 @@ def _read_like_a_loader(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def test_sharded_output_into_a_directory_has_the_loader_layout(tmp_path):
-    index, spec = _sharded_input(tmp_path / "in")
+    (tmp_path / "in").mkdir()
+    index, spec = _sharded(tmp_path / "in")
     out = tmp_path / "out"
     out.mkdir()
     assert_clean_exit(invoke("rescale", index, "--arch", spec, "-o", out / "model.safetensors.index.json", "-q"), 0)
