@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 import yaml
 from torch import nn
+from typer.testing import CliRunner
 
 import onnx_models
 import pathcond_cli as pathcond
@@ -23,7 +24,7 @@ from cli_support import SAMPLES, assert_clean_exit, invoke, leftovers, mlp_spec,
 from families import FAMILIES
 from test_faults import _sharded
 from pathcond_cli.api import analyse, module_model, resolve_device
-from pathcond_cli.cli import _complete_device
+from pathcond_cli.cli import app
 from pathcond_cli.dtype_limits import ensure_storable
 from pathcond_cli.errors import UnsupportedModelError, UsageError
 from pathcond_cli.formats import load_model
@@ -182,9 +183,20 @@ def test_help_shows_choices_and_every_exit_code_without_typer_placeholders(comma
         assert "14-76" in text and "25-140" not in text
 
 
-def test_device_completion_offers_the_choices():
-    assert _complete_device("") == ["auto", "cpu", "cuda"]
-    assert _complete_device("c") == ["cpu", "cuda"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+def _completions(words: str) -> list[str]:
+    """What bash completion offers for the last word of ``words`` (Typer's completion protocol)."""
+    env = {"_PATHCOND_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split(" ")) - 1)}
+    result = CliRunner().invoke(app, [], env=env, prog_name="pathcond")
+    assert result.exit_code == 0, result.output
+    return result.stdout.split()
+
+
+def test_shell_completion_offers_the_choices():
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    assert _completions("pathcond inspect m.onnx --device ") == ["auto", "cpu", "cuda"]
+    assert _completions("pathcond rescale m.onnx --device c") == ["cpu", "cuda", *cuda]
+    assert _completions("pathcond rescale m.onnx --solver ") == ["newton", "block", "lbfgs", "sequential"]
+    assert _completions("pathcond rescale m.onnx --criterion e") == ["enorm"]
 
 
 def test_choices_refuse_unknown_values_and_device_keeps_cuda_n(tmp_path):
@@ -357,6 +369,27 @@ def test_named_input_shapes_shape_a_multi_input_spec(tmp_path):
                       2, "--input-shape")
     assert_clean_exit(invoke("inspect", checkpoint, "--arch", spec, "--input-shape", "a:4", "--input-shape", "a:5"),
                       2, "two shapes")
+
+
+def test_named_input_shape_of_a_factory(tmp_path):
+    module = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    checkpoint = tmp_path / "mlp.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(checkpoint))
+    factory = tmp_path / "habits_factory.py"
+    factory.write_text("import torch\n\ndef mlp():\n    return torch.nn.Sequential(torch.nn.Linear(6, 8), "
+                       "torch.nn.ReLU(), torch.nn.Linear(8, 3))\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        names = {node.name for node in load_model(checkpoint, arch="habits_factory:mlp", input_shape=(6,)).graph.inputs}
+        (name,) = names
+        result = invoke("inspect", checkpoint, "--arch", "habits_factory:mlp", "--input-shape", f"{name}:6", "--json")
+        assert_clean_exit(result, 0)
+        assert parse_single_json(result.stdout)["input_shape"] == [[6]]
+        assert_clean_exit(invoke("inspect", checkpoint, "--arch", "habits_factory:mlp", "--input-shape", "image:6"),
+                          2, "'image'", f"'{name}'")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("habits_factory", None)
 
 
 def test_named_input_shape_of_an_onnx_model(tmp_path):

@@ -757,10 +757,10 @@ class _Translator:
 
     def _linear(self, node: onnx.NodeProto, x: str, weight_value: str, *, stored_in_out: bool, bias: str | None) -> None:
         """``stored_in_out``: the op reads its weight input as ``[in, out]`` (MatMul, Gemm transB=0)."""
+        if not self._is_static(weight_value):
+            raise _NotHomogeneous()  # a product of two activations, whatever their ranks
         if self._rank(x) != 2:
             raise _Unsupported(f"input '{x}' has rank {self._rank(x)}; only (batch, features) inputs are supported")
-        if not self._is_static(weight_value):
-            raise _NotHomogeneous()
         if self._rank(weight_value) != 2:
             raise _Unsupported(f"weight '{weight_value}' must have rank 2")
         weight = self._weight(weight_value)
