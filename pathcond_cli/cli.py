@@ -20,7 +20,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from enum import Enum
+from typing import Annotated, Any, Optional
 
 import rich.markup
 import typer
@@ -98,6 +99,9 @@ class _Command(typer.core.TyperCommand):
 
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# Choices as enums (what every supported Typer turns into a completing choice type).
+SolverChoice = Enum("SolverChoice", {name: name for name in SOLVERS}, type=str)
+CriterionChoice = Enum("CriterionChoice", {name: name for name in CRITERIA}, type=str)
 
 
 def _complete_device(incomplete: str) -> list[str]:
@@ -412,14 +416,14 @@ def rescale(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
-    solver: Annotated[Literal[SOLVERS], typer.Option(
+    solver_choice: Annotated[SolverChoice, typer.Option(
         "--solver", metavar=f"[{'|'.join(SOLVERS)}]", help=f"PathCond minimiser (default {DEFAULT_SOLVER}: Newton's "
         "method, 14-76 gradient-equivalent passes on every network measured, benchmarks/README.md).",
-    )] = DEFAULT_SOLVER,
-    criterion: Annotated[Literal[CRITERIA], typer.Option(
+    )] = SolverChoice(DEFAULT_SOLVER),
+    criterion_choice: Annotated[CriterionChoice, typer.Option(
         "--criterion", metavar=f"[{'|'.join(CRITERIA)}]", help="pathcond (condition the path kernel) or enorm (equi-normalisation: minimise the sum of "
         "squared weights on the same groups, with its own closed-form solver), to compare criteria.",
-    )] = DEFAULT_CRITERION,
+    )] = CriterionChoice(DEFAULT_CRITERION),
     max_iter: Annotated[int, typer.Option("--max-iter", min=0, metavar="N", help="Safety cap on solver iterations, not a tuning "
                                           "knob: the solver stops at --tol; a run that hits the cap is reported "
                                           "as not converged.")] = DEFAULT_MAX_ITER,
@@ -439,6 +443,7 @@ def rescale(
 
     Example: pathcond rescale model.safetensors --arch model.yaml -o model.pc.safetensors
     """
+    solver, criterion = solver_choice.value, criterion_choice.value
     if criterion == "enorm" and solver != DEFAULT_SOLVER:
         raise typer.BadParameter("--solver chooses a PathCond minimiser; --criterion enorm has its own closed-form "
                                  "solver", param_hint="--solver")

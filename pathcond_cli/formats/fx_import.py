@@ -361,8 +361,6 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
     raise _Unsupported("a parameter or constant used outside its module is not supported")
 
 
-
-
 def _not_supported(name: str) -> str:
     if name.lower().rstrip("_") in NOT_HOMOGENEOUS_TYPES:
         raise _NotHomogeneous()

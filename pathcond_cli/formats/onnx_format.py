@@ -89,8 +89,8 @@ def load_onnx(
     """Read an ONNX ReLU network: its DAG, every tensor it stores, and the model for writing back.
 
     ``input_shape`` (batch excluded; or ``{input name: shape}``) overrides the shape the model
-    declares and is required when a non-batch dimension of the input is symbolic. ``params`` holds every initializer
-    and ``Constant`` tensor by ONNX name, plus, for a stored tensor that several layers read
+    declares and is required when a non-batch dimension of the input is symbolic. ``params``
+    holds every initializer and ``Constant`` tensor by ONNX name, plus, for a stored tensor that several layers read
     through ``Identity`` nodes, one copy per such Identity keyed by its output name.
     """
     label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
@@ -557,7 +557,8 @@ class _Translator:
 
     def _emit_for(self, onnx_node: onnx.NodeProto, make: Callable[..., Node], *inputs: str, **attributes) -> Node:
         """Add the graph node standing for ``onnx_node`` (named after its weight, or after it) reading ``inputs``."""
-        node = make(name=self._unique(_layer_name(onnx_node, attributes.get("weight"))), inputs=tuple(self._source(v) for v in inputs), **attributes)
+        name = self._unique(_layer_name(onnx_node, attributes.get("weight")))
+        node = make(name=name, inputs=tuple(self._source(v) for v in inputs), **attributes)
         return self._emit(self._claim(onnx_node, node), onnx_node.output[0])
 
     def _claim(self, onnx_node: onnx.NodeProto, node: Node) -> Node:
