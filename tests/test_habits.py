@@ -8,6 +8,7 @@ sharded outputs in the layout loaders expect.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from typer.testing import CliRunner
 import onnx_models
 import pathcond_cli as pathcond
 from cli_support import (
-    SAMPLES, assert_clean_exit, invoke, leftovers, mlp_spec, mlp_tensors, parse_single_json, write_sharded_mlp,
+    ROOT, SAMPLES, assert_clean_exit, invoke, leftovers, mlp_spec, mlp_tensors, parse_single_json, write_onnx_mlp,
+    write_sharded_mlp,
 )
 from families import FAMILIES
 from pathcond_cli.api import analyse, module_model, resolve_device
@@ -145,6 +147,58 @@ def test_spec_of_a_dynamo_export_reads_the_modules_own_state_dict(tmp_path):
     _assert_same(_signature(module_model(module, (3, 8, 8))), _signature(from_state), rtol=1e-6)
 
 
+class _NewLayerTypes(nn.Module):
+    """The layer types 0.3.0 added: padding modes, a per-channel scale and shift by stored
+    tensors (channel_affine), a broadcasting add and −inf padding before max pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.reflect = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+        self.replicate = nn.Conv2d(4, 4, 3, padding=1, padding_mode="replicate")
+        self.circular = nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular")
+        self.scale = nn.Parameter(torch.rand(4, 1, 1) + 0.5)
+        self.shift = nn.Parameter(torch.randn(4, 1, 1))
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(4 * 3 * 3, 2)
+
+    def forward(self, x):
+        y = torch.relu(self.replicate(torch.relu(self.reflect(x))))
+        y = y * self.scale + self.shift
+        y = y + y.mean((2, 3), keepdim=True)
+        y = torch.relu(self.circular(y))
+        y = self.pool(nn.functional.pad(y, (1, 1, 1, 1), value=float("-inf")))
+        return self.fc(y.flatten(1))
+
+
+def test_spec_of_the_new_layer_types_reads_the_state_dict_as_the_module(tmp_path):
+    torch.manual_seed(0)
+    module = _NewLayerTypes().eval()
+    original = module_model(module, (3, 4, 4))
+    spec = spec_from_graph(original.graph)
+    modes = {layer.get("mode") for layer in spec["layers"] if layer["type"] == "pad"}
+    assert modes == {"reflect", "replicate", "circular", "-inf"}
+    assert {"channel_affine", "add"} <= {layer["type"] for layer in spec["layers"]}
+    checkpoint, spec_path = tmp_path / "m.safetensors", tmp_path / "m.yaml"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(checkpoint))
+    spec_path.write_text(spec_text(spec))
+    reloaded = load_model(checkpoint, arch=str(spec_path))
+    assert reloaded.graph.nodes == original.graph.nodes
+    _assert_same(_signature(original), _signature(reloaded))
+
+
+def test_spec_of_an_onnx_export_of_the_new_layer_types_reads_its_weights(tmp_path):
+    torch.manual_seed(0)
+    onnx_path = tmp_path / "m.onnx"
+    onnx_path.write_bytes(onnx_models.export(_NewLayerTypes().eval(), torch.randn(2, 3, 4, 4), "torchscript"))
+    spec_path = tmp_path / "m.json"
+    assert_clean_exit(invoke("spec", onnx_path, "-o", spec_path), 0)
+    original = load_onnx(onnx_path)
+    assert {"pad", "channel_affine", "add"} <= {node.op for node in original.graph.nodes}
+    reloaded = load_model(_save_tensors(original, tmp_path / "m.safetensors"), arch=str(spec_path))
+    assert reloaded.graph.nodes == original.graph.nodes
+    _assert_same(_signature(original), _signature(reloaded))
+
+
 def test_spec_text_round_trips_names_yaml_would_misread():
     spec = {"format_version": 1, "layers": [
         {"name": "yes", "type": "input", "shape": [4]},
@@ -178,10 +232,17 @@ def test_help_shows_choices_and_every_exit_code_without_typer_placeholders(comma
     text = " ".join(result.stdout.split())
     assert "{MODEL}" not in text and "<str>" not in text and "<int range>" not in text and "<path>" not in text
     assert "[auto|cpu|cuda|cuda:N]" in text or command == "spec"
-    assert "1 internal error" in text
+    assert "<float" not in text and "<text>" not in text
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("### Exit codes", 1)[1].split("\n### ", 1)[0]
+    documented = {int(code) for code in re.findall(r"^\| (\d+) \|", table, re.MULTILINE)}
+    assert {1, 8, 9} <= documented
+    assert {int(code) for code in re.findall(r"(?:Exit codes: |· |else )(\d+)\b", text)} == documented
     if command == "rescale":
         assert "--solver [newton|block|lbfgs|sequential]" in text and "--criterion [pathcond|enorm]" in text
-        assert "14-76" in text and "25-140" not in text
+        assert "--max-log-scale [auto|none|U]" in text and "--output-dir DIR" in text
+        low, high = re.search(r"(\d+)–(\d+) gradient-equivalent passes", readme).groups()
+        assert f"{low}-{high} gradient-equivalent passes" in text and "25-140" not in text
 
 
 def _completions(words: str) -> list[str]:
@@ -250,6 +311,29 @@ def test_convnext_refusal_leads_with_its_root_causes(tmp_path, exporter):
     assert len(shown.splitlines()) <= 5
     complete = assert_clean_exit(invoke("inspect", path, "--json"), 4)
     assert all(p.split(":")[0] in complete for p in error.follow_on)
+
+
+def test_json_puts_the_complete_problem_list_wherever_the_error_paragraph_goes(tmp_path):
+    """One contract for --json: a refused network's paragraph lists every problem, on stderr
+    (one MODEL: nothing on stdout, it failed while being read) and as the JSON line's
+    ``error.message`` of that file in a run over several MODELs."""
+    refused = tmp_path / "convnext.onnx"
+    refused.write_bytes(onnx_models.export(_convnext_like(), torch.randn(2, 3, 32, 32), "torchscript"))
+    with pytest.raises(UnsupportedModelError) as caught:
+        load_onnx(refused)
+    follow_on = caught.value.follow_on
+    assert follow_on
+    single = invoke("inspect", refused, "--json")
+    assert single.stdout == ""
+    assert all(problem.split(":")[0] in assert_clean_exit(single, 4) for problem in follow_on)
+    result = invoke("inspect", refused, write_onnx_mlp(tmp_path / "mlp.onnx"), "--json")
+    assert result.exit_code == 4 and "Traceback" not in result.stderr, result.stderr
+    first, second = (json.loads(line) for line in result.stdout.splitlines())
+    assert first["error"]["exit_code"] == 4 and "error" not in second
+    assert all(problem.split(":")[0] in first["error"]["message"] for problem in follow_on)
+    assert "more problem(s)" not in first["error"]["message"]
+    without_json = assert_clean_exit(invoke("inspect", refused, tmp_path / "mlp.onnx"), 4)
+    assert f"and {len(follow_on)} more problem(s)" in without_json
 
 
 def test_convnext_module_refusal_leads_with_its_root_causes():
@@ -400,6 +484,21 @@ def test_named_input_shape_of_an_onnx_model(tmp_path):
     result = invoke("inspect", onnx_path, "--input-shape", f"x:{shape}", "--json")
     assert_clean_exit(result, 0)
     assert_clean_exit(invoke("inspect", onnx_path, "--input-shape", f"image:{shape}"), 2, "'image'", "'x'")
+
+
+def test_named_input_shape_applies_to_every_model_of_a_multi_file_run(tmp_path):
+    models = [write_onnx_mlp(tmp_path / f"m{i}.onnx", seed=i) for i in range(2)]
+    out = tmp_path / "out"
+    out.mkdir()
+    result = invoke("rescale", *models, "--output-dir", out, "--input-shape", "x:6", "--json", "-q")
+    assert result.exit_code == 0, result.stderr
+    reports = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [report["input_shape"] for report in reports] == [[[6]], [[6]]]
+    assert sorted(p.name for p in out.iterdir()) == ["m0.pathcond.onnx", "m1.pathcond.onnx"]
+    wrong = invoke("inspect", *models, "--input-shape", "image:6", "--json")
+    assert wrong.exit_code == 2, wrong.stderr  # each file's usage error: the code they share
+    assert [json.loads(line)["error"]["exit_code"] for line in wrong.stdout.splitlines()] == [2, 2]
+    assert "'image'" in wrong.stderr and "'x'" in wrong.stderr
 
 
 # -- 7. sharded output in the layout loaders expect ---------------------------------------------
