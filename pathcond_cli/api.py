@@ -23,7 +23,7 @@ from .bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
 from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
 from .diag import DiagG, PathCount, diag_g, path_count
 from .dtype_limits import ensure_storable
-from .errors import InputError, PathcondError, UnsupportedModelError, VerificationError
+from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
 from .groups import RescalingGroups, build_groups
 from .enorm import enorm
 from .model import LoadedModel
@@ -39,9 +39,10 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        from .errors import PathcondError
-
-        raise PathcondError("--device cuda was requested but torch sees no CUDA device on this machine.")
+        raise UsageError(f"device '{device}' was requested but torch sees no CUDA device on this machine.")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"device '{device}' was requested but this machine has {torch.cuda.device_count()} CUDA "
+                         "device(s), numbered from 0.")
     return device
 
 
@@ -422,7 +423,7 @@ def load(
     source: str | Path | bytes,
     *,
     arch: str | None = None,
-    input_shape: tuple[int, ...] | None = None,
+    input_shape: tuple[int, ...] | dict[str, tuple[int, ...]] | None = None,
     allow_unused: bool = False,
 ) -> LoadedModel:
     """Load an ONNX model or a safetensors checkpoint (``arch``: spec file or ``module:factory``).
@@ -457,7 +458,7 @@ def save(
     result: RescaleResult,
     destination: str | Path,
     *,
-    input_shape: tuple[int, ...] | None = None,
+    input_shape: tuple[int, ...] | dict[str, tuple[int, ...]] | None = None,
     in_place: bool = False,
     seconds: dict[str, float] | None = None,
     self_contained: bool = False,

@@ -21,10 +21,12 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from enum import Enum
 from typing import Annotated, Any, Optional
 
 import rich.markup
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -32,7 +34,7 @@ from . import __version__
 from .defaults import (
     BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
 )
-from .errors import EXIT_CODES, InputError, OutputError, PathcondError, batch_exit_code
+from .errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError, batch_exit_code
 from .fileio import (
     INTERRUPTING_SIGNALS, NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations,
     check_output_directory, describe, interrupts_deferred, printable, resolve_destination, written_files,
@@ -42,7 +44,8 @@ EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
     "4 unsupported architecture · 5 verification failed (output removed) · "
     "6 output not writable · 7 NaN/Inf weights · 8 rescaling not storable in the checkpoint's dtypes "
-    "(--max-log-scale none or a bound of yours) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM). "
+    "(--max-log-scale none or a bound of yours) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM) · "
+    "1 internal error (a bug in pathcond: please report it). "
     "Several MODELs: 0 if every file succeeded, else the code their failures share, else 9."
 )
 
@@ -100,6 +103,37 @@ def _console_width() -> int | None:
 FALLBACK_COLUMNS = 80
 stderr = Console(stderr=True, width=_console_width())
 
+
+class _Command(typer.core.TyperCommand):
+    """Typer's command, with arguments shown as the README writes them: ``MODEL``, not Typer's
+    ``{MODEL}`` in the usage line and ``MODEL <str>`` in the list of arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if isinstance(param, typer.core.TyperArgument):
+                param.display_type_rich = lambda ctx: None
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [piece.replace("{", "").replace("}", "") for piece in super().collect_usage_pieces(ctx)]
+
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# Choices as enums (what every supported Typer turns into a completing choice type).
+SolverChoice = Enum("SolverChoice", {name: name for name in SOLVERS}, type=str)
+CriterionChoice = Enum("CriterionChoice", {name: name for name in CRITERIA}, type=str)
+
+
+def _complete_device(incomplete: str) -> list[str]:
+    """auto, cpu, cuda and cuda:N for each CUDA device torch sees (torch is only imported for ``cuda:``)."""
+    choices = list(DEVICE_CHOICES)
+    if incomplete.startswith("cuda"):
+        import torch
+
+        choices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    return [choice for choice in choices if choice.startswith(incomplete.lower())]
+
+
 ModelArg = Annotated[list[str], typer.Argument(
     metavar="MODEL",
     help="Checkpoint: .onnx, .safetensors, .safetensors.index.json (sharded), or - to read from stdin. "
@@ -107,19 +141,23 @@ ModelArg = Annotated[list[str], typer.Argument(
     "file (JSON Lines), a line per file on stderr, and a failed file does not stop the others.",
 )]
 ArchOpt = Annotated[Optional[str], typer.Option(
-    "--arch",
+    "--arch", metavar="SPEC|MODULE:FACTORY",
     help="Architecture of a safetensors checkpoint: a spec file (.yaml/.json) or a Python factory "
     "'module.path:callable' returning an nn.Module. Default: the spec embedded by pathcond, then a "
     "sidecar <stem>.pathcond.yaml/.json next to the checkpoint.",
 )]
-ShapeOpt = Annotated[Optional[str], typer.Option(
-    "--input-shape", help="Input shape without the batch dimension, e.g. 3,32,32 (for symbolic ONNX dims or to override).",
+ShapeOpt = Annotated[Optional[list[str]], typer.Option(
+    "--input-shape", metavar="[NAME:]SHAPE", help="Input shape without the batch dimension, e.g. 3,32,32 (for symbolic "
+    "ONNX dims or to override). NAME:SHAPE shapes the input called NAME (repeat the option for each input).",
 )]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+DeviceOpt = Annotated[str, typer.Option(
+    "--device", metavar="[auto|cpu|cuda|cuda:N]", autocompletion=_complete_device,
+    help="auto (CUDA when present), cpu, cuda or cuda:N.",
+)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
-    "--plot", help="Also draw log10 diag(G) per layer (before and after) and F per iteration to FILE.png, .svg "
+    "--plot", metavar="FILE", help="Also draw log10 diag(G) per layer (before and after) and F per iteration to FILE.png, .svg "
     "or .pdf. Needs matplotlib: pip install 'pathcond[plot]'.",
 )]
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -145,9 +183,28 @@ AllowUnusedOpt = Annotated[bool, typer.Option(
 INT64_MAX = 2**63 - 1
 
 
-def _parse_shape(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
+def _parse_shape(texts: list[str] | None) -> tuple[int, ...] | dict[str, tuple[int, ...]] | None:
+    """``--input-shape 3,32,32`` (the single input) or ``--input-shape NAME:3,32,32``, repeated
+    once per input (as onnxsim, polygraphy and trtexec take them): a tuple or a name → shape dict."""
+    if not texts:
         return None
+    named: dict[str, tuple[int, ...]] = {}
+    for text in texts:
+        name, colon, sizes = text.rpartition(":")
+        if not colon:
+            if len(texts) > 1:
+                raise typer.BadParameter(f"'{text}' has no input name; repeated --input-shape options each name their "
+                                         "input, e.g. --input-shape x:3,32,32", param_hint="--input-shape")
+            return _parse_sizes(text)
+        if not name:
+            raise typer.BadParameter(f"'{text}': the input name before ':' is empty", param_hint="--input-shape")
+        if name in named:
+            raise typer.BadParameter(f"input '{name}' is given two shapes", param_hint="--input-shape")
+        named[name] = _parse_sizes(sizes)
+    return named
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
     except ValueError:
@@ -209,7 +266,8 @@ def _import_library() -> None:
 @contextlib.contextmanager
 def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
     """One paragraph on stderr and a distinct exit code; never a traceback. With ``as_json``, a
-    failure after the input was read also prints the report so far with its ``error`` on stdout."""
+    failure after the input was read also prints the report so far with its ``error`` on stdout,
+    and a refused network's paragraph lists every problem, consequences included."""
     global _guarded, _stdout_started, _report_so_far, _signal_received
     _import_library()
     _guarded, _stdout_started, _report_so_far, _signal_received = True, False, None, None
@@ -235,7 +293,7 @@ def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
     except (typer.Exit, typer.Abort, typer.TyperException):
         raise  # usage errors and deliberate exits: typer reports them itself
     except Exception as exc:
-        code, label, message = _failure(exc)
+        code, label, message = _failure(exc, complete=as_json)
         stderr.print(f"[bold red]{label}:[/] {_printable(message)}", highlight=False, markup=True, soft_wrap=True)
         _error_document(as_json, exc, code, message)
         raise typer.Exit(code) from None
@@ -243,9 +301,12 @@ def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
         _guarded = False
 
 
-def _failure(exc: Exception) -> tuple[int, str, str]:
-    """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure.
+def _failure(exc: Exception, *, complete: bool = False) -> tuple[int, str, str]:
+    """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure;
+    ``complete`` (``--json``) lists every problem of a refused network, consequences included.
     A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
+    if isinstance(exc, UnsupportedModelError) and complete:
+        return exc.exit_code, "error", _true_to_disk(exc.complete)
     if isinstance(exc, PathcondError):
         return exc.exit_code, "error", _true_to_disk(str(exc))
     if _out_of_memory(exc):
@@ -466,38 +527,41 @@ def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> N
     atomic_write(plot, lambda tmp: draw(report, analysis, result, tmp, plot.suffix.lower().lstrip(".")))
 
 
-@app.command(epilog=EXIT_HELP)
+@app.command(cls=_Command, epilog=EXIT_HELP)
 def rescale(
     models: ModelArg,
     output: Annotated[Optional[str], typer.Option(
-        "-o", "--output", help="Where to write the rescaled checkpoint (same format), or - for stdout. "
+        "-o", "--output", metavar="FILE", help="Where to write the rescaled checkpoint (same format), or - for stdout. "
         "Default: <stem>.pathcond<suffix> beside the input. One MODEL only.",
     )] = None,
     output_dir: Annotated[Optional[Path], typer.Option(
-        "--output-dir", help="Write each rescaled checkpoint into this existing directory as "
+        "--output-dir", metavar="DIR", help="Write each rescaled checkpoint into this existing directory as "
         "<stem>.pathcond<suffix> (several MODELs; outputs that would collide are refused before any work).",
     )] = None,
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
-    solver: Annotated[str, typer.Option("--solver", help=f"PathCond minimiser, one of: {', '.join(SOLVERS)} (default {DEFAULT_SOLVER}: "
-                                        "Newton's method, 25-140 passes on every network measured).")] = DEFAULT_SOLVER,
-    criterion: Annotated[str, typer.Option(
-        "--criterion", help="pathcond (condition the path kernel) or enorm (equi-normalisation: minimise the sum of "
+    solver_choice: Annotated[SolverChoice, typer.Option(
+        "--solver", metavar=f"[{'|'.join(SOLVERS)}]", help=f"PathCond minimiser (default {DEFAULT_SOLVER}: Newton's "
+        "method, 14-76 gradient-equivalent passes on every network measured, benchmarks/README.md).",
+    )] = SolverChoice(DEFAULT_SOLVER),
+    criterion_choice: Annotated[CriterionChoice, typer.Option(
+        "--criterion", metavar=f"[{'|'.join(CRITERIA)}]", help="pathcond (condition the path kernel) or enorm (equi-normalisation: minimise the sum of "
         "squared weights on the same groups, with its own closed-form solver), to compare criteria.",
-    )] = DEFAULT_CRITERION,
-    max_iter: Annotated[int, typer.Option("--max-iter", min=0, help="Safety cap on solver iterations, not a tuning "
+    )] = CriterionChoice(DEFAULT_CRITERION),
+    max_iter: Annotated[int, typer.Option("--max-iter", min=0, metavar="N", help="Safety cap on solver iterations, not a tuning "
                                           "knob: the solver stops at --tol; a run that hits the cap is reported "
                                           "as not converged.")] = DEFAULT_MAX_ITER,
-    tol: Annotated[float, typer.Option("--tol", min=0.0, help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
+    tol: Annotated[float, typer.Option("--tol", min=0.0, metavar="T", help="Relative KKT residual to stop at.")] = DEFAULT_TOL,
     max_log_scale: Annotated[str, typer.Option(
-        "--max-log-scale", metavar="auto|none|U", help="Bound on every |u_h| (neuron scale factors e^±U). auto: "
+        "--max-log-scale", metavar="[auto|none|U]", help="Bound on every |u_h| (neuron scale factors e^±U). auto: "
         "the unbounded optimum, or, when the checkpoint's dtypes cannot store it, the optimum within the largest "
         "bound that keeps every rescaled tensor storable (a warning says what it kept). none: unbounded; a "
         f"rescaling the dtypes cannot hold exits 8. U: the bounded optimum ({', '.join(BOUNDED_SOLVERS)}).",
     )] = "auto",
     as_json: JsonOpt = False,
-    report_file: Annotated[Optional[str], typer.Option("--report", help="Also write the JSON report to this file.")] = None,
+    report_file: Annotated[Optional[str], typer.Option("--report", metavar="FILE",
+                                                       help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     plot: PlotOpt = None,
     allow_unused: AllowUnusedOpt = False,
@@ -509,10 +573,7 @@ def rescale(
 
     Several: pathcond rescale runs/*.safetensors --arch model.yaml --output-dir rescaled --json > reports.jsonl
     """
-    if solver not in SOLVERS:
-        raise typer.BadParameter(f"'{solver}' is not one of {', '.join(SOLVERS)}", param_hint="--solver")
-    if criterion not in CRITERIA:
-        raise typer.BadParameter(f"'{criterion}' is not one of {', '.join(CRITERIA)}", param_hint="--criterion")
+    solver, criterion = solver_choice.value, criterion_choice.value
     if criterion == "enorm" and solver != DEFAULT_SOLVER:
         raise typer.BadParameter("--solver chooses a PathCond minimiser; --criterion enorm has its own closed-form "
                                  "solver", param_hint="--solver")
@@ -699,7 +760,7 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
                 raise
             except Exception as exc:
                 _raise_if_interrupted(exc)
-                code, label, message = _failure(exc)
+                code, label, message = _failure(exc, complete=as_json)
                 failures.append(code)
                 stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
                              highlight=False, markup=True, soft_wrap=True)
@@ -752,7 +813,7 @@ def _batch_on_disk(command: str, position: int, total: int, reported: int) -> st
     return text
 
 
-@app.command(epilog=EXIT_HELP)
+@app.command(cls=_Command, epilog=EXIT_HELP)
 def inspect(
     models: ModelArg,
     arch: ArchOpt = None,
@@ -809,6 +870,51 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
     report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
                          "total": round(time.perf_counter() - started, 6)}
     return report, analysis, plot_path
+
+
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@app.command("spec", cls=_Command, epilog=EXIT_HELP)
+def spec_command(
+    model: Annotated[str, typer.Argument(
+        metavar="MODEL", help="Checkpoint: .onnx, .safetensors, .safetensors.index.json (sharded), or - to read from stdin.",
+    )],
+    arch: ArchOpt = None,
+    input_shape: ShapeOpt = None,
+    output: Annotated[Optional[str], typer.Option(
+        "-o", "--output", metavar="FILE", help="Write the spec to FILE (.yaml, .yml or .json) instead of stdout.",
+    )] = None,
+    allow_unused: AllowUnusedOpt = False,
+) -> None:
+    """Print the architecture spec of MODEL, as a safetensors checkpoint of its tensors needs it.
+
+    Its tensor keys are the names MODEL's tensors have (for an ONNX model, its initializers';
+    torch.export keeps the module's state_dict names). Example: pathcond spec model.onnx -o model.yaml
+    """
+    if output is not None and Path(output).suffix.lower() not in SPEC_SUFFIXES:
+        raise typer.BadParameter(f"'{output}': a spec is written as {', '.join(SPEC_SUFFIXES)}, chosen by the suffix",
+                                 param_hint="-o")
+    shape = _parse_shape(input_shape)
+    if output is None and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but the spec is printed there; use -o FILE", param_hint="-o")
+    with _errors_to_exit_codes():
+        from .destinations import check_destinations, written
+        from .formats import files_read, load_model
+        from .formats.spec import spec_from_graph, spec_text
+
+        source, source_path, name = _read_source(model)
+        destination, = check_destinations([written("-o", output)], files_read(source_path, arch))
+        loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
+        text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.lower().endswith(".json"))
+        if destination is None:
+            with _writing_stdout("the spec"):
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            return
+        atomic_write(destination, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        stderr.print(f"wrote the spec of {name} ({len(loaded.graph.nodes)} layers) to '{describe(destination)}'",
+                     highlight=False, markup=False, soft_wrap=True)
 
 
 @app.command()

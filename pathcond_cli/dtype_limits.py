@@ -137,7 +137,16 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
             f"dtypes: {listed}. Nothing was written; {advice}."
         )
     suffix = f"; {advice}." if advise else "."
-    return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}{suffix}" for p in problems]
+    if len(problems) <= 1:
+        return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}{suffix}" for p in problems]
+    # One warning for all tensors: an fp16 network has one such tensor per layer, each saying the same.
+    flushed = sum(p.flushed for p in problems)
+    listed = ", ".join(f"'{p.key}' {p.flushed:,}/{p.normal:,}" for p in problems[:LISTED_TENSORS])
+    more = f" and {len(problems) - LISTED_TENSORS} more" if len(problems) > LISTED_TENSORS else ""
+    dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in problems}))
+    return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {flushed:,} normal values of "
+            f"{len(problems)} {dtypes} tensors would fall below their dtype's smallest normal (stored as subnormals "
+            f"or zero; flushed/normal values per tensor: {listed}{more}){suffix}"]
 
 
 LISTED_TENSORS = 5  # the message stays one readable paragraph; the advice comes after the list

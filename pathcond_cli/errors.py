@@ -12,7 +12,8 @@ class PathcondError(Exception):
 
 
 class UsageError(PathcondError):
-    """The command line contradicts itself (e.g. two outputs of one run name the same file)."""
+    """The call itself is wrong (an option, an argument, two outputs naming one file), whatever the files hold:
+    exit 2, like the CLI's own."""
 
     exit_code = 2
 
@@ -28,11 +29,18 @@ class UnsupportedModelError(PathcondError):
 
     exit_code = 4
 
-    def __init__(self, message: str, problems: list[str] | None = None):
-        self.problems = list(problems or [])
-        if self.problems:
-            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(message)
+    def __init__(self, message: str, problems: list[str] | None = None, follow_on: list[str] | None = None):
+        """``problems`` are the root causes; ``follow_on`` the problems of nodes that only read
+        the output of a refused node (counted in the message; ``complete`` lists them all)."""
+        root = list(problems or [])
+        self.follow_on = list(follow_on or [])
+        self.problems = root + self.follow_on
+        lines = [f"  - {p}" for p in root]
+        self.complete = "\n".join([message, *lines, *(f"  - {p}" for p in self.follow_on)])
+        if self.follow_on:
+            lines.append(f"  and {len(self.follow_on)} more problem(s) in nodes that read the output of those above, "
+                         "consequences of them (listed with --json; in the API, the error's follow_on)")
+        super().__init__("\n".join([message, *lines]) if lines else message)
 
 
 class VerificationError(PathcondError):

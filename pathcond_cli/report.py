@@ -12,6 +12,7 @@ from typing import Any
 import rich.markup
 import torch
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from . import __version__
@@ -248,6 +249,10 @@ def _spread_text(diag: dict[str, Any]) -> str:
             f"zeros {_fmt(diag['zeros'])}")
 
 
+# Width tables are printed in when stderr is not a terminal: wider than any row.
+UNBOUNDED_WIDTH = 100_000
+
+
 def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) -> None:
     """Rich tables for people (the console writes to stderr); warnings last."""
     console.print(f"pathcond {report['command']} · {printable(report['model'])}", style="bold", highlight=False,
@@ -301,9 +306,9 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
                             + (f" ({_safe(independent['detail'])})" if independent["status"] != "passed" else ""))
         summary.add_row("output", _safe(report["output"]))
     summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
-    console.print(summary)
+    _print_table(console, summary)
     if per_layer and diag["per_layer"]:
-        console.print(_layer_table(diag, after))
+        _print_table(console, _layer_table(diag, after))
     if diag["histogram"]:
         console.print(histogram_text(diag["histogram"], after["histogram"] if after else None), highlight=False)
     if report.get("degenerate_groups"):
@@ -327,6 +332,14 @@ def _bound_text(solver: dict[str, Any]) -> str:
 def render_warnings(report: dict[str, Any], console: Console) -> None:
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/] {_safe(warning, keep=chr(10))}", highlight=False, soft_wrap=True)
+
+
+def _print_table(console: Console, table: Table) -> None:
+    """Off a terminal (a pipe, a log file) the table takes its natural width: names stay whole
+    and rows unwrapped, whatever width rich assumes for a file."""
+    if not console.is_terminal:
+        table.width = Measurement.get(console, console.options.update(width=UNBOUNDED_WIDTH), table).maximum
+    console.print(table, crop=console.is_terminal)
 
 
 def _layer_table(diag: dict[str, Any], after: dict[str, Any] | None) -> Table:

@@ -161,7 +161,7 @@ def _spec_with(change) -> dict:
 SPEC_FAULTS = {
     "missing-tensor": (lambda layers: layers[1].update(weight="nope.weight"), ["nope.weight", "fc1"]),
     "missing-bias": (lambda layers: layers[3].update(bias="fc2.b"), ["fc2.b", "fc2"]),
-    "unknown-layer-type": (lambda layers: layers[2].update(type="gelu"), ["gelu", "relu1"]),
+    "unknown-layer-type": (lambda layers: layers[2].update(type="swirl"), ["swirl", "relu1"]),
     "unknown-field": (lambda layers: layers[1].update(strides=2), ["strides", "fc1"]),
     "cycle": (lambda layers: layers[1].update(inputs="relu2"), ["cycle", "fc1"]),
     "dangling-input": (lambda layers: layers[3].update(inputs="ghost"), ["ghost", "fc2"]),
@@ -209,11 +209,11 @@ def test_integer_weights_exit_3(tmp_path):
     _fails_cleanly(tmp_path, 3, ["rescale", checkpoint, "--arch", spec], "fc1.weight")
 
 
-def test_input_shape_that_does_not_fit_exit_3(tmp_path):
+def test_input_shape_that_does_not_fit_exit_3_or_of_the_wrong_rank_exit_2(tmp_path):
     checkpoint, spec = write_mlp(tmp_path)
     _fails_cleanly(tmp_path, 3, ["rescale", checkpoint, "--arch", spec, "--input-shape", "7"], "fc1")
     model = write_onnx_mlp(tmp_path / "net.onnx")
-    _fails_cleanly(tmp_path, 3, ["rescale", model, "--input-shape", "3,4"], "--input-shape")
+    _fails_cleanly(tmp_path, 2, ["rescale", model, "--input-shape", "3,4"], "--input-shape", "batch-free")
 
 
 # -- unsupported architecture: exit 4 ----------------------------------------------------------

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import ops_models
 from onnx_models import EXPORTERS, MODELS, build, example_input, export, exported
-from pathcond_cli.errors import InputError, UnsupportedModelError
+from pathcond_cli.errors import InputError, UnsupportedModelError, UsageError
 from pathcond_cli.evaluate import forward
 from pathcond_cli.formats.onnx_format import load_onnx, reference_outputs, write_onnx
 from pathcond_cli.graph import BatchNorm, Identity, Linear
@@ -119,11 +119,16 @@ def test_batchnorm_kept_by_the_exporter_becomes_a_graph_node():
     assert {"1.running_mean", "1.running_var"} <= set(model.params)
 
 
-def test_graph_nodes_are_named_after_onnx_nodes():
+def test_graph_nodes_are_named_after_their_weights_or_onnx_nodes():
     proto = onnx.load_from_string(exported("mlp", "torchscript"))
     model = load_onnx(exported("mlp", "torchscript"))
     onnx_names = {n.name for n in proto.graph.node}
-    assert {n.name for n in model.graph.nodes if n.op != "input"} <= onnx_names
+    for node in model.graph.nodes:
+        weight = getattr(node, "weight", None)
+        if weight is not None and "::" not in weight:
+            assert weight == f"{node.name}.weight"
+        elif node.op != "input":
+            assert node.name in onnx_names
     assert model.graph.inputs[0].name == "x" and model.graph.inputs[0].shape == (6,)
 
 
@@ -417,7 +422,7 @@ def test_input_shape_overrides_the_exported_size(exporter):
 
 
 def test_input_shape_of_the_wrong_rank_is_refused():
-    with pytest.raises(InputError, match="input-shape"):
+    with pytest.raises(UsageError, match="input-shape"):
         load_onnx(exported("cnn", "torchscript"), input_shape=(3, 8))
 
 

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 import yaml
 
-from pathcond_cli.errors import InputError, InvalidWeightsError, OutputError
+from pathcond_cli.errors import InputError, InvalidWeightsError, OutputError, UsageError
 from pathcond_cli.evaluate import forward
 from pathcond_cli.formats.safetensors_format import (
     SPEC_METADATA_KEY, SafetensorsPayload, load_safetensors, write_safetensors,
@@ -307,5 +307,5 @@ def test_python_factory_as_arch(tmp_path, monkeypatch):
     model = load_safetensors(checkpoint, arch="factory_net:build", input_shape=(4,))
     assert [n.op for n in model.graph.nodes] == ["input", "linear", "relu", "linear"]
     assert model.params["0.weight"].equal(tensors["0.weight"])
-    with pytest.raises(InputError, match="--input-shape"):
+    with pytest.raises(UsageError, match="--input-shape"):
         load_safetensors(checkpoint, arch="factory_net:build")

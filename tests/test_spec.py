@@ -205,7 +205,7 @@ def test_all_layer_problems_are_reported_at_once():
         {"name": "fc", "type": "linear", "bias": 3},
     ]})
     assert SOURCE in message
-    assert "layer 'act' has unknown type 'gelu'" in message
+    assert "layer 'act' has type 'gelu': not positively homogeneous" in message
     assert "layer 'pool' (maxpool): missing required field 'kernel'" in message
     assert "layer 'conv' (conv): 'stride' must be an integer >= 1" in message
     assert "layer 'conv' (conv): unknown field 'strides'" in message

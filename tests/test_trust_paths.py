@@ -409,9 +409,14 @@ HOSTILE = "\x1b]0;pwned\x07\x1b[2J[/][bold]"
 
 
 def _hostile_onnx(path: Path) -> Path:
+    """The ONNX MLP with hostile node and weight names (a layer is named after its weight)."""
     model = onnx_mlp_model()
+    stored = {tensor.name for tensor in model.graph.initializer}
+    for tensor in model.graph.initializer:
+        tensor.name = HOSTILE + tensor.name
     for node in model.graph.node:
         node.name = HOSTILE + node.name
+        node.input[:] = [HOSTILE + value if value in stored else value for value in node.input]
     onnx.save_model(model, str(path))
     return path
 

@@ -6,11 +6,11 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import InputError
+from ..errors import InputError, UsageError
 from ..fileio import describe
 from ..model import LoadedModel
 
@@ -34,6 +34,31 @@ MAX_JSON_DEPTH = 64
 MEMORY_SHARE = 0.8
 # float64 copies of a spec network's input the passes hold at least (a verification batch of 8, twice).
 INPUT_COPIES = 16
+
+
+# A batch-free input shape: one shape for a model with one input, or a shape per input name.
+InputShape = tuple[int, ...] | Mapping[str, tuple[int, ...]]
+
+
+def shapes_by_input(input_shape: InputShape | None, inputs: Sequence[str], label: str) -> dict[str, tuple[int, ...]]:
+    """The batch-free shape given for each input, by name (inputs without one are left out).
+
+    ``input_shape`` is one shape, for a model with a single input, or a mapping from input
+    names; a name the model has no input for, or one shape for several inputs, is a usage error.
+    """
+    if input_shape is None:
+        return {}
+    names = ", ".join(f"'{shown(name)}'" for name in inputs) or "none"
+    if isinstance(input_shape, Mapping):
+        unknown = [name for name in input_shape if name not in inputs]
+        if unknown:
+            raise UsageError(f"{label}: --input-shape names {', '.join(repr(shown(n)) for n in unknown)}, which "
+                             f"is not an input of the model (its inputs: {names}).")
+        return dict(input_shape)
+    if len(inputs) != 1:
+        raise UsageError(f"{label}: one input shape was given, but the model has {len(inputs)} inputs ({names}); "
+                         "give each its shape by name: --input-shape NAME:SHAPE, once per input.")
+    return {inputs[0]: input_shape}
 
 
 def detect_format(source: Path | bytes) -> str:
@@ -183,11 +208,13 @@ def load_model(
     source: Path | bytes,
     *,
     arch: str | None = None,
-    input_shape: tuple[int, ...] | None = None,
+    input_shape: InputShape | None = None,
     name: str | None = None,
     allow_unused: bool = False,
 ) -> LoadedModel:
     """Load an ONNX model or a safetensors checkpoint (with its architecture) from a path or bytes.
+
+    ``input_shape`` is batch-free: one shape, or a mapping from input names to shapes.
 
     Checkpoint tensors the architecture does not use are an error unless ``allow_unused``
     (then they are carried through unchanged and named in ``warnings``).

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..errors import InputError, UnsupportedModelError
 from ..graph import Graph
 from .movement import UnsupportedMovement, movement_layer
-from .offenders import grouped
+from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
 from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
@@ -65,10 +65,10 @@ def graph_from_module(
     """
     traced = _trace(module, source)
     values = _run_on_zeros(module, traced, tuple(input_shape))
-    spec, problems = _spec_from_trace(traced, values)
-    if problems:
+    spec, problems, follow_on = _spec_from_trace(traced, values)
+    if problems or follow_on:
         raise UnsupportedModelError(
-            f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems
+            f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on
         )
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
     return graph, {key: tensor.detach() for key, tensor in module.state_dict().items()}
@@ -184,8 +184,11 @@ def _trace(module: nn.Module, source: str) -> torch.fx.GraphModule:
         module.train(was_training)
 
 
-def _spec_from_trace(traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The architecture spec of a traced module, and every reason it is not a ReLU DAG."""
+def _spec_from_trace(
+    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any]
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The architecture spec of a traced module, every reason it is not a ReLU DAG, and the
+    problems of nodes that read (directly or not) the output of a node already refused."""
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
@@ -194,9 +197,14 @@ def _spec_from_trace(traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node
         problems.append(f"the module's forward takes {len(placeholders)} inputs; pathcond supports exactly one")
     moves = _Movements(values, names)
     offenders: list[tuple[str, str]] = []
+    follow_on: list[str] = []
+    after_refusal: set[torch.fx.Node] = set()
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
     for node in traced.graph.nodes:
+        follows_refusal = any(arg in after_refusal for arg in node.all_input_nodes)
+        if follows_refusal:
+            after_refusal.add(node)
         if node.op == "output":
             outputs, output_problems = _outputs(node, names, moves, layers)
             problems += output_problems
@@ -219,15 +227,18 @@ def _spec_from_trace(traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node
         except _NotHomogeneous:
             offenders.append((_operation(node, modules), node.name))
             moves.offenders.add(node)
+            after_refusal.add(node)
         except _Unsupported as exc:
-            problems.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
+            (follow_on if follows_refusal else problems).append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
+            after_refusal.add(node)
     problems[:0] = grouped(offenders)
     for node in moves.unresolved():
         try:
             moves.layer_input(node, layers)
         except _Unsupported as exc:
-            problems.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
-    return {"layers": layers, "outputs": outputs}, problems
+            (follow_on if node in after_refusal else problems).append(
+                f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
+    return {"layers": layers, "outputs": outputs}, problems, follow_on
 
 
 class _Movements:
@@ -391,17 +402,8 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
                        "scale and shift, x * scale + shift)")
 
 
-_NOT_HOMOGENEOUS = {
-    "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax", "layernorm", "layer_norm", "hardswish",
-    "hardsigmoid", "relu6", "hardtanh", "elu", "selu", "celu", "mish", "softplus", "groupnorm", "group_norm",
-    "instancenorm", "multiheadattention", "scaled_dot_product_attention", "matmul", "bmm", "exp", "clamp", "clip",
-    "sqrt", "pow", "instance_norm", "instancenorm1d", "instancenorm2d", "instancenorm3d", "logsigmoid",
-    "softsign", "tanhshrink", "rrelu", "glu", "swish",
-}
-
-
 def _not_supported(name: str) -> str:
-    if name.lower().rstrip("_") in _NOT_HOMOGENEOUS:
+    if name.lower().rstrip("_") in NOT_HOMOGENEOUS_TYPES:
         raise _NotHomogeneous()
     return "not supported"
 

@@ -7,6 +7,16 @@ its count and every node.
 
 from __future__ import annotations
 
+# Lower-case names of layer types, modules and functions that are not positively homogeneous:
+# fx reports them by name, and a spec that names one describes a network pathcond cannot rescale.
+NOT_HOMOGENEOUS_TYPES = {
+    "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax", "layernorm", "layer_norm", "hardswish",
+    "hardsigmoid", "relu6", "hardtanh", "elu", "selu", "celu", "mish", "softplus", "groupnorm", "group_norm",
+    "instancenorm", "multiheadattention", "scaled_dot_product_attention", "matmul", "bmm", "exp", "clamp", "clip",
+    "sqrt", "pow", "instance_norm", "instancenorm1d", "instancenorm2d", "instancenorm3d", "logsigmoid",
+    "softsign", "tanhshrink", "rrelu", "glu", "swish",
+}
+
 NOT_HOMOGENEOUS = "not positively homogeneous, so no rescaling preserves the function (pathcond needs a ReLU network)"
 
 

@@ -26,7 +26,7 @@ import torch
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
-from ..errors import InputError, OutputError, UnsupportedModelError
+from ..errors import InputError, OutputError, UnsupportedModelError, UsageError
 from ..fileio import atomic_write, describe, output_error_from
 from ..graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
@@ -88,14 +88,14 @@ class _NotHomogeneous(_Unsupported):
 def load_onnx(
     source: str | Path | bytes,
     *,
-    input_shape: tuple[int, ...] | None = None,
+    input_shape: tuple[int, ...] | dict[str, tuple[int, ...]] | None = None,
     name: str | None = None,
 ) -> LoadedModel:
     """Read an ONNX ReLU network: its DAG, every tensor it stores, and the model for writing back.
 
-    ``input_shape`` (batch excluded) overrides the shape the model declares and is required
-    when a non-batch dimension of the input is symbolic. ``params`` holds every initializer
-    and ``Constant`` tensor by ONNX name, plus, for a stored tensor that several layers read
+    ``input_shape`` (batch excluded; or ``{input name: shape}``) overrides the shape the model
+    declares and is required when a non-batch dimension of the input is symbolic. ``params``
+    holds every initializer and ``Constant`` tensor by ONNX name, plus, for a stored tensor that several layers read
     through ``Identity`` nodes, one copy per such Identity keyed by its output name.
     """
     label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
@@ -103,7 +103,10 @@ def load_onnx(
     _check(model, serialized, label)
     del serialized  # the whole file (97 MB for ResNet-50): not held through the rest of the load
     graph_input = _single_input(model, label)
-    shape = _input_shape(graph_input, input_shape, label)
+    from . import shapes_by_input
+
+    override = shapes_by_input(input_shape, [graph_input.name], label).get(graph_input.name)
+    shape = _input_shape(graph_input, override, label)
     inferred = _folded(_infer_shapes(model, graph_input.name, shape, label), graph_input.name, shape, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
@@ -318,11 +321,11 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
     if override is not None:
         override = tuple(int(d) for d in override)
         if any(d <= 0 for d in override):
-            raise InputError(f"{label}: --input-shape {override} must have positive dimensions.")
+            raise UsageError(f"{label}: --input-shape {override} must have positive dimensions.")
         if declared is not None and len(declared) != len(override) + 1:
-            raise InputError(
+            raise UsageError(
                 f"{label}: --input-shape {override} has {len(override)} dimension(s), but input "
-                f"'{graph_input.name}' has {len(declared) - 1} besides the batch dimension."
+                f"'{graph_input.name}' has {len(declared) - 1} besides the batch dimension (the shape is batch-free)."
             )
         return override
     if declared is None or any(d is None for d in declared[1:]):
@@ -535,6 +538,10 @@ class _Translator:
         self.notes: list[str] = []
         self.problems: list[str] = []
         self.offenders: list[tuple[str, str]] = []
+        # Problems of nodes that read, directly or through other nodes, the output of a node
+        # already refused: consequences, reported after the root causes and counted.
+        self.follow_on: list[str] = []
+        self.after_refusal: set[str] = set()
 
     # ---- driver
 
@@ -552,17 +559,21 @@ class _Translator:
         self._separate_other_reads(needed)
         outputs = self._outputs()
         problems = grouped(self.offenders) + self.problems
-        if problems:
+        if problems or self.follow_on:
             raise UnsupportedModelError(
                 f"{self.label}: the network is not a ReLU DAG pathcond can rescale exactly; "
                 f"{len(problems)} problem(s):",
                 problems,
+                self.follow_on,
             )
         return Graph(list(self.nodes.values()), outputs, source=self.label)
 
     def _translate_node(self, node: onnx.NodeProto) -> None:
         self.current = node
         handler = _HANDLERS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
+        follows_refusal = any(value in self.after_refusal for value in node.input)
+        if follows_refusal:
+            self.after_refusal.update(node.output)
         try:
             if handler is None:
                 if node.domain in DEFAULT_DOMAINS and node.op_type in _NOT_HOMOGENEOUS:
@@ -571,8 +582,11 @@ class _Translator:
             handler(self, node)
         except _NotHomogeneous:
             self.offenders.append((_op_label(node), _node_label(node)))
+            self.after_refusal.update(node.output)
         except _Unsupported as exc:
-            self.problems.append(f"node '{_node_label(node)}' ({_op_label(node)}): {exc}")
+            problem = f"node '{_node_label(node)}' ({_op_label(node)}): {exc}"
+            (self.follow_on if follows_refusal else self.problems).append(problem)
+            self.after_refusal.update(node.output)
 
     def _separate_other_reads(self, needed: set[str]) -> None:
         """Every read of a parameter that is not the read of its layer (a ``Mul`` by the same
@@ -655,8 +669,9 @@ class _Translator:
         return self._add_node(node, self._known_batch_free_shape(value))
 
     def _emit_for(self, onnx_node: onnx.NodeProto, make: Callable[..., Node], *inputs: str, **attributes) -> Node:
-        """Add the graph node standing for ``onnx_node`` (named after it) reading ``inputs``."""
-        node = make(name=self._unique(_node_label(onnx_node)), inputs=tuple(self._source(v) for v in inputs), **attributes)
+        """Add the graph node standing for ``onnx_node`` (named after its weight, or after it) reading ``inputs``."""
+        name = self._unique(_layer_name(onnx_node, attributes.get("weight")))
+        node = make(name=name, inputs=tuple(self._source(v) for v in inputs), **attributes)
         return self._emit(self._claim(onnx_node, node), onnx_node.output[0])
 
     def _claim(self, onnx_node: onnx.NodeProto, node: Node) -> Node:
@@ -867,10 +882,10 @@ class _Translator:
 
     def _linear(self, node: onnx.NodeProto, x: str, weight_value: str, *, stored_in_out: bool, bias: str | None) -> None:
         """``stored_in_out``: the op reads its weight input as ``[in, out]`` (MatMul, Gemm transB=0)."""
+        if not self._is_static(weight_value):
+            raise _NotHomogeneous()  # a product of two activations, whatever their ranks
         if self._rank(x) != 2:
             raise _Unsupported(f"input '{x}' has rank {self._rank(x)}; only (batch, features) inputs are supported")
-        if not self._is_static(weight_value):
-            raise _NotHomogeneous()
         if self._rank(weight_value) != 2:
             raise _Unsupported(f"weight '{weight_value}' must have rank 2")
         weight = self._weight(weight_value)
@@ -1344,6 +1359,16 @@ def _symmetric_pads(node: onnx.NodeProto, spatial: int) -> tuple[int, ...]:
 
 def _node_label(node: onnx.NodeProto) -> str:
     return node.name or node.output[0]
+
+
+def _layer_name(node: onnx.NodeProto, weight_key: str | None) -> str:
+    """The layer's name: its weight's, as the exporter kept it from the module (``layer1.0.conv1``
+    for ``layer1.0.conv1.weight``, where torch.export names the node ``node_Conv_292``); the
+    node's name when the weight has no module name (``onnx::Conv_193`` of a folded export)."""
+    suffix = ".weight"
+    if weight_key and weight_key.endswith(suffix) and len(weight_key) > len(suffix) and "::" not in weight_key:
+        return weight_key[: -len(suffix)]
+    return _node_label(node)
 
 
 def _op_label(node: onnx.NodeProto) -> str:

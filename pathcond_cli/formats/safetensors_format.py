@@ -17,7 +17,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -26,11 +26,11 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ..errors import InputError, InvalidWeightsError, OutputError
+from ..errors import InputError, InvalidWeightsError, OutputError, UsageError
 from ..fileio import atomic_write, is_companion_name
 from ..graph import Graph
 from ..model import LoadedModel
-from . import check_weight_types, contained_file, named_by_another_file, parse_json, shown
+from . import InputShape, check_weight_types, contained_file, named_by_another_file, parse_json, shapes_by_input, shown
 from .fx_import import graph_from_module, load_factory
 from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
 
@@ -70,7 +70,7 @@ def load_safetensors(
     source: str | Path | bytes,
     *,
     arch: str | None = None,
-    input_shape: Sequence[int] | None = None,
+    input_shape: InputShape | None = None,
     name: str | None = None,
     allow_unused: bool = False,
 ) -> LoadedModel:
@@ -310,7 +310,7 @@ def _index_entries(path: Path, display: str) -> tuple[dict[str, str], dict[str, 
 
 
 def _architecture(
-    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: Sequence[int] | None, display: str
+    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: InputShape | None, display: str
 ) -> tuple[Graph, str, Path | None]:
     """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``) and the spec
     file it was read from (None when embedded or a factory)."""
@@ -333,20 +333,28 @@ def _architecture(
     raise InputError(_no_architecture_message(display, candidates))
 
 
-def _graph_from_arch(arch: str, input_shape: Sequence[int] | None) -> Graph:
+def _graph_from_arch(arch: str, input_shape: InputShape | None) -> Graph:
     if arch.lower().endswith(SPEC_SUFFIXES):
         return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape)
     if ":" in arch:
-        if input_shape is None:
-            raise InputError(
-                f"--arch '{arch}': tracing a Python factory needs the batch-free input shape "
-                "(--input-shape, e.g. 3,32,32)"
-            )
-        graph, _ = graph_from_module(load_factory(arch), input_shape, source=arch)
-        return graph
+        return _graph_from_factory(arch, input_shape)
     raise InputError(
         f"--arch '{arch}': expected a spec file (.yaml, .yml, .json) or a Python factory module.path:callable"
     )
+
+
+def _graph_from_factory(arch: str, input_shape: InputShape | None) -> Graph:
+    """The traced graph of the module ``arch`` returns; ``input_shape`` may name the module's one input."""
+    named = dict(input_shape) if isinstance(input_shape, Mapping) else {}
+    if input_shape is None or len(named) > 1:
+        raise UsageError(
+            f"--arch '{arch}': tracing a Python factory needs the batch-free shape of the module's one input "
+            "(--input-shape, e.g. 3,32,32)"
+        )
+    shape = next(iter(named.values())) if named else input_shape
+    graph, _ = graph_from_module(load_factory(arch), shape, source=arch)
+    shapes_by_input(named or None, [node.name for node in graph.inputs], f"--arch '{arch}'")
+    return graph
 
 
 def _no_architecture_message(display: str, candidates: list[Path]) -> str:

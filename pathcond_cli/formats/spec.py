@@ -29,9 +29,10 @@ from typing import Any
 
 import yaml
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError, UsageError
 from ..graph import NODE_TYPES, AdaptiveAvgPool, Graph, Identity, Input, Node, node_attributes
 from ..schema import REQUIRED, ints
+from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
 
 FORMAT_VERSION = 1
 MAX_SPEC_BYTES = 10_000_000
@@ -83,30 +84,40 @@ _TOP_LEVEL_KEYS = ("format_version", "layers", "outputs")
 _COMMON_KEYS = ("name", "type", "inputs")
 
 
-def graph_from_spec(spec: Mapping[str, Any], *, source: str, input_shape: Sequence[int] | None = None) -> Graph:
+def graph_from_spec(spec: Mapping[str, Any], *, source: str,
+                    input_shape: Sequence[int] | Mapping[str, Sequence[int]] | None = None) -> Graph:
     """The validated :class:`Graph` a spec describes.
 
     ``input_shape`` (batch-free, e.g. ``(3, 32, 32)``) overrides the shape of the spec's
-    single input layer. Every problem found in the spec is reported in one :class:`InputError`
+    single input layer; ``{layer name: shape}`` overrides those of the input layers it names. Every problem found in the spec is reported in one :class:`InputError`
     that names ``source`` and the layer; structural problems (cycles, dangling inputs,
     duplicate names) come from :class:`Graph` with ``source`` in the message.
     """
     problems: list[str] = []
+    offenders: list[tuple[str, str]] = []
     layers = _top_level(spec, problems)
     nodes = []
     previous: str | None = None
     for index, layer in enumerate(layers):
-        node = _parse_layer(index, layer, previous, problems)
+        node = _parse_layer(index, layer, previous, problems, offenders)
         if node is not None:
             nodes.append(node)
         previous = _layer_name(layer) or previous
     outputs = _outputs(spec, previous, problems)
-    nodes = _with_input_shape(nodes, input_shape, problems)
+    nodes = _with_input_shape(nodes, input_shape, source, problems)
+    if offenders and not problems:
+        raise UnsupportedModelError(f"{source}: the network is not a ReLU DAG pathcond can rescale exactly; "
+                                    f"{len(offenders)} problem(s):", grouped(offenders))
+    problems += [f"layer '{name}' has type '{kind}': not positively homogeneous" for kind, name in offenders]
     _raise_if_any(problems, source)
 
     graph = Graph(nodes, outputs, source)
-    expanded = _expand_per_axis_fields(graph, problems)
-    _raise_if_any(problems, source)
+    input_problems: list[str] = []
+    expanded = _expand_per_axis_fields(graph, problems, input_problems)
+    if input_problems and input_shape is not None and not problems:
+        raise UsageError(f"{source}: the input shape {_brief(input_shape)} does not fit the network (input shapes "
+                         "are batch-free):\n" + "\n".join(f"  - {p}" for p in input_problems))
+    _raise_if_any(problems + input_problems, source)
     return Graph(expanded, outputs, source)
 
 
@@ -123,6 +134,21 @@ def spec_from_graph(graph: Graph) -> dict[str, Any]:
         layers.append(layer)
         previous = node.name
     return {"format_version": FORMAT_VERSION, "layers": layers, "outputs": list(graph.outputs)}
+
+
+def spec_text(spec: Mapping[str, Any], *, as_json: bool = False) -> str:
+    """A spec as a file's text: JSON, or YAML with one flow-style line per layer (as the docs
+    write specs by hand); :func:`parse_spec_text` reads either back to ``spec``."""
+    if as_json:
+        return json.dumps(spec, indent=2, allow_nan=False) + "\n"
+
+    def flow(value: Any) -> str:
+        return yaml.safe_dump(value, default_flow_style=True, sort_keys=False, width=2**31, allow_unicode=True).strip()
+
+    lines = [f"format_version: {int(spec['format_version'])}", "layers:"]
+    lines += [f"  - {flow(dict(layer))}" for layer in spec["layers"]]
+    lines.append(f"outputs: {flow(list(spec['outputs']))}")
+    return "\n".join(lines) + "\n"
 
 
 def dump_spec(spec: Mapping[str, Any]) -> str:
@@ -257,8 +283,10 @@ def _layer_name(layer: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[str]) -> Node | None:
-    """The node for one layer entry, or None after recording why it cannot be built."""
+def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[str],
+                 offenders: list[tuple[str, str]]) -> Node | None:
+    """The node for one layer entry, or None after recording why it cannot be built (in
+    ``offenders``, as ``(type, name)``, when its type is a known non-homogeneous function)."""
     if not isinstance(layer, Mapping):
         problems.append(f"layer #{index + 1} must be a mapping with 'name' and 'type', not {_brief(layer)}")
         return None
@@ -268,6 +296,9 @@ def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[st
         problems.append(f"{label} needs a non-empty string 'name'")
     kind = layer.get("type")
     layer_type = LAYER_TYPES.get(kind) if isinstance(kind, str) else None
+    if layer_type is None and name and isinstance(kind, str) and kind.lower() in NOT_HOMOGENEOUS_TYPES:
+        offenders.append((kind, name))
+        return None
     if layer_type is None:
         problems.append(f"{label} has unknown type {_brief(kind)} (known types: {', '.join(LAYER_TYPES)})")
         return None
@@ -331,18 +362,24 @@ def _tensor_key(label: str, layer: Mapping[str, Any], role: str, nullable: bool,
     return key
 
 
-def _with_input_shape(nodes: list[Node], input_shape: Sequence[int] | None, problems: list[str]) -> list[Node]:
+def _with_input_shape(nodes: list[Node], input_shape: Any, source: str, problems: list[str]) -> list[Node]:
+    from . import shapes_by_input
+
     inputs = [n for n in nodes if isinstance(n, Input)]
-    if input_shape is not None:
+    given = shapes_by_input(input_shape, [n.name for n in inputs], source)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, shape in given.items():
         try:
-            shape = ints(1)(input_shape)
+            shapes[name] = ints(1)(shape)
         except ValueError as exc:
-            problems.append(f"the input shape {exc}, got {_brief(input_shape)}")
-            return nodes
-        if len(inputs) != 1:
-            problems.append(f"an input shape was given, but the spec has {len(inputs)} input layers")
-            return nodes
-        nodes = [replace(n, shape=shape) if n is inputs[0] else n for n in nodes]
+            problems.append(f"the input shape {exc}, got {_brief(shape)}")
+    for node in inputs:
+        if node.name in shapes and node.shape is not None and len(node.shape) != len(shapes[node.name]):
+            raise UsageError(
+                f"{source}: the input shape {shapes[node.name]} has {len(shapes[node.name])} dimension(s), but "
+                f"layer '{node.name}' (input) has shape {node.shape}, with {len(node.shape)} (the shape is batch-free)."
+            )
+    nodes = [replace(n, shape=shapes[n.name]) if isinstance(n, Input) and n.name in shapes else n for n in nodes]
     for node in nodes:
         if isinstance(node, Input) and node.shape is None:
             problems.append(
@@ -352,22 +389,28 @@ def _with_input_shape(nodes: list[Node], input_shape: Sequence[int] | None, prob
     return nodes
 
 
-def _expand_per_axis_fields(graph: Graph, problems: list[str]) -> list[Node]:
-    """The graph's nodes with scalar per-axis fields repeated to their input's spatial rank."""
+def _expand_per_axis_fields(graph: Graph, problems: list[str], input_problems: list[str]) -> list[Node]:
+    """The graph's nodes with scalar per-axis fields repeated to their input's spatial rank;
+    rank problems of layers reading an input layer go to ``input_problems``."""
     ranks: dict[str, int] = {}
     expanded: list[Node] = []
     for node in graph.nodes:
         rank = ranks[node.inputs[0]] if node.inputs else 0
         ranks[node.name] = node.output_spatial_rank(rank)
-        expanded.append(_expand_node(node, rank, problems))
+        reads_input = bool(node.inputs) and isinstance(graph[node.inputs[0]], Input)
+        expanded.append(_expand_node(node, rank, reads_input, input_problems if reads_input else problems))
     return expanded
 
 
-def _expand_node(node: Node, rank: int, problems: list[str]) -> Node:
+def _expand_node(node: Node, rank: int, reads_input: bool, problems: list[str]) -> Node:
     label = f"layer '{node.name}' ({node.op})"
     accepted = node.input_spatial_ranks
     if accepted is not None and rank not in accepted:
-        if accepted == (0,):
+        if accepted == (0,) and reads_input:
+            problems.append(f"{label} takes features, but input '{node.inputs[0]}' has {rank} spatial axes: "
+                            "leave the batch dimension out of its shape (for 8 features: 8, not 1,8), or put a "
+                            "flatten layer before the layer")
+        elif accepted == (0,):
             problems.append(f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it")
         else:
             shown = " or ".join(filter(None, [", ".join(map(str, accepted[:-1])), str(accepted[-1])]))
