@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -203,12 +203,23 @@ class Analysis:
 
 def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:
     """diag(G) of the parameters rescaled by ``u``: log g_i − 2(Bu)_i, since g(θ_u)_i = g_i e^{−2(Bu)_i}."""
-    u_ext = groups.extend(u.to("cpu", torch.float64))
-    # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
-    return DiagG([
-        torch.add(lg.reshape(dp.view), dp.exponent(u_ext).to(lg.device), alpha=-2.0).reshape(lg.shape)
-        for dp, lg in zip(groups.dag_params, diag.log_g)
-    ])
+    return DiagG(RescaledLogG(groups, diag.log_g, groups.extend(u.to("cpu", torch.float64))))
+
+
+class RescaledLogG(Sequence[torch.Tensor]):
+    """log g − 2(Bu) per tensor, computed when read and not kept: the reports read it once or
+    twice, and keeping it would hold a second float64 copy of the network's size."""
+
+    def __init__(self, groups: RescalingGroups, log_g: Sequence[torch.Tensor], u_ext: torch.Tensor):
+        self.groups, self.log_g, self.u_ext = groups, log_g, u_ext
+
+    def __getitem__(self, t: int) -> torch.Tensor:
+        dp, lg = self.groups.dag_params[t], self.log_g[t]
+        # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
+        return torch.add(lg.reshape(dp.view), dp.exponent(self.u_ext).to(lg.device), alpha=-2.0).reshape(lg.shape)
+
+    def __len__(self) -> int:
+        return len(self.log_g)
 
 
 @dataclass

@@ -25,9 +25,10 @@ from .rules import Affine, Ties, rule_for, swap_group_axes
 
 @dataclass
 class DagParam:
-    """One DAG parameter tensor (BatchNorm folded), in float64 and torch's canonical layout.
+    """One DAG parameter tensor (BatchNorm folded), in torch's canonical layout.
 
-    ``value`` is ``[O, I/groups, *kernel]`` for weights and ``[O]`` for biases. ``view`` is
+    ``value`` is ``[O, I/groups, *kernel]`` for weights and ``[O]`` for biases, in the
+    checkpoint's dtype (float64 when BatchNorm is folded in); passes cast one at a time. ``view`` is
     the shape ``(G, O/G, I/G, K)`` every reduction uses; ``dst`` is ``[G, O/G]`` and ``src``
     ``[G, I/G]`` group indices (``src`` of a bias is a single fixed entry).
     """

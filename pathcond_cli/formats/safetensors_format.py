@@ -158,9 +158,35 @@ def _read_file(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safet
     except OSError as exc:
         raise InputError(f"{display}: cannot read the checkpoint: {exc.strerror or exc}") from None
     if _utf8_path(path):
-        return _load_tensors(lambda: safetensors.torch.load_file(path), display), SafetensorsPayload(metadata)
+        return _load_tensors(lambda: MappedTensors(path), display), SafetensorsPayload(metadata)
     # safetensors takes paths as UTF-8 strings only: read a file with another name's bytes ourselves.
     return _load_tensors(lambda: safetensors.torch.load(path.read_bytes()), display), SafetensorsPayload(metadata)
+
+
+class MappedTensors(Mapping[str, torch.Tensor]):
+    """The tensors of one safetensors file, memory-mapped rather than read.
+
+    The file is mapped once (copy-on-write: writing to a tensor never reaches the file) and
+    each tensor is a view of its bytes, so loading costs no memory and a tensor's pages are
+    only read when it is used; they are file pages the kernel can drop and read again. The
+    mapping keeps the file as it was opened even if its name is later replaced (an in-place
+    run renames the rescaled file onto it).
+    """
+
+    def __init__(self, path: Path):
+        self._file = safetensors.safe_open(str(path), framework="pt")
+        self._keys = tuple(self._file.keys())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._file.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _utf8_path(path: Path) -> bool:
@@ -213,7 +239,7 @@ def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safe
     shard_files = sorted(set(weight_map.values()))
     # Every shard is checked before any is opened: an entry leaving the folder reads nothing.
     shard_paths = {file: contained_file(path.parent, file, display, "shard") for file in shard_files}
-    params: dict[str, torch.Tensor] = {}
+    params: ChainedTensors = ChainedTensors()
     shards = []
     for file in shard_files:
         tensors, payload = _read_file(shard_paths[file], f"{display}: shard '{shown(file)}'")
@@ -223,9 +249,28 @@ def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safe
                 f"{display}: the index and shard '{shown(file)}' disagree: listed but absent: "
                 f"{_some(listed - set(tensors))}; present but not listed: {_some(set(tensors) - listed)}"
             )
-        params.update(tensors)
+        params.add(tensors)
         shards.append(Shard(file, tuple(sorted(tensors)), payload.metadata))
     return params, SafetensorsPayload(metadata, tuple(shards))
+
+
+class ChainedTensors(Mapping[str, torch.Tensor]):
+    """The tensors of several shards as one mapping, each read from its own shard's mapping."""
+
+    def __init__(self):
+        self._owner: dict[str, Mapping[str, torch.Tensor]] = {}
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._owner.update(dict.fromkeys(tensors, tensors))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._owner[key][key]
+
+    def __iter__(self):
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
 
 
 def index_shards(path: Path) -> list[Path]:

@@ -1,0 +1,84 @@
+"""Peak host memory of `pathcond rescale` on a large sharded ReLU MLP, against the checkpoint's size.
+
+    python benchmarks/bench_memory.py                        # 1.5 B parameters, ~6 GB fp32, 4 shards
+    python benchmarks/bench_memory.py --width 4096 --depth 4 --shards 2      # ~270 MB, for development
+    python benchmarks/bench_memory.py --keep /tmp/mlp        # keep the checkpoint (and reuse it next time)
+
+The checkpoint is written by this script into a temporary directory (never committed): a
+sharded safetensors checkpoint (index json + shards) of a ``depth``-layer ReLU MLP of square
+``width x width`` hidden layers, tensor by tensor, so building it never holds more than one
+layer. The architecture is embedded as the spec pathcond reads from the index's metadata.
+Then the real command runs in a child process (``python -m pathcond_cli rescale --device
+cpu``) and its peak resident memory (ru_maxrss of the child, which counts file pages it
+mapped too) is printed next to the checkpoint's bytes and the bound 1.5 x bytes + 1 GiB, and
+next to ``python -c "import torch"``'s own peak (the floor every pathcond process pays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def build_mlp(directory: Path, *, inputs: int, width: int, depth: int, outputs: int, shards: int,
+              seed: int = 0) -> Path:
+    """A sharded fp32 ReLU MLP checkpoint ``inputs -> width x depth -> outputs``; returns the index path.
+
+    Weights are He-scaled Gaussians; tensors are generated and written one layer at a time.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from pathcond_cli.formats.safetensors_format import SPEC_METADATA_KEY
+
+    sizes = [inputs] + [width] * depth + [outputs]
+    layers = [{"name": "x", "type": "input", "shape": [inputs]}]
+    for number in range(len(sizes) - 1):
+        layers.append({"name": f"fc{number}", "type": "linear"})
+        if number < len(sizes) - 2:
+            layers.append({"name": f"relu{number}", "type": "relu"})
+    spec = json.dumps({"format_version": 1, "layers": layers})
+    per_shard = -(-(len(sizes) - 1) // shards)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    for shard in range(shards):
+        file = f"mlp-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for number in range(shard * per_shard, min((shard + 1) * per_shard, len(sizes) - 1)):
+            fan_in, fan_out = sizes[number], sizes[number + 1]
+            tensors[f"fc{number}.weight"] = torch.randn(fan_out, fan_in, generator=generator) * (2 / fan_in) ** 0.5
+            tensors[f"fc{number}.bias"] = torch.randn(fan_out, generator=generator) * 0.01
+        if tensors:
+            save_file(tensors, str(directory / file))
+            weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+    index = directory / "mlp.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {SPEC_METADATA_KEY: spec}, "weight_map": weight_map}))
+    return index
+
+
+def checkpoint_bytes(index: Path) -> int:
+    files = set(json.loads(index.read_text())["weight_map"].values())
+    return sum((index.parent / file).stat().st_size for file in files)
+
+
+def child_peak(command: list[str], log: Path) -> tuple[int, float, int]:
+    """Peak RSS in bytes (the child's own ru_maxrss, from wait4), wall seconds and exit status
+    of ``command``; its stdout and stderr go to ``log``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_maxrss * 1024, time.perf_counter() - started, process.returncode
