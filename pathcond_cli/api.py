@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections import ChainMap
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -228,7 +229,7 @@ class RescaleResult:
 
     analysis: Analysis
     solve: SolveResult
-    changed: dict[str, torch.Tensor]
+    changed: MutableMapping[str, torch.Tensor]
     verification: Verification | None
     seconds: dict[str, float] = field(default_factory=dict)
     criterion: str = DEFAULT_CRITERION
@@ -323,7 +324,7 @@ def rescale(
                                               max_log_scale=max_log_scale))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
     storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
-    verification = timed("verify", lambda: compare(model.graph, model.params, {**model.params, **changed})) if verify else None
+    verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "

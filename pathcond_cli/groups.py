@@ -12,7 +12,7 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
 
@@ -77,6 +77,20 @@ class WriteBack:
     src: torch.Tensor | None
     out_channels: int
     groups: int = 1
+
+    def changes(self, u_ext: torch.Tensor) -> bool:
+        """Whether some entry of :meth:`factor` differs from 1, without building it.
+
+        Rounded subtraction is monotone, so the factor's extreme logs are the differences of
+        the extremes of each group's two sides, and exp is monotone too.
+        """
+        if self.layout == "vector":
+            logs = u_ext[self.dst]
+        else:
+            dst = u_ext[self.dst].reshape(self.groups, -1) if self.dst is not None else u_ext.new_zeros(self.groups, 1)
+            src = u_ext[self.src].reshape(self.groups, -1) if self.src is not None else u_ext.new_zeros(self.groups, 1)
+            logs = torch.cat([dst.amax(1) - src.amin(1), dst.amin(1) - src.amax(1)])
+        return not bool((torch.exp(torch.stack([logs.amax(), logs.amin()])) == 1.0).all())
 
     def factor(self, u_ext: torch.Tensor, ndim: int) -> torch.Tensor:
         """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of rank ``ndim``."""
@@ -156,21 +170,48 @@ class RescalingGroups:
             self.node_groups, self.shapes,
         )
 
-    def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> dict[str, torch.Tensor]:
+    def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> RescaledTensors:
         """The checkpoint tensors rescaled by ``λ = exp(u)``, in their original dtypes.
 
-        Only tensors the rescaling actually changes are returned; every other tensor of the
-        checkpoint is to be kept bit-identical.
+        Only tensors the rescaling actually changes are listed; every other tensor of the
+        checkpoint is to be kept bit-identical. Each is computed when read (see
+        :class:`RescaledTensors`).
         """
         u_ext = self.extend(u.detach().to("cpu", torch.float64))
-        changed: dict[str, torch.Tensor] = {}
-        for wb in self.writebacks:
-            original = params[wb.key]
-            factor = wb.factor(u_ext, original.dim())
-            if bool((factor == 1.0).all()):
-                continue
-            changed[wb.key] = (original.to(torch.float64) * factor).to(original.dtype)
-        return changed
+        return RescaledTensors(params, {wb.key: wb for wb in self.writebacks if wb.changes(u_ext)}, u_ext)
+
+
+class RescaledTensors(MutableMapping[str, torch.Tensor]):
+    """The rescaled checkpoint tensors by key, each computed from the original when read and
+    not kept, so that checking, verifying and writing a large network hold one rescaled
+    tensor at a time instead of a second copy of the checkpoint. A tensor assigned here
+    replaces the computed one.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], writebacks: dict[str, WriteBack], u_ext: torch.Tensor):
+        self._params, self._writebacks, self._u_ext = params, writebacks, u_ext
+        self._assigned: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._assigned:
+            return self._assigned[key]
+        original = self._params[key]
+        factor = self._writebacks[key].factor(self._u_ext, original.dim())
+        return (original.to(torch.float64) * factor).to(original.dtype)
+
+    def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
+        if key not in self._writebacks:
+            raise KeyError(f"'{key}' is not a tensor the rescaling changes")
+        self._assigned[key] = tensor
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("the rescaled tensors are fixed by u; none can be removed")
+
+    def __iter__(self):
+        return iter(self._writebacks)
+
+    def __len__(self) -> int:
+        return len(self._writebacks)
 
 
 def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:

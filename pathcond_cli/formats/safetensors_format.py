@@ -12,11 +12,11 @@ Sharded checkpoints follow the Hugging Face layout: ``NAME.safetensors.index.jso
 from __future__ import annotations
 
 import difflib
-import errno
 import io
 import json
 import os
-import re
+import sys
+from collections import ChainMap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,9 +128,9 @@ def write_safetensors(
     payload = model.payload if isinstance(model.payload, SafetensorsPayload) else SafetensorsPayload({})
     added = {**metadata, SPEC_METADATA_KEY: dump_spec(spec_from_graph(model.graph))}
     if payload.shards:
-        _write_sharded(tensors, payload, destination, added, companion_name)
+        _write_sharded(tensors, model.params, payload, destination, added, companion_name)
     else:
-        _write_file(destination, tensors, {**payload.metadata, **added})
+        _write_file(destination, tensors, model.params, {**payload.metadata, **added})
 
 
 def sidecar_candidates(checkpoint: Path) -> list[Path]:
@@ -415,37 +415,53 @@ def _likely_owner(graph: Graph, layer: str, keys: list[str]) -> str:
 # -- writing ----------------------------------------------------------------------------------
 
 
-def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    for key, tensor in changed.items():
-        original = params.get(key)
-        if original is None or tensor.shape != original.shape or tensor.dtype != original.dtype:
-            raise ValueError(f"changed tensor '{key}' must replace a checkpoint tensor of the same shape and dtype")
-    return {key: changed.get(key, tensor).contiguous() for key, tensor in params.items()}
+def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Every checkpoint tensor, ``changed`` ones replaced, looked up (and so computed) only when written."""
+    unknown = [key for key in changed if key not in params]
+    if unknown:
+        raise ValueError(f"changed tensor '{unknown[0]}' must replace a checkpoint tensor of the same shape and dtype")
+    return ChainMap(changed, params)
 
 
-def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    def save(tmp: Path) -> None:
-        try:
-            if _utf8_path(tmp):
-                safetensors.torch.save_file(dict(tensors), str(tmp), metadata=dict(metadata))
-            else:
-                tmp.write_bytes(safetensors.torch.save(dict(tensors), metadata=dict(metadata)))
-        except safetensors.SafetensorError as exc:
-            # The Rust writer reports I/O failures (a full disk) as SafetensorError, not OSError.
-            raise _os_error(exc) from None
-
-    atomic_write(destination, save)
+def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], originals: Mapping[str, torch.Tensor],
+                metadata: Mapping[str, str]) -> None:
+    atomic_write(destination, lambda tmp: write_tensors(tensors, tmp, originals=originals, metadata=metadata))
 
 
-def _os_error(exc: Exception) -> OSError:
-    text = str(exc)
-    code = re.search(r"code: (\d+)", text)
-    number = int(code.group(1)) if code else errno.EIO
-    return OSError(number, os.strerror(number) if code else shown(text))
+def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals: Mapping[str, torch.Tensor],
+                  metadata: Mapping[str, str]) -> None:
+    """Write a safetensors file holding ``originals``' keys with the values of ``tensors``, one
+    tensor at a time: the header is laid out from ``originals`` (each written tensor must have
+    its original's shape and dtype), then each tensor is fetched, written and let go, so a
+    checkpoint is never held whole in memory (safetensors' own writer serialises it at once)."""
+    if sys.byteorder != "little":
+        raise OutputError("safetensors stores little-endian values; pathcond cannot write them on a big-endian machine")
+    order = sorted(originals, key=lambda key: (-originals[key].element_size(), key))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for key in order:
+        original = originals[key]
+        end = offset + original.numel() * original.element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[original.dtype], "shape": list(original.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little"))
+        out.write(text)
+        for key in order:
+            tensor = tensors[key]
+            if tensor.shape != originals[key].shape or tensor.dtype != originals[key].dtype:
+                raise ValueError(f"changed tensor '{key}' must replace a checkpoint tensor of the same shape and dtype")
+            out.write(memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
 
 
 def _write_sharded(
     tensors: Mapping[str, torch.Tensor],
+    originals: Mapping[str, torch.Tensor],
     payload: SafetensorsPayload,
     destination: Path,
     added: Mapping[str, str],
@@ -460,7 +476,7 @@ def _write_sharded(
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(payload.shards, start=1):
         file = companion_name(f"{stem}-{number:05d}-of-{len(payload.shards):05d}.safetensors")
-        _write_file(destination.with_name(file), {key: tensors[key] for key in shard.keys}, shard.metadata)
+        _write_file(destination.with_name(file), tensors, {key: originals[key] for key in shard.keys}, shard.metadata)
         weight_map.update(dict.fromkeys(shard.keys, file))
     index = {"metadata": {**payload.metadata, **added}, "weight_map": dict(sorted(weight_map.items()))}
     text = json.dumps(index, indent=2) + "\n"
