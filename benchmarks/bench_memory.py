@@ -74,11 +74,56 @@ def checkpoint_bytes(index: Path) -> int:
 
 def child_peak(command: list[str], log: Path) -> tuple[int, float, int]:
     """Peak RSS in bytes (the child's own ru_maxrss, from wait4), wall seconds and exit status
-    of ``command``; its stdout and stderr go to ``log``."""
+    of ``command``, run from this tree (so ``-m pathcond_cli`` is its code); its stdout and stderr go to ``log``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     return usage.ru_maxrss * 1024, time.perf_counter() - started, process.returncode
+
+
+def torch_floor(log: Path) -> int:
+    """Peak RSS of a process that only imports torch."""
+    return child_peak([sys.executable, "-c", "import torch"], log)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inputs", type=int, default=8192)
+    parser.add_argument("--width", type=int, default=16384, help="hidden width (default 16384: 1.5 B parameters at depth 6)")
+    parser.add_argument("--depth", type=int, default=6, help="hidden layers")
+    parser.add_argument("--outputs", type=int, default=1000)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--keep", type=Path, help="build (or reuse) the checkpoint in this folder and keep it")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pathcond-bench-memory-") as scratch:
+        folder = args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        index = folder / "mlp.safetensors.index.json"
+        if not index.is_file():
+            started = time.perf_counter()
+            build_mlp(folder, inputs=args.inputs, width=args.width, depth=args.depth, outputs=args.outputs,
+                      shards=args.shards)
+            print(f"built {index} in {time.perf_counter() - started:.1f} s")
+        size = checkpoint_bytes(index)
+        log = Path(scratch) / "child.log"
+        floor = torch_floor(log)
+        output = Path(scratch) / "out" / "mlp.safetensors.index.json"
+        output.parent.mkdir()
+        peak, wall, status = child_peak([sys.executable, "-m", "pathcond_cli", "rescale", str(index), "-o", str(output),
+                                         "--device", "cpu", "-q"], log)
+        if status != 0:
+            sys.exit(f"pathcond rescale exited {status}:\n{log.read_text()[-3000:]}")
+    bound = 1.5 * size + GIB
+    print(f"checkpoint        {size / GIB:8.2f} GiB  ({args.depth} hidden layers of {args.width}, {args.shards} shards)")
+    print(f"import torch peak {floor / GIB:8.2f} GiB")
+    print(f"rescale peak RSS  {peak / GIB:8.2f} GiB  = {peak / size:.2f} x the checkpoint; "
+          f"above the torch floor {(peak - floor) / size:.2f} x")
+    print(f"bound 1.5x + 1GiB {bound / GIB:8.2f} GiB  ({'within' if peak <= bound else 'EXCEEDED'})")
+    print(f"wall              {wall:8.1f} s")
+
+
+if __name__ == "__main__":
+    main()
