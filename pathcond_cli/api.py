@@ -92,7 +92,7 @@ def _tensor_stats(lg: torch.Tensor) -> _TensorStats:
         return _TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
     # ln Σ g around the known maximum (the sum is ≥ 1); torch.logsumexp over a whole tensor
     # takes about five times as long on the CPU.
-    log_sum_exp = high + math.log(float(torch.exp(lg - high).sum()))
+    log_sum_exp = high + math.log(float(torch.sub(lg, high).exp_().sum()))
     if low > -math.inf:
         return _TensorStats(0, low, high, log_sum_exp, float(lg.sum()))
     zeros = torch.isneginf(lg)

@@ -236,14 +236,15 @@ def _balanced_psi(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
     (Dθ)_{oi} = θ_{oi} · e^{a_o} · e^{b_i} with a = u_dst, b = −u_src: each factor is divided
     by its maximum, so ψ's mantissa is at most 1 and no intermediate overflows.
     """
-    value = dp.value.to(device, torch.float64).reshape(dp.view)
+    # A copy even of a float64 value (it may be a view of the mapped checkpoint), made ψ in place.
+    value = dp.value.to(device, torch.float64, copy=True).reshape(dp.view)
     a, b = u_ext[dp.dst], -u_ext[dp.src]
     a_max, b_max = float(a.max()), float(b.max())
     low, high = value.aminmax() if value.numel() else (value.new_zeros(()), value.new_zeros(()))
     peak = max(-float(low), float(high))
     if peak == 0.0:
         return ScaledTensor(torch.zeros(dp.value.shape, dtype=torch.float64, device=device))
-    psi = value * (torch.exp(a - a_max) / peak)[:, :, None, None]
+    psi = value.mul_((torch.exp(a - a_max) / peak)[:, :, None, None])
     psi.mul_(torch.exp(b - b_max)[:, None, :, None]).square_()
     return ScaledTensor(psi.reshape(dp.value.shape), 2 * (math.log(peak) + a_max + b_max))
 

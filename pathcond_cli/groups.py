@@ -101,13 +101,15 @@ class WriteBack:
         if self.dst is not None:
             log += u_ext[self.dst][:, None]
         if self.src is not None:
-            per_group = u_ext[self.src].reshape(self.groups, 1, in_per_group)
-            log -= per_group.expand(self.groups, self.out_channels // self.groups, in_per_group).reshape(log.shape)
+            # In place through a grouped view: no second weight-sized tensor.
+            log.view(self.groups, self.out_channels // self.groups, in_per_group).sub_(
+                u_ext[self.src].reshape(self.groups, 1, in_per_group))
+        log.exp_()
         if self.layout == "weight_t":
             log = log.t()
         elif self.layout == "conv_transpose":
             log = swap_group_axes(log, self.groups)
-        return torch.exp(log).reshape(*log.shape, *([1] * (ndim - 2)))
+        return log.reshape(*log.shape, *([1] * (ndim - 2)))
 
 
 @dataclass
@@ -197,7 +199,8 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
             return self._assigned[key]
         original = self._params[key]
         factor = self._writebacks[key].factor(self._u_ext, original.dim())
-        return (original.to(torch.float64) * factor).to(original.dtype)
+        # A copy even of a float64 original: it may be a view of the mapped checkpoint.
+        return original.to(torch.float64, copy=True).mul_(factor).to(original.dtype)
 
     def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
         if key not in self._writebacks:

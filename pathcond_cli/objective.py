@@ -219,7 +219,7 @@ class LinearG:
         if t in self.kept:
             return self.kept[t]
         shift = self.shifts[t]
-        return None if shift is None else torch.exp(self.log_gbar[t] - shift)
+        return None if shift is None else torch.sub(self.log_gbar[t], shift).exp_()
 
     def __len__(self) -> int:
         return len(self.shifts)
