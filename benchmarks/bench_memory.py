@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -72,16 +71,28 @@ def checkpoint_bytes(index: Path) -> int:
     return sum((index.parent / file).stat().st_size for file in files)
 
 
+# Forks from a small process: a child's ru_maxrss counts the pages it shared with its parent
+# before exec, so measuring from a parent holding a model or torch would report the parent.
+_MEASURE = """
+import os, sys
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(f"{usage.ru_maxrss * 1024} {os.waitstatus_to_exitcode(status)}")
+"""
+
+
 def child_peak(command: list[str], log: Path) -> tuple[int, float, int]:
-    """Peak RSS in bytes (the child's own ru_maxrss, from wait4), wall seconds and exit status
-    of ``command``, run from this tree (so ``-m pathcond_cli`` is its code); its stdout and stderr go to ``log``."""
+    """Peak RSS in bytes (ru_maxrss of the command, from wait4 in a small wrapper process), wall
+    seconds and exit status of ``command``, run from this tree (so ``-m pathcond_cli`` is its
+    code); its stdout and stderr go to ``log``. ``command[0]`` is an executable's path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = log.with_suffix(".peak")
     started = time.perf_counter()
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    return usage.ru_maxrss * 1024, time.perf_counter() - started, process.returncode
+        subprocess.run([sys.executable, "-c", _MEASURE, str(result), *command], stdout=out, stderr=subprocess.STDOUT,
+                       env=env, cwd=ROOT, check=True)
+    peak, status = map(int, result.read_text().split())
+    return peak, time.perf_counter() - started, status
 
 
 def torch_floor(log: Path) -> int:
