@@ -12,7 +12,7 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
 
@@ -145,18 +145,18 @@ class RescalingGroups:
         """``u`` with the fixed slot (index H, value 0) appended."""
         return torch.cat([u, u.new_zeros(1)])
 
-    def incidence_sums(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def incidence_sums(self, weights: Iterable[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per free group: sum of ``weights`` over parameters entering it (A) and leaving it (C).
 
-        ``weights`` has one tensor per DAG parameter, shaped like its value. Parameters whose
-        two ends lie in the same group have a zero row of B and count in neither sum.
+        ``weights`` has one tensor per DAG parameter, shaped like its value, and is read one
+        tensor at a time (a generator holds one); the sums are float64 on the CPU, like the maps.
+        Parameters whose two ends lie in the same group have a zero row of B and count in
+        neither sum.
         """
-        dtype = weights[0].dtype if weights else torch.float64
-        device = weights[0].device if weights else "cpu"
-        incoming = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
-        outgoing = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
+        incoming = torch.zeros(self.num_free + 1, dtype=torch.float64)
+        outgoing = torch.zeros(self.num_free + 1, dtype=torch.float64)
         for dp, w in zip(self.dag_params, weights):
-            dp.accumulate(w.reshape(dp.view), incoming, outgoing)
+            dp.accumulate(w.to("cpu", torch.float64).reshape(dp.view), incoming, outgoing)
         return incoming[:-1], outgoing[:-1]
 
     def to(self, device: torch.device | str) -> RescalingGroups:

@@ -317,8 +317,8 @@ def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:
 
     Depends only on which g_i are zero, so it holds for every u.
     """
-    present = [torch.isfinite(lg).to(torch.float64) for lg in diag.log_g]
-    incoming, outgoing = groups.incidence_sums(present)
+    # A generator: one tensor's indicator at a time, never a float64 copy of the network.
+    incoming, outgoing = groups.incidence_sums(torch.isfinite(lg) for lg in diag.log_g)
     return (incoming == 0) | (outgoing == 0)
 
 
