@@ -27,8 +27,9 @@ from .groups import RescalingGroups
 LOG2 = math.log(2.0)
 LOG4 = math.log(4.0)
 SAFE_RANGE = 650.0
-# ḡ in linear scale is kept for every tensor up to this many bytes, recomputed per pass beyond.
-GBAR_CACHE_BYTES = 2**28
+# ḡ in linear scale is kept for tensors up to this many bytes in all (the bound's constant
+# share), recomputed per pass beyond: a Newton solve recomputes it at every CG product.
+GBAR_CACHE_BYTES = 2**30
 
 
 @dataclass
