@@ -151,7 +151,7 @@ def checkpoint_stem(file_name: str) -> str:
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _read_file(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+def _read_file(path: Path, display: str) -> tuple[Mapping[str, torch.Tensor], SafetensorsPayload]:
     try:
         with open(path, "rb") as handle:
             metadata = _read_metadata(handle, os.fstat(handle.fileno()).st_size, display)
@@ -176,9 +176,10 @@ class MappedTensors(Mapping[str, torch.Tensor]):
     def __init__(self, path: Path):
         self._file = safetensors.safe_open(str(path), framework="pt")
         self._keys = tuple(self._file.keys())
+        self._known = frozenset(self._keys)
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
+        if key not in self._known:
             raise KeyError(key)
         return self._file.get_tensor(key)
 
@@ -197,12 +198,12 @@ def _utf8_path(path: Path) -> bool:
     return True
 
 
-def _read_bytes(data: bytes, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+def _read_bytes(data: bytes, display: str) -> tuple[Mapping[str, torch.Tensor], SafetensorsPayload]:
     metadata = _read_metadata(io.BytesIO(data), len(data), display)
     return _load_tensors(lambda: safetensors.torch.load(data), display), SafetensorsPayload(metadata)
 
 
-def _load_tensors(load: Callable[[], dict[str, torch.Tensor]], display: str) -> dict[str, torch.Tensor]:
+def _load_tensors(load: Callable[[], Mapping[str, torch.Tensor]], display: str) -> Mapping[str, torch.Tensor]:
     """Run safetensors' own reader (after our envelope checks), its errors as InputError."""
     try:
         return load()
@@ -234,7 +235,7 @@ def _read_metadata(stream: BinaryIO, size: int, display: str) -> dict[str, str]:
     return metadata
 
 
-def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+def _read_index(path: Path, display: str) -> tuple[Mapping[str, torch.Tensor], SafetensorsPayload]:
     weight_map, metadata = _index_entries(path, display)
     shard_files = sorted(set(weight_map.values()))
     # Every shard is checked before any is opened: an entry leaving the folder reads nothing.
