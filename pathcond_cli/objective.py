@@ -107,7 +107,8 @@ class Objective:
     def degenerate(self) -> torch.Tensor:
         """:func:`degenerate_mask` from ḡ, on this objective's device: a kernel sum of g is zero
         exactly when every g_i it sums is zero."""
-        present = [torch.isfinite(log_gbar).to(torch.float64)[..., None] for log_gbar in self.log_gbar]
+        # A generator: one tensor's indicator at a time, never a float64 copy of the network.
+        present = (torch.isfinite(log_gbar).to(torch.float64)[..., None] for log_gbar in self.log_gbar)
         incoming = torch.zeros(self.groups.num_free + 1, dtype=torch.float64, device=self.device)
         outgoing = torch.zeros_like(incoming)
         for dp, w4 in zip(self.groups.dag_params, present):
