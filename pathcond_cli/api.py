@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections import ChainMap
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -94,7 +95,7 @@ def _tensor_stats(lg: torch.Tensor) -> _TensorStats:
         return _TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
     # ln Σ g around the known maximum (the sum is ≥ 1); torch.logsumexp over a whole tensor
     # takes about five times as long on the CPU.
-    log_sum_exp = high + math.log(float(torch.exp(lg - high).sum()))
+    log_sum_exp = high + math.log(float(torch.sub(lg, high).exp_().sum()))
     if low > -math.inf:
         return _TensorStats(0, low, high, log_sum_exp, float(lg.sum()))
     zeros = torch.isneginf(lg)
@@ -206,12 +207,23 @@ class Analysis:
 
 def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:
     """diag(G) of the parameters rescaled by ``u``: log g_i − 2(Bu)_i, since g(θ_u)_i = g_i e^{−2(Bu)_i}."""
-    u_ext = groups.extend(u.to(groups.device, torch.float64))
-    # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
-    return DiagG([
-        torch.add(lg.reshape(dp.view), dp.exponent(u_ext), alpha=-2.0).reshape(lg.shape)
-        for dp, lg in zip(groups.dag_params, diag.log_g)
-    ])
+    return DiagG(RescaledLogG(groups, diag.log_g, groups.extend(u.to(groups.device, torch.float64))))
+
+
+class RescaledLogG(Sequence[torch.Tensor]):
+    """log g − 2(Bu) per tensor, computed when read and not kept: the reports read it once or
+    twice, and keeping it would hold a second float64 copy of the network's size."""
+
+    def __init__(self, groups: RescalingGroups, log_g: Sequence[torch.Tensor], u_ext: torch.Tensor):
+        self.groups, self.log_g, self.u_ext = groups, log_g, u_ext
+
+    def __getitem__(self, t: int) -> torch.Tensor:
+        dp, lg = self.groups.dag_params[t], self.log_g[t]
+        # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
+        return torch.add(lg.reshape(dp.view), dp.exponent(self.u_ext), alpha=-2.0).reshape(lg.shape)
+
+    def __len__(self) -> int:
+        return len(self.log_g)
 
 
 @dataclass
@@ -220,7 +232,7 @@ class RescaleResult:
 
     analysis: Analysis
     solve: SolveResult
-    changed: dict[str, torch.Tensor]
+    changed: MutableMapping[str, torch.Tensor]
     verification: Verification | None
     seconds: dict[str, float] = field(default_factory=dict)
     criterion: str = DEFAULT_CRITERION
@@ -332,7 +344,7 @@ def rescale(
     storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
                                        advise=choice.rule != AUTO)
     storage_warnings += choice.warnings(model.source, result) + calibration_warnings(model, analysis.groups)
-    verification = timed("verify", lambda: compare(model.graph, model.params, {**model.params, **changed})) if verify else None
+    verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "

@@ -13,7 +13,7 @@ A refusal is :class:`~pathcond_cli.errors.StorageError` (exit code 8).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
@@ -99,9 +99,9 @@ def within_dtype(
     groups: RescalingGroups,
     params: Mapping[str, torch.Tensor],
     unbounded: SolveResult,
-    changed: dict[str, torch.Tensor],
+    changed: MutableMapping[str, torch.Tensor],
     resolve: Callable[[float], SolveResult],
-) -> tuple[SolveResult, dict[str, torch.Tensor], BoundChoice]:
+) -> tuple[SolveResult, MutableMapping[str, torch.Tensor], BoundChoice]:
     """The auto rule: keep the unbounded solve if its tensors are storable, else ``resolve`` at
     the dtype-safe bound. Returns the solve kept, its changed tensors and the choice."""
     lost = lost_values(params, changed)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from .graph import Graph, Input, Node, Scale
-from .groups import RescalingGroups
+from .groups import DagParam, RescalingGroups
 from .rules import per_channel, rule_for
 
 EXACT_LIMIT = 2**53
@@ -78,7 +79,7 @@ def _rescaled(tensor: torch.Tensor, log_factor: float) -> torch.Tensor:
 
 def squared_network(
     graph: Graph,
-    layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]],
+    layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]],
     *,
     power: int,
     dtype: torch.dtype = torch.float64,
@@ -134,7 +135,7 @@ def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple
 
 
 def log_gradients(
-    graph: Graph, layers: dict[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *, power: int = 2
+    graph: Graph, layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *, power: int = 2
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets.
 
@@ -186,8 +187,28 @@ def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
     return by_layer
 
 
-def _layers(groups: RescalingGroups, tensors: list[ScaledTensor]) -> dict[str, tuple[ScaledTensor, ScaledTensor | None]]:
-    return {layer: (ts[0], ts[1] if len(ts) > 1 else None) for layer, ts in _layer_tensors(groups, tensors).items()}
+class _Layers(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
+    """Each layer's (weight, bias) for the squared network, built from its DAG parameters on
+    every access and never kept: the passes hold one layer's ψ at a time, not a float64 copy
+    of the whole network (the forward and backward sweeps build the same numbers twice)."""
+
+    def __init__(self, groups: RescalingGroups, make: Callable[[DagParam], ScaledTensor]):
+        self._tensors = _layer_tensors(groups, groups.dag_params)
+        self._make = make
+
+    def __getitem__(self, layer: str) -> tuple[ScaledTensor, ScaledTensor | None]:
+        dps = self._tensors[layer]
+        return self._make(dps[0]), self._make(dps[1]) if len(dps) > 1 else None
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def _ones(dp: DagParam, device) -> ScaledTensor:
+    return ScaledTensor(torch.ones(dp.value.shape, dtype=torch.float64, device=device))
 
 
 def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
@@ -203,7 +224,7 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     assigned[H] = True
     for dps in _layer_tensors(groups, groups.dag_params).values():
         weight_dp = dps[0]
-        w4 = weight_dp.value.reshape(weight_dp.view).abs()
+        w4 = weight_dp.value.reshape(weight_dp.view).to(torch.float64).abs()
         row_max = w4.amax(dim=(2, 3), keepdim=True)
         source = -2 * u[weight_dp.src]
         source_max = source.amax(dim=1, keepdim=True)
@@ -211,7 +232,7 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
         per_out = torch.log(torch.bmm(squares, torch.exp(source - source_max)[:, :, None]).squeeze(2))
         per_out = (per_out + 2 * torch.log(row_max[:, :, 0, 0]) + source_max).reshape(-1)
         if len(dps) > 1:
-            per_out = torch.logaddexp(per_out, 2 * torch.log(dps[1].value.abs()))
+            per_out = torch.logaddexp(per_out, 2 * torch.log(dps[1].value.to(torch.float64).abs()))
         dst = weight_dp.dst.reshape(-1)
         target = torch.where(torch.isfinite(per_out), -0.5 * per_out, torch.zeros_like(per_out))
         fresh = ~assigned[dst]
@@ -221,22 +242,23 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     return u[:H]
 
 
-def _balanced_psi(dp, u_ext: torch.Tensor, device) -> tuple[ScaledTensor, torch.Tensor, torch.Tensor]:
-    """ψ = (Dθ)² for one tensor with its scale as a logarithm, and the per-axis exponents of D.
+def _balanced_psi(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
+    """ψ = (Dθ)² for one tensor with its scale as a logarithm.
 
     (Dθ)_{oi} = θ_{oi} · e^{a_o} · e^{b_i} with a = u_dst, b = −u_src: each factor is divided
     by its maximum, so ψ's mantissa is at most 1 and no intermediate overflows.
     """
-    value = dp.value.to(device).reshape(dp.view)
+    # A copy even of a float64 value (it may be a view of the mapped checkpoint), made ψ in place.
+    value = dp.value.to(device, torch.float64, copy=True).reshape(dp.view)
     a, b = u_ext[dp.dst], -u_ext[dp.src]
     a_max, b_max = float(a.max()), float(b.max())
     low, high = value.aminmax() if value.numel() else (value.new_zeros(()), value.new_zeros(()))
     peak = max(-float(low), float(high))
     if peak == 0.0:
-        return ScaledTensor(torch.zeros(dp.value.shape, dtype=torch.float64, device=device)), a, b
-    psi = value * (torch.exp(a - a_max) / peak)[:, :, None, None]
+        return ScaledTensor(torch.zeros(dp.value.shape, dtype=torch.float64, device=device))
+    psi = value.mul_((torch.exp(a - a_max) / peak)[:, :, None, None])
     psi.mul_(torch.exp(b - b_max)[:, None, :, None]).square_()
-    return ScaledTensor(psi.reshape(dp.value.shape), 2 * (math.log(peak) + a_max + b_max)), a, b
+    return ScaledTensor(psi.reshape(dp.value.shape), 2 * (math.log(peak) + a_max + b_max))
 
 
 def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> DiagG:
@@ -247,20 +269,13 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> Di
     """
     groups = groups.to(device)
     u_ext = groups.extend(balancing_exponents(groups))
-    psi: list[ScaledTensor] = []
-    sides: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for dp in groups.dag_params:
-        scaled, a, b = _balanced_psi(dp, u_ext, device)
-        psi.append(scaled)
-        sides.append((a, b))
-    layers = _layers(groups, psi)
+    layers = _Layers(groups, lambda dp: _balanced_psi(dp, u_ext, device))
     gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=2, device=device))
     log_g = []
-    for dp, scaled, (a, b) in zip(groups.dag_params, psi, sides):
+    for dp, position in zip(groups.dag_params, _position_in_layer(groups)):
         weight_log, bias_log = gradients[dp.layer]
-        is_bias = layers[dp.layer][1] is scaled
-        lg = (bias_log if is_bias else weight_log).reshape(dp.view)
-        lg.add_(2 * a[:, :, None, None]).add_(2 * b[:, None, :, None])
+        lg = (bias_log if position else weight_log).reshape(dp.view)
+        lg.add_(2 * u_ext[dp.dst][:, :, None, None]).sub_(2 * u_ext[dp.src][:, None, :, None])
         lg = lg.reshape(dp.value.shape)
         # NaN and +inf both fail this comparison: one reduction checks both.
         if lg.numel() and not float(lg.max()) < math.inf:
@@ -269,10 +284,20 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> Di
     return DiagG(log_g)
 
 
+def _position_in_layer(groups: RescalingGroups) -> list[int]:
+    """0 for a layer's weight, 1 for its bias, per DAG parameter."""
+    seen: dict[str, int] = {}
+    positions = []
+    for dp in groups.dag_params:
+        positions.append(seen.get(dp.layer, 0))
+        seen[dp.layer] = positions[-1] + 1
+    return positions
+
+
 def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> PathCount:
     """Number of paths (input or bias to output) as log10, and exactly when below 2**53."""
-    ones = [ScaledTensor(torch.ones(dp.value.shape, dtype=torch.float64, device=device)) for dp in groups.dag_params]
-    mantissa, offset = squared_network(groups.graph, _layers(groups, ones), power=0, device=device).total(groups.graph)
+    ones = _Layers(groups, lambda dp: _ones(dp, device))
+    mantissa, offset = squared_network(groups.graph, ones, power=0, device=device).total(groups.graph)
     log10 = (math.log(mantissa) + offset) / math.log(10)
     exact = int(round(mantissa)) if offset == 0.0 and mantissa < EXACT_LIMIT else None
     return PathCount(log10, exact)
@@ -286,8 +311,7 @@ def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "
     Such parameters have g = 0 whatever the weights, so diag(G) and the rescaling know nothing
     of them: the input shape should be the one the network is trained at.
     """
-    ones = [ScaledTensor(torch.ones(dp.value.shape, dtype=torch.float64, device=device)) for dp in groups.dag_params]
-    layers = _layers(groups, ones)
+    layers = _Layers(groups, lambda dp: _ones(dp, device))
     counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
     unused: dict[str, int] = {}
     for layer, (weight_log, bias_log) in counts.items():

@@ -12,7 +12,7 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
 
@@ -25,9 +25,10 @@ from .rules import Affine, Ties, rule_for, swap_group_axes
 
 @dataclass
 class DagParam:
-    """One DAG parameter tensor (BatchNorm folded), in float64 and torch's canonical layout.
+    """One DAG parameter tensor (BatchNorm folded), in torch's canonical layout.
 
-    ``value`` is ``[O, I/groups, *kernel]`` for weights and ``[O]`` for biases. ``view`` is
+    ``value`` is ``[O, I/groups, *kernel]`` for weights and ``[O]`` for biases, in the
+    checkpoint's dtype (float64 when BatchNorm is folded in); passes cast one at a time. ``view`` is
     the shape ``(G, O/G, I/G, K)`` every reduction uses; ``dst`` is ``[G, O/G]`` and ``src``
     ``[G, I/G]`` group indices (``src`` of a bias is a single fixed entry).
     """
@@ -78,14 +79,28 @@ class WriteBack:
     out_channels: int
     groups: int = 1
 
+    def changes(self, u_ext: torch.Tensor) -> bool:
+        """Whether some entry of :meth:`factor` differs from 1, without building it.
+
+        Rounded subtraction is monotone, so the factor's extreme logs are the differences of
+        the extremes of each group's two sides, and exp is monotone too.
+        """
+        if self.layout == "vector":
+            logs = self.log_factor(u_ext, u_ext, (len(self.dst),))
+        else:
+            dst = u_ext[self.dst].reshape(self.groups, -1) if self.dst is not None else u_ext.new_zeros(self.groups, 1)
+            src = u_ext[self.src].reshape(self.groups, -1) if self.src is not None else u_ext.new_zeros(self.groups, 1)
+            logs = torch.cat([dst.amax(1) - src.amin(1), dst.amin(1) - src.amax(1)])
+        return not bool((torch.exp(torch.stack([logs.amax(), logs.amin()])) == 1.0).all())
+
     def factor(self, u_ext: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of ``shape``."""
-        return torch.exp(self.log_factor(u_ext, u_ext, shape))
+        return self.log_factor(u_ext, u_ext, shape).exp_()
 
     def log_factor(self, dst_values: torch.Tensor, src_values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """``dst_values[dst] − src_values[src]`` per stored element, shaped like :meth:`factor`
         (two value vectors, so that per-element facts such as how many free groups move an
-        element come from the same layout code as the rescaling itself)."""
+        element come from the same layout code as the rescaling itself); a fresh tensor."""
         if self.layout == "vector":
             log = dst_values[self.dst] if self.src is None else dst_values[self.dst] - src_values[self.src]
             return log.reshape(shape)
@@ -95,8 +110,9 @@ class WriteBack:
         if self.dst is not None:
             log += dst_values[self.dst][:, None]
         if self.src is not None:
-            per_group = src_values[self.src].reshape(self.groups, 1, in_per_group)
-            log -= per_group.expand(self.groups, self.out_channels // self.groups, in_per_group).reshape(log.shape)
+            # In place through a grouped view: no second weight-sized tensor.
+            log.view(self.groups, self.out_channels // self.groups, in_per_group).sub_(
+                src_values[self.src].reshape(self.groups, 1, in_per_group))
         if self.layout == "weight_t":
             log = log.t()
         elif self.layout == "conv_transpose":
@@ -137,18 +153,18 @@ class RescalingGroups:
         """``u`` with the fixed slot (index H, value 0) appended."""
         return torch.cat([u, u.new_zeros(1)])
 
-    def incidence_sums(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def incidence_sums(self, weights: Iterable[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per free group: sum of ``weights`` over parameters entering it (A) and leaving it (C).
 
-        ``weights`` has one tensor per DAG parameter, shaped like its value. Parameters whose
-        two ends lie in the same group have a zero row of B and count in neither sum.
+        ``weights`` has one tensor per DAG parameter, shaped like its value, and is read one
+        tensor at a time (a generator holds one); the sums are float64 where the maps live.
+        Parameters whose two ends lie in the same group have a zero row of B and count in
+        neither sum.
         """
-        dtype = weights[0].dtype if weights else torch.float64
-        device = weights[0].device if weights else "cpu"
-        incoming = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
-        outgoing = torch.zeros(self.num_free + 1, dtype=dtype, device=device)
+        incoming = torch.zeros(self.num_free + 1, dtype=torch.float64, device=self.device)
+        outgoing = torch.zeros(self.num_free + 1, dtype=torch.float64, device=self.device)
         for dp, w in zip(self.dag_params, weights):
-            dp.accumulate(w.reshape(dp.view), incoming, outgoing)
+            dp.accumulate(w.to(torch.float64).reshape(dp.view), incoming, outgoing)
         return incoming[:-1], outgoing[:-1]
 
     @property
@@ -173,22 +189,51 @@ class RescalingGroups:
             {name: ids.to(device) for name, ids in self.node_groups.items()}, self.shapes,
         )
 
-    def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> dict[str, torch.Tensor]:
+    def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> RescaledTensors:
         """The checkpoint tensors rescaled by ``λ = exp(u)``, in their original dtypes.
 
-        Only tensors the rescaling actually changes are returned; every other tensor of the
-        checkpoint is to be kept bit-identical.
+        Only tensors the rescaling actually changes are listed; every other tensor of the
+        checkpoint is to be kept bit-identical. Each is computed when read (see
+        :class:`RescaledTensors`).
         """
         u_ext = self.extend(u.detach().to(self.device, torch.float64))
-        changed: dict[str, torch.Tensor] = {}
-        for wb in self.writebacks:
-            original = params[wb.key]
-            factor = wb.factor(u_ext, tuple(original.shape))
-            if bool((factor == 1.0).all()):
-                continue
-            # computed on the analysis device, returned where the checkpoint tensor lives
-            changed[wb.key] = (original.to(self.device, torch.float64) * factor).to(original.device, original.dtype)
-        return changed
+        return RescaledTensors(params, {wb.key: wb for wb in self.writebacks if wb.changes(u_ext)}, u_ext)
+
+
+class RescaledTensors(MutableMapping[str, torch.Tensor]):
+    """The rescaled checkpoint tensors by key, each computed from the original when read and
+    not kept, so that checking, verifying and writing a large network hold one rescaled
+    tensor at a time instead of a second copy of the checkpoint. A tensor assigned here
+    replaces the computed one.
+    """
+
+    def __init__(self, params: Mapping[str, torch.Tensor], writebacks: dict[str, WriteBack], u_ext: torch.Tensor):
+        self._params, self._writebacks, self._u_ext = params, writebacks, u_ext
+        self._assigned: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._assigned:
+            return self._assigned[key]
+        original = self._params[key]
+        factor = self._writebacks[key].factor(self._u_ext, tuple(original.shape))
+        # Computed on the analysis device (a copy even of a float64 original there: it may be a
+        # view of the mapped checkpoint), returned where the checkpoint tensor lives.
+        rescaled = original.to(self._u_ext.device, torch.float64, copy=True).mul_(factor)
+        return rescaled.to(original.device, original.dtype)
+
+    def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
+        if key not in self._writebacks:
+            raise KeyError(f"'{key}' is not a tensor the rescaling changes")
+        self._assigned[key] = tensor
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("the rescaled tensors are fixed by u; none can be removed")
+
+    def __iter__(self):
+        return iter(self._writebacks)
+
+    def __len__(self) -> int:
+        return len(self._writebacks)
 
 
 def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:

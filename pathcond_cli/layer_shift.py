@@ -68,9 +68,10 @@ def _log_rows_by_source(objective: Objective, t: int, local: torch.Tensor, count
     keeps ḡ there (its range cannot underflow a positive term); by logsumexp per aggregate
     otherwise."""
     log_gbar = objective.log_gbar[t]
-    if objective.gbar[t] is not None:
+    gbar = objective.gbar[t]
+    if gbar is not None:
         one_hot = torch.nn.functional.one_hot(local, count).to(torch.float64)
-        return torch.log(torch.bmm(objective.gbar[t], one_hot)) + objective.gbar_shift[t]
+        return torch.log(torch.bmm(gbar, one_hot)) + objective.gbar_shift[t]
     return torch.stack([torch.logsumexp(torch.where((local == j)[:, None, :], log_gbar, -torch.inf), dim=2)
                         for j in range(count)], dim=2)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ class LoadedModel:
     """What every loader returns and every writer takes.
 
     ``params`` holds every tensor of the checkpoint by key (those the graph does not read are
-    carried through unchanged). ``format`` is ``onnx``, ``safetensors`` or ``module``;
+    carried through unchanged; a safetensors checkpoint's are memory-mapped, read when used).
+    ``format`` is ``onnx``, ``safetensors`` or ``module``;
     ``payload`` is the format's own state needed to write the result back (the ONNX
     ``ModelProto``, safetensors metadata and shard layout, ...). ``warnings`` are shown to
     the user but do not stop the run. ``arch_source`` says where the architecture came from:
@@ -30,7 +32,7 @@ class LoadedModel:
     """
 
     graph: Graph
-    params: dict[str, torch.Tensor]
+    params: Mapping[str, torch.Tensor]
     format: str
     source: str
     payload: Any = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -26,6 +27,9 @@ from .groups import RescalingGroups
 LOG2 = math.log(2.0)
 LOG4 = math.log(4.0)
 SAFE_RANGE = 650.0
+# ḡ in linear scale is kept for tensors up to this many bytes in all (the bound's constant
+# share), recomputed per pass beyond: a Newton solve recomputes it at every CG product.
+GBAR_CACHE_BYTES = 2**30
 
 
 @dataclass
@@ -74,17 +78,20 @@ class Objective:
         self.k = groups.k.to(self.device, torch.float64)
         self.degree = (groups.n_in + groups.n_out).to(self.device, torch.float64).clamp_min(1)
         self.log_gbar: list[torch.Tensor] = []
-        self.gbar: list[torch.Tensor | None] = []
+        self.gbar = LinearG(self.log_gbar, cache_bytes=GBAR_CACHE_BYTES)
         self.gbar_shift: list[float] = []
         self.gbar_range: list[float] = []
         self_loop_log = torch.full((groups.num_free + 1,), -torch.inf, dtype=torch.float64, device=self.device)
         for lg, dp in zip(diag.log_g, self.groups.dag_params):
-            log_gbar = torch.logsumexp(lg.to(self.device).reshape(dp.view), dim=3)
+            lg = lg.to(self.device).reshape(dp.view)
+            # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit):
+            # ḡ is then a view of log g, not a second parameter-sized copy.
+            log_gbar = lg[..., 0] if dp.view[3] == 1 else torch.logsumexp(lg, dim=3)
             finite = log_gbar[torch.isfinite(log_gbar)]
             shift = float(finite.max()) if finite.numel() else 0.0
             spread = shift - float(finite.min()) if finite.numel() else 0.0
             self.log_gbar.append(log_gbar)
-            self.gbar.append(torch.exp(log_gbar - shift) if spread < SAFE_RANGE else None)
+            self.gbar.add(shift if spread < SAFE_RANGE else None)
             self.gbar_shift.append(shift)
             self.gbar_range.append(spread)
             if dp.self_loops is not None:
@@ -100,7 +107,8 @@ class Objective:
     def degenerate(self) -> torch.Tensor:
         """:func:`degenerate_mask` from ḡ, on this objective's device: a kernel sum of g is zero
         exactly when every g_i it sums is zero."""
-        present = [torch.isfinite(log_gbar).to(torch.float64)[..., None] for log_gbar in self.log_gbar]
+        # A generator: one tensor's indicator at a time, never a float64 copy of the network.
+        present = (torch.isfinite(log_gbar).to(torch.float64)[..., None] for log_gbar in self.log_gbar)
         incoming = torch.zeros(self.groups.num_free + 1, dtype=torch.float64, device=self.device)
         outgoing = torch.zeros_like(incoming)
         for dp, w4 in zip(self.groups.dag_params, present):
@@ -126,7 +134,7 @@ class Objective:
         """The log scale for tensor ``t``'s linear-scale products, or None when its dynamic range
         (of ḡ and of the two factors) could make a positive term underflow."""
         top_dst, low_dst, top_src, low_src = ranges
-        if self.gbar[t] is None or self.gbar_range[t] + max(top_dst - low_dst, top_src - low_src) >= SAFE_RANGE:
+        if not self.gbar.usable(t) or self.gbar_range[t] + max(top_dst - low_dst, top_src - low_src) >= SAFE_RANGE:
             return None
         return self.gbar_shift[t] + top_dst + top_src
 
@@ -136,8 +144,9 @@ class Objective:
         scale = self.linear_scale(t, ranges)
         if scale is not None:
             e_dst, e_src = torch.exp(log_dst - ranges[0]), torch.exp(log_src - ranges[2])
-            rows = e_dst * torch.bmm(self.gbar[t], e_src[:, :, None])[:, :, 0]
-            cols = e_src * torch.bmm(e_dst[:, None, :], self.gbar[t])[:, 0, :]
+            gbar = self.gbar[t]
+            rows = e_dst * torch.bmm(gbar, e_src[:, :, None])[:, :, 0]
+            cols = e_src * torch.bmm(e_dst[:, None, :], gbar)[:, 0, :]
             return torch.log(rows) + scale, torch.log(cols) + scale
         log_w = self.log_gbar[t] + log_dst[:, :, None] + log_src[:, None, :]
         return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
@@ -194,6 +203,44 @@ class Objective:
         return self.p * math.log1p(float(ratio)) + 2 * float(self.k @ step)
 
 
+class LinearG:
+    """ḡ per tensor in linear scale, e^{log ḡ − shift} (None where its range forbids linear scale).
+
+    Kept in memory while the kept tensors total at most ``cache_bytes``; past that, each
+    is recomputed from log ḡ when asked for (the same numbers, one tensor at a time), so a
+    network too large for a second float64 copy of its parameters still solves, at the
+    cost of one exp per element per pass.
+    """
+
+    def __init__(self, log_gbar: list[torch.Tensor], *, cache_bytes: int):
+        self.log_gbar = log_gbar
+        self.shifts: list[float | None] = []
+        self.kept: dict[int, torch.Tensor] = {}
+        self.room = cache_bytes
+
+    def add(self, shift: float | None) -> None:
+        """Register the tensor just appended to ``log_gbar`` (``shift`` None: log scale only)."""
+        t = len(self.shifts)
+        self.shifts.append(shift)
+        size = self.log_gbar[t].numel() * self.log_gbar[t].element_size()
+        if shift is not None and size <= self.room:
+            self.kept[t] = self[t]
+            self.room -= size
+
+    def __getitem__(self, t: int) -> torch.Tensor | None:
+        if t in self.kept:
+            return self.kept[t]
+        shift = self.shifts[t]
+        return None if shift is None else torch.sub(self.log_gbar[t], shift).exp_()
+
+    def __len__(self) -> int:
+        return len(self.shifts)
+
+    def usable(self, t: int) -> bool:
+        """Whether tensor ``t``'s range allows linear scale at all (without building it)."""
+        return self.shifts[t] is not None
+
+
 class Coupling:
     """The matrices W_t = ḡ_ij · e^{x_i + y_j} of every tensor, x on destination groups and y on
     source groups (``[H + 1]`` each, −inf to leave a group out), for repeated products.
@@ -217,17 +264,17 @@ class Coupling:
             scale = objective.linear_scale(t, ranges)
             if scale is not None and abs(scale) < SAFE_RANGE:
                 e_dst = torch.exp(dst - ranges[0]) * math.exp(scale)
-                self.parts.append((e_dst, torch.exp(src - ranges[2]), objective.gbar[t]))
+                self.parts.append((e_dst, torch.exp(src - ranges[2]), partial(objective.gbar.__getitem__, t)))
             else:
                 dense = torch.exp(objective.log_gbar[t] + dst[:, :, None] + src[:, None, :])
                 materialised = True
                 ones_dst, ones_src = torch.ones_like(dst), torch.ones_like(src)
-                self.parts.append((ones_dst, ones_src, dense))
+                self.parts.append((ones_dst, ones_src, partial(_itself, dense)))
         objective.passes += materialised  # exp over the materialised tensors: about one pass
 
     def rows(self, part, x_src: torch.Tensor) -> torch.Tensor:
         e_dst, e_src, matrix = part
-        return e_dst * torch.bmm(matrix, (e_src * x_src)[:, :, None])[:, :, 0]
+        return e_dst * torch.bmm(matrix(), (e_src * x_src)[:, :, None])[:, :, 0]
 
     def bilinear(self, x_dst: torch.Tensor, x_src: torch.Tensor) -> torch.Tensor:
         """Σ_t x_dstᵀ W_t x_src (``[H + 1]`` vectors indexed by group), a 0-d tensor."""
@@ -245,9 +292,13 @@ class Coupling:
                 continue
             e_dst, e_src, matrix = part
             out.index_add_(0, dp.dst.reshape(-1), self.rows(part, x[dp.src]).reshape(-1))
-            cols = e_src * torch.bmm((e_dst * x[dp.dst])[:, None, :], matrix)[:, 0, :]
+            cols = e_src * torch.bmm((e_dst * x[dp.dst])[:, None, :], matrix())[:, 0, :]
             out.index_add_(0, dp.src.reshape(-1), cols.reshape(-1))
         return out
+
+
+def _itself(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _finite_max(x: torch.Tensor) -> torch.Tensor:
@@ -278,8 +329,8 @@ def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:
 
     Depends only on which g_i are zero, so it holds for every u.
     """
-    present = [torch.isfinite(lg).to(torch.float64) for lg in diag.log_g]
-    incoming, outgoing = groups.incidence_sums(present)
+    # A generator: one tensor's indicator at a time, never a float64 copy of the network.
+    incoming, outgoing = groups.incidence_sums(torch.isfinite(lg) for lg in diag.log_g)
     return (incoming == 0) | (outgoing == 0)
 
 

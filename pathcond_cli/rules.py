@@ -131,7 +131,11 @@ class Stored:
 
 @dataclass
 class Affine:
-    """A layer's DAG parameters in float64 and canonical layout, and the tensors they come from.
+    """A layer's DAG parameters in canonical layout, and the tensors they come from.
+
+    Without a folded BatchNorm ``weight`` and ``bias`` are the stored tensors themselves, in
+    their own dtype (no float64 copy of the checkpoint is held: each pass casts one tensor
+    at a time); a folded layer's are computed in float64.
 
     ``weight`` is ``[O, I/groups, *kernel]``, ``bias`` ``[O]`` (or None). ``output`` is the
     node whose channels are the weight's destinations (a folded BatchNorm's).
@@ -232,8 +236,8 @@ class AffineLayer(Rule):
         return self.canonical_weight(node, params[node.weight]).shape[0]
 
     def affine(self, node, graph, params):
-        weight = self.canonical_weight(node, params[node.weight].to(torch.float64))
-        bias = params[node.bias].to(torch.float64) if node.bias is not None else None
+        weight = self.canonical_weight(node, params[node.weight])
+        bias = params[node.bias] if node.bias is not None else None
         bn = graph.batchnorm_after(node.name)
         if bn is None:
             stored = [Stored(node.weight, self.weight_layout(node), True, True)]
@@ -242,8 +246,8 @@ class AffineLayer(Rule):
             return Affine(weight, bias, self.groups(node), node.weight, node.bias, node.name, stored)
         # The output-side factor goes to γ and β, never to the pre-BatchNorm weight (SPEC §2).
         scale, shift = batchnorm_affine(bn, params)
-        weight = weight * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-        bias = shift + scale * (bias if bias is not None else 0.0)
+        weight = weight.to(torch.float64) * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+        bias = shift + scale * (bias.to(torch.float64) if bias is not None else 0.0)
         suffix = f" (BatchNorm '{bn.name}' folded)"
         bias_label = (node.bias if node.bias is not None else bn.bias) + suffix
         stored = [Stored(node.weight, self.weight_layout(node), False, True),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,19 +92,39 @@ def compare(
     generator = torch.Generator().manual_seed(seed)
     inputs = {n.name: torch.randn((batch, *n.shape), generator=generator, dtype=torch.float64) for n in graph.inputs}
     modes = ("eval", "train") if any(isinstance(n, BatchNorm) for n in graph.nodes) else ("eval",)
-    changed = {key: tensor for key, tensor in rescaled.items()
-               if key in original and not torch.equal(tensor, original[key])}
+    # Keys only: each tensor is looked up when a run reads it, so a mapped or computed-when-read
+    # ``rescaled`` is never held whole.
+    changed = _Selected(rescaled, [key for key, tensor in rescaled.items()
+                                   if key in original and not torch.equal(tensor, original[key])])
 
     def run(overrides: Mapping[str, torch.Tensor] | None, train: bool) -> list[torch.Tensor]:
         # The rescaled tensors themselves (not the rounding floor's) run on the written graph.
         written = rescaled_graph is not None and overrides is changed
-        params = rescaled if written else {**original, **overrides} if overrides else original
+        params = rescaled if written else ChainMap(overrides, original) if overrides else original
         network = rescaled_graph if written else graph
         with torch.no_grad():
             outputs = forward(network, params, inputs, train=train)
         return [outputs[name] for name in network.outputs]
 
     return _measure(run, original, changed, modes, tolerance_for(rescaled, graph.parameter_keys()), seed)
+
+
+class _Selected(Mapping[str, torch.Tensor]):
+    """The tensors of ``tensors`` under ``keys``, each looked up when read."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], keys: list[str]):
+        self._tensors, self._keys = tensors, dict.fromkeys(keys)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._tensors[key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _measure(run: Runner, original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor],

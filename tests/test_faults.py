@@ -27,6 +27,7 @@ import yaml
 import pathcond_cli
 import pathcond_cli.api
 import pathcond_cli.fileio
+import pathcond_cli.formats.safetensors_format as safetensors_format
 from cli_support import (
     assert_clean_exit, assert_unchanged, check_report, invoke, leftovers, mlp_spec, mlp_tensors,
     onnx_mlp_model, parse_single_json, snapshot, write_mlp, write_onnx_mlp, write_sharded_mlp,
@@ -499,7 +500,7 @@ def _partial_then(exception):
 
 def test_disk_full_while_writing_safetensors_exit_6(tmp_path, monkeypatch):
     checkpoint, spec = write_mlp(tmp_path)
-    monkeypatch.setattr(safetensors.torch, "save_file", _partial_then(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(safetensors_format, "write_tensors", _partial_then(OSError(errno.ENOSPC, "No space left on device")))
     _fails_cleanly(tmp_path, 6, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"],
                    "out.safetensors", "disk is full")
     # With --in-place the input survives too.
@@ -540,7 +541,7 @@ def test_disk_full_writing_the_report_exit_6(tmp_path, monkeypatch):
 
 def test_keyboard_interrupt_while_writing_exit_130(tmp_path, monkeypatch):
     checkpoint, spec = write_mlp(tmp_path)
-    monkeypatch.setattr(safetensors.torch, "save_file", _partial_then(KeyboardInterrupt()))
+    monkeypatch.setattr(safetensors_format, "write_tensors", _partial_then(KeyboardInterrupt()))
     _fails_cleanly(tmp_path, 130, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"], "interrupted")
     _fails_cleanly(tmp_path, 130, ["rescale", checkpoint, "--arch", spec, "--in-place"], "interrupted")
 
@@ -645,7 +646,7 @@ def test_non_finite_rescaling_is_refused_exit_8(tmp_path, monkeypatch):
 
 def test_written_file_that_does_not_read_back_exit_5(tmp_path, monkeypatch):
     checkpoint, spec = write_mlp(tmp_path)
-    monkeypatch.setattr(safetensors.torch, "save_file", lambda tensors, path, metadata=None: Path(path).write_bytes(b"junk"))
+    monkeypatch.setattr(safetensors_format, "write_tensors", lambda tensors, path, **_: Path(path).write_bytes(b"junk"))
     _fails_cleanly(tmp_path, 5, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"],
                    "does not read back", str(tmp_path / "out.safetensors"))
 

@@ -394,14 +394,16 @@ def test_torch_pickle_is_named_with_the_way_to_convert_it_and_never_unpickled(tm
 
 
 def test_disk_full_reported_by_the_safetensors_writer_exit_6(tmp_path, monkeypatch):
+    """The tensor-by-tensor writer meets a real full device (/dev/full fails every write with
+    ENOSPC) after a partial file was left behind: reported as a full disk, nothing kept."""
     checkpoint, spec = write_mlp(tmp_path)
+    real_writer = safetensors_format.write_tensors
 
-    def full(tensors, path, metadata=None):
+    def full(tensors, path, **options):
         Path(path).write_bytes(b"\x00partial")
-        raise safetensors.SafetensorError(
-            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+        real_writer(tensors, Path("/dev/full"), **options)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(safetensors_format, "write_tensors", full)
     _fails_cleanly(tmp_path, 6, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"], "disk is full")
     _fails_cleanly(tmp_path, 6, ["rescale", checkpoint, "--arch", spec, "--in-place"], "disk is full")
 

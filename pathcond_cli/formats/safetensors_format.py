@@ -12,11 +12,12 @@ Sharded checkpoints follow the Hugging Face layout: ``NAME.safetensors.index.jso
 from __future__ import annotations
 
 import difflib
-import errno
 import io
 import json
 import os
 import re
+import sys
+from collections import ChainMap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,9 +129,9 @@ def write_safetensors(
     payload = model.payload if isinstance(model.payload, SafetensorsPayload) else SafetensorsPayload({})
     added = {**metadata, SPEC_METADATA_KEY: dump_spec(spec_from_graph(model.graph))}
     if payload.shards:
-        _write_sharded(tensors, payload, destination, added, companion_name)
+        _write_sharded(tensors, model.params, payload, destination, added, companion_name)
     else:
-        _write_file(destination, tensors, {**payload.metadata, **added})
+        _write_file(destination, tensors, model.params, {**payload.metadata, **added})
 
 
 def sidecar_candidates(checkpoint: Path) -> list[Path]:
@@ -151,16 +152,43 @@ def checkpoint_stem(file_name: str) -> str:
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _read_file(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+def _read_file(path: Path, display: str) -> tuple[Mapping[str, torch.Tensor], SafetensorsPayload]:
     try:
         with open(path, "rb") as handle:
             metadata = _read_metadata(handle, os.fstat(handle.fileno()).st_size, display)
     except OSError as exc:
         raise InputError(f"{display}: cannot read the checkpoint: {exc.strerror or exc}") from None
     if _utf8_path(path):
-        return _load_tensors(lambda: safetensors.torch.load_file(path), display), SafetensorsPayload(metadata)
+        return _load_tensors(lambda: MappedTensors(path), display), SafetensorsPayload(metadata)
     # safetensors takes paths as UTF-8 strings only: read a file with another name's bytes ourselves.
     return _load_tensors(lambda: safetensors.torch.load(path.read_bytes()), display), SafetensorsPayload(metadata)
+
+
+class MappedTensors(Mapping[str, torch.Tensor]):
+    """The tensors of one safetensors file, memory-mapped rather than read.
+
+    The file is mapped once (copy-on-write: writing to a tensor never reaches the file) and
+    each tensor is a view of its bytes, so loading costs no memory and a tensor's pages are
+    only read when it is used; they are file pages the kernel can drop and read again. The
+    mapping keeps the file as it was opened even if its name is later replaced (an in-place
+    run renames the rescaled file onto it).
+    """
+
+    def __init__(self, path: Path):
+        self._file = safetensors.safe_open(str(path), framework="pt")
+        self._keys = tuple(self._file.keys())
+        self._known = frozenset(self._keys)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._known:
+            raise KeyError(key)
+        return self._file.get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _utf8_path(path: Path) -> bool:
@@ -171,12 +199,12 @@ def _utf8_path(path: Path) -> bool:
     return True
 
 
-def _read_bytes(data: bytes, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+def _read_bytes(data: bytes, display: str) -> tuple[Mapping[str, torch.Tensor], SafetensorsPayload]:
     metadata = _read_metadata(io.BytesIO(data), len(data), display)
     return _load_tensors(lambda: safetensors.torch.load(data), display), SafetensorsPayload(metadata)
 
 
-def _load_tensors(load: Callable[[], dict[str, torch.Tensor]], display: str) -> dict[str, torch.Tensor]:
+def _load_tensors(load: Callable[[], Mapping[str, torch.Tensor]], display: str) -> Mapping[str, torch.Tensor]:
     """Run safetensors' own reader (after our envelope checks), its errors as InputError."""
     try:
         return load()
@@ -208,12 +236,12 @@ def _read_metadata(stream: BinaryIO, size: int, display: str) -> dict[str, str]:
     return metadata
 
 
-def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], SafetensorsPayload]:
+def _read_index(path: Path, display: str) -> tuple[Mapping[str, torch.Tensor], SafetensorsPayload]:
     weight_map, metadata = _index_entries(path, display)
     shard_files = sorted(set(weight_map.values()))
     # Every shard is checked before any is opened: an entry leaving the folder reads nothing.
     shard_paths = {file: contained_file(path.parent, file, display, "shard") for file in shard_files}
-    params: dict[str, torch.Tensor] = {}
+    params: ChainedTensors = ChainedTensors()
     shards = []
     for file in shard_files:
         tensors, payload = _read_file(shard_paths[file], f"{display}: shard '{shown(file)}'")
@@ -223,7 +251,7 @@ def _read_index(path: Path, display: str) -> tuple[dict[str, torch.Tensor], Safe
                 f"{display}: the index and shard '{shown(file)}' disagree: listed but absent: "
                 f"{_some(listed - set(tensors))}; present but not listed: {_some(set(tensors) - listed)}"
             )
-        params.update(tensors)
+        params.add(tensors)
         shards.append(Shard(file, tuple(sorted(tensors)), payload.metadata))
     return params, SafetensorsPayload(metadata, tuple(shards))
 
@@ -270,6 +298,25 @@ def _holds_exactly(shard: Path, keys: set[str]) -> bool:
     entries = {key: entry for key, entry in header.items() if key != "__metadata__"}
     end = max((int(entry["data_offsets"][1]) for entry in entries.values()), default=0)
     return set(entries) == keys and 8 + length + end == size
+
+
+class ChainedTensors(Mapping[str, torch.Tensor]):
+    """The tensors of several shards as one mapping, each read from its own shard's mapping."""
+
+    def __init__(self):
+        self._owner: dict[str, Mapping[str, torch.Tensor]] = {}
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._owner.update(dict.fromkeys(tensors, tensors))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._owner[key][key]
+
+    def __iter__(self):
+        return iter(self._owner)
+
+    def __len__(self) -> int:
+        return len(self._owner)
 
 
 def index_shards(path: Path) -> list[Path]:
@@ -423,37 +470,53 @@ def _likely_owner(graph: Graph, layer: str, keys: list[str]) -> str:
 # -- writing ----------------------------------------------------------------------------------
 
 
-def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    for key, tensor in changed.items():
-        original = params.get(key)
-        if original is None or tensor.shape != original.shape or tensor.dtype != original.dtype:
-            raise ValueError(f"changed tensor '{key}' must replace a checkpoint tensor of the same shape and dtype")
-    return {key: changed.get(key, tensor).contiguous() for key, tensor in params.items()}
+def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Every checkpoint tensor, ``changed`` ones replaced, looked up (and so computed) only when written."""
+    unknown = [key for key in changed if key not in params]
+    if unknown:
+        raise ValueError(f"changed tensor '{unknown[0]}' must replace a checkpoint tensor of the same shape and dtype")
+    return ChainMap(changed, params)
 
 
-def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
-    def save(tmp: Path) -> None:
-        try:
-            if _utf8_path(tmp):
-                safetensors.torch.save_file(dict(tensors), str(tmp), metadata=dict(metadata))
-            else:
-                tmp.write_bytes(safetensors.torch.save(dict(tensors), metadata=dict(metadata)))
-        except safetensors.SafetensorError as exc:
-            # The Rust writer reports I/O failures (a full disk) as SafetensorError, not OSError.
-            raise _os_error(exc) from None
-
-    atomic_write(destination, save)
+def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], originals: Mapping[str, torch.Tensor],
+                metadata: Mapping[str, str]) -> None:
+    atomic_write(destination, lambda tmp: write_tensors(tensors, tmp, originals=originals, metadata=metadata))
 
 
-def _os_error(exc: Exception) -> OSError:
-    text = str(exc)
-    code = re.search(r"code: (\d+)", text)
-    number = int(code.group(1)) if code else errno.EIO
-    return OSError(number, os.strerror(number) if code else shown(text))
+def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals: Mapping[str, torch.Tensor],
+                  metadata: Mapping[str, str]) -> None:
+    """Write a safetensors file holding ``originals``' keys with the values of ``tensors``, one
+    tensor at a time: the header is laid out from ``originals`` (each written tensor must have
+    its original's shape and dtype), then each tensor is fetched, written and let go, so a
+    checkpoint is never held whole in memory (safetensors' own writer serialises it at once)."""
+    if sys.byteorder != "little":
+        raise OutputError("safetensors stores little-endian values; pathcond cannot write them on a big-endian machine")
+    order = sorted(originals, key=lambda key: (-originals[key].element_size(), key))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for key in order:
+        original = originals[key]
+        end = offset + original.numel() * original.element_size()
+        header[key] = {"dtype": _DTYPE_NAMES[original.dtype], "shape": list(original.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as out:
+        out.write(len(text).to_bytes(8, "little"))
+        out.write(text)
+        for key in order:
+            tensor = tensors[key]
+            if tensor.shape != originals[key].shape or tensor.dtype != originals[key].dtype:
+                raise ValueError(f"changed tensor '{key}' must replace a checkpoint tensor of the same shape and dtype")
+            out.write(memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
 
 
 def _write_sharded(
     tensors: Mapping[str, torch.Tensor],
+    originals: Mapping[str, torch.Tensor],
     payload: SafetensorsPayload,
     destination: Path,
     added: Mapping[str, str],
@@ -468,7 +531,7 @@ def _write_sharded(
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(payload.shards, start=1):
         file = companion_name(f"{stem}-{number:05d}-of-{len(payload.shards):05d}.safetensors")
-        _write_file(destination.with_name(file), {key: tensors[key] for key in shard.keys}, shard.metadata)
+        _write_file(destination.with_name(file), tensors, {key: originals[key] for key in shard.keys}, shard.metadata)
         weight_map.update(dict.fromkeys(shard.keys, file))
     index = {"metadata": {**payload.metadata, **added}, "weight_map": dict(sorted(weight_map.items()))}
     text = json.dumps(index, indent=2) + "\n"

@@ -1,0 +1,140 @@
+"""Peak host memory of `pathcond rescale` on a large sharded ReLU MLP, against the checkpoint's size.
+
+    python benchmarks/bench_memory.py                        # 1.5 B parameters, ~6 GB fp32, 4 shards
+    python benchmarks/bench_memory.py --width 4096 --depth 4 --shards 2      # ~270 MB, for development
+    python benchmarks/bench_memory.py --keep /tmp/mlp        # keep the checkpoint (and reuse it next time)
+
+The checkpoint is written by this script into a temporary directory (never committed): a
+sharded safetensors checkpoint (index json + shards) of a ``depth``-layer ReLU MLP of square
+``width x width`` hidden layers, tensor by tensor, so building it never holds more than one
+layer. The architecture is embedded as the spec pathcond reads from the index's metadata.
+Then the real command runs in a child process (``python -m pathcond_cli rescale --device
+cpu``) and its peak resident memory (ru_maxrss of the child, which counts file pages it
+mapped too) is printed next to the checkpoint's bytes and the bound 1.5 x bytes + 1 GiB, and
+next to ``python -c "import torch"``'s own peak (the floor every pathcond process pays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def build_mlp(directory: Path, *, inputs: int, width: int, depth: int, outputs: int, shards: int,
+              seed: int = 0) -> Path:
+    """A sharded fp32 ReLU MLP checkpoint ``inputs -> width x depth -> outputs``; returns the index path.
+
+    Weights are He-scaled Gaussians; tensors are generated and written one layer at a time.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    from pathcond_cli.formats.safetensors_format import SPEC_METADATA_KEY
+
+    sizes = [inputs] + [width] * depth + [outputs]
+    layers = [{"name": "x", "type": "input", "shape": [inputs]}]
+    for number in range(len(sizes) - 1):
+        layers.append({"name": f"fc{number}", "type": "linear"})
+        if number < len(sizes) - 2:
+            layers.append({"name": f"relu{number}", "type": "relu"})
+    spec = json.dumps({"format_version": 1, "layers": layers})
+    per_shard = -(-(len(sizes) - 1) // shards)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    for shard in range(shards):
+        file = f"mlp-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {}
+        for number in range(shard * per_shard, min((shard + 1) * per_shard, len(sizes) - 1)):
+            fan_in, fan_out = sizes[number], sizes[number + 1]
+            tensors[f"fc{number}.weight"] = torch.randn(fan_out, fan_in, generator=generator) * (2 / fan_in) ** 0.5
+            tensors[f"fc{number}.bias"] = torch.randn(fan_out, generator=generator) * 0.01
+        if tensors:
+            save_file(tensors, str(directory / file))
+            weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+    index = directory / "mlp.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {SPEC_METADATA_KEY: spec}, "weight_map": weight_map}))
+    return index
+
+
+def checkpoint_bytes(index: Path) -> int:
+    files = set(json.loads(index.read_text())["weight_map"].values())
+    return sum((index.parent / file).stat().st_size for file in files)
+
+
+# Forks from a small process: a child's ru_maxrss counts the pages it shared with its parent
+# before exec, so measuring from a parent holding a model or torch would report the parent.
+_MEASURE = """
+import os, sys
+pid = os.posix_spawn(sys.argv[2], sys.argv[2:], os.environ)
+_, status, usage = os.wait4(pid, 0)
+open(sys.argv[1], "w").write(f"{usage.ru_maxrss * 1024} {os.waitstatus_to_exitcode(status)}")
+"""
+
+
+def child_peak(command: list[str], log: Path) -> tuple[int, float, int]:
+    """Peak RSS in bytes (ru_maxrss of the command, from wait4 in a small wrapper process), wall
+    seconds and exit status of ``command``, run from this tree (so ``-m pathcond_cli`` is its
+    code); its stdout and stderr go to ``log``. ``command[0]`` is an executable's path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = log.with_suffix(".peak")
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        subprocess.run([sys.executable, "-c", _MEASURE, str(result), *command], stdout=out, stderr=subprocess.STDOUT,
+                       env=env, cwd=ROOT, check=True)
+    peak, status = map(int, result.read_text().split())
+    return peak, time.perf_counter() - started, status
+
+
+def torch_floor(log: Path) -> int:
+    """Peak RSS of a process that only imports torch."""
+    return child_peak([sys.executable, "-c", "import torch"], log)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inputs", type=int, default=8192)
+    parser.add_argument("--width", type=int, default=16384, help="hidden width (default 16384: 1.5 B parameters at depth 6)")
+    parser.add_argument("--depth", type=int, default=6, help="hidden layers")
+    parser.add_argument("--outputs", type=int, default=1000)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--keep", type=Path, help="build (or reuse) the checkpoint in this folder and keep it")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="pathcond-bench-memory-") as scratch:
+        folder = args.keep or Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        index = folder / "mlp.safetensors.index.json"
+        if not index.is_file():
+            started = time.perf_counter()
+            build_mlp(folder, inputs=args.inputs, width=args.width, depth=args.depth, outputs=args.outputs,
+                      shards=args.shards)
+            print(f"built {index} in {time.perf_counter() - started:.1f} s")
+        size = checkpoint_bytes(index)
+        log = Path(scratch) / "child.log"
+        floor = torch_floor(log)
+        output = Path(scratch) / "out" / "mlp.safetensors.index.json"
+        output.parent.mkdir()
+        peak, wall, status = child_peak([sys.executable, "-m", "pathcond_cli", "rescale", str(index), "-o", str(output),
+                                         "--device", "cpu", "-q"], log)
+        if status != 0:
+            sys.exit(f"pathcond rescale exited {status}:\n{log.read_text()[-3000:]}")
+    bound = 1.5 * size + GIB
+    print(f"checkpoint        {size / GIB:8.2f} GiB  ({args.depth} hidden layers of {args.width}, {args.shards} shards)")
+    print(f"import torch peak {floor / GIB:8.2f} GiB")
+    print(f"rescale peak RSS  {peak / GIB:8.2f} GiB  = {peak / size:.2f} x the checkpoint; "
+          f"above the torch floor {(peak - floor) / size:.2f} x")
+    print(f"bound 1.5x + 1GiB {bound / GIB:8.2f} GiB  ({'within' if peak <= bound else 'EXCEEDED'})")
+    print(f"wall              {wall:8.1f} s")
+
+
+if __name__ == "__main__":
+    main()
