@@ -901,12 +901,14 @@ def spec_command(
     with _errors_to_exit_codes():
         from .destinations import check_destinations, written
         from .formats import files_read, load_model
-        from .formats.spec import spec_from_graph, spec_text
+        from .formats.spec import spec_from_graph, spec_text, spec_warnings
+        from .report import print_warnings
 
         source, source_path, name = _read_source(model)
         destination, = check_destinations([written("-o", output)], files_read(source_path, arch))
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.lower().endswith(".json"))
+        print_warnings([*loaded.warnings, *spec_warnings(loaded.graph, loaded.format, name)], stderr)
         if destination is None:
             with _writing_stdout("the spec"):
                 sys.stdout.write(text)

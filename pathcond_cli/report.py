@@ -330,7 +330,11 @@ def _bound_text(solver: dict[str, Any]) -> str:
 
 
 def render_warnings(report: dict[str, Any], console: Console) -> None:
-    for warning in report["warnings"]:
+    print_warnings(report["warnings"], console)
+
+
+def print_warnings(warnings: list[str], console: Console) -> None:
+    for warning in warnings:
         console.print(f"[yellow]warning:[/] {_safe(warning, keep=chr(10))}", highlight=False, soft_wrap=True)
 
 

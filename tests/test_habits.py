@@ -533,3 +533,74 @@ def test_sharded_output_into_a_directory_has_the_loader_layout(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted([*named, "model.safetensors.index.json"])
     _read_like_a_loader(out)
     assert leftovers(tmp_path) == []
+
+
+# -- review of issue 21: what a new user met ------------------------------------------------------
+
+
+class _ConvBatchNorm(nn.Module):
+    """A bias-free conv followed by BatchNorm, as in every ResNet: both exporters fold the
+    BatchNorm into the conv in eval mode, so the exported tensors are not the state_dict's."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 6 * 6, 2)
+        with torch.no_grad():  # statistics of a trained network (the exporter drops an identity BatchNorm)
+            self.bn1.running_mean.uniform_(-1, 1)
+            self.bn1.running_var.uniform_(0.5, 2)
+            self.bn1.bias.uniform_(-1, 1)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn1(self.conv1(x))).flatten(1))
+
+
+@pytest.mark.parametrize(("exporter", "made_key"), [("torchscript", "onnx::Conv_"), ("dynamo", "conv1.weight_bias")])
+def test_spec_of_an_export_with_folded_batchnorm_warns_that_it_is_not_the_state_dicts(tmp_path, exporter, made_key):
+    """The spec of such an export reads tensors the module's checkpoint lacks: `spec` says so,
+    names them and the two ways to a spec of the checkpoint, before `rescale` refuses it."""
+    torch.manual_seed(0)
+    module = _ConvBatchNorm().eval()
+    onnx_path = tmp_path / "net.onnx"
+    onnx_path.write_bytes(onnx_models.export(module, torch.randn(2, 3, 8, 8), exporter))
+    spec_path = tmp_path / "net.yaml"
+    stderr = assert_clean_exit(invoke("spec", onnx_path, "-o", spec_path), 0, "warning:", made_key,
+                               "--arch module:factory", "do_constant_folding=False")
+    assert "state_dict" in stderr
+    state = tmp_path / "state.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in module.state_dict().items()
+                                 if not k.endswith("num_batches_tracked")}, str(state))
+    assert_clean_exit(invoke("rescale", state, "--arch", spec_path, "-q"), 3, made_key)
+
+
+def test_spec_of_an_export_of_the_state_dicts_tensors_does_not_warn(tmp_path):
+    torch.manual_seed(0)
+    onnx_path = tmp_path / "net.onnx"
+    onnx_path.write_bytes(onnx_models.export(_ConvBatchNorm().eval(), torch.randn(2, 3, 8, 8), "torchscript-unfolded"))
+    assert "warning" not in assert_clean_exit(invoke("spec", onnx_path), 0)
+
+
+def test_spec_shows_the_warnings_of_reading_the_checkpoint(tmp_path):
+    """`--allow-unused` carries tensors the spec does not read with a warning: `spec` shows it too."""
+    checkpoint = tmp_path / "m.safetensors"
+    safetensors.torch.save_file({**mlp_tensors(), "extra": torch.zeros(3)}, str(checkpoint))
+    spec = tmp_path / "m.yaml"
+    spec.write_text(yaml.safe_dump(mlp_spec()))
+    assert_clean_exit(invoke("spec", checkpoint, "--arch", spec, "--allow-unused"), 0, "warning:", "extra")
+
+
+def test_an_onnx_model_with_two_inputs_is_an_unsupported_model_exit_4(tmp_path):
+    """Readable, but not a network pathcond rescales from ONNX (a spec may have several inputs)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Relu", ["s"], ["y"])], "two_inputs",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 4]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    path = tmp_path / "two.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    for command in ("inspect", "spec"):
+        assert_clean_exit(invoke(command, path, "--input-shape", "a:4", "--input-shape", "b:4"), 4,
+                          "two.onnx", "'a'", "'b'", "spec")

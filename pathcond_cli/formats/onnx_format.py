@@ -302,7 +302,10 @@ def _single_input(model: onnx.ModelProto, label: str) -> onnx.ValueInfoProto:
     inputs = [i for i in model.graph.input if i.name not in initializers]
     if len(inputs) != 1:
         names = ", ".join(f"'{i.name}'" for i in inputs) or "none"
-        raise InputError(f"{label}: pathcond expects a model with exactly one input; this one has {len(inputs)} ({names}).")
+        raise UnsupportedModelError(
+            f"{label}: pathcond rescales ONNX models with exactly one input; this one has {len(inputs)} ({names}). "
+            "A network with several inputs can be given as a safetensors checkpoint with a spec that has an "
+            "input layer for each (docs/spec-format.md).")
     return inputs[0]
 
 

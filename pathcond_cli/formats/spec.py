@@ -136,6 +136,34 @@ def spec_from_graph(graph: Graph) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "layers": layers, "outputs": list(graph.outputs)}
 
 
+# Shown of the keys an exporter made up, in the warning of a spec read from its ONNX file.
+SHOWN_MADE_KEYS = 3
+
+
+def exporter_made_keys(graph: Graph) -> list[str]:
+    """Tensor keys of ``graph`` that an ONNX exporter gave tensors it computed, which no
+    module's state_dict has: TorchScript's constant folding names them ``onnx::Conv_114``;
+    torch.export's optimiser names ``<weight key>_bias`` the bias of a BatchNorm it folds into
+    a bias-free conv or Linear (and keeps the weight's key for the folded weight)."""
+    keys = (key for node in graph.nodes for key in node.parameter_keys().values())
+    return list(dict.fromkeys(key for key in keys if "::" in key or key.endswith(".weight_bias")))
+
+
+def spec_warnings(graph: Graph, model_format: str, source: str) -> list[str]:
+    """What the user of the spec of ``graph`` must know: that a spec read from an ONNX export
+    whose exporter folded constants describes the folded network, not the module's checkpoint."""
+    made = exporter_made_keys(graph) if model_format == "onnx" else []
+    if not made:
+        return []
+    listed = ", ".join(f"'{key}'" for key in made[:SHOWN_MADE_KEYS])
+    more = f" and {len(made) - SHOWN_MADE_KEYS} more" if len(made) > SHOWN_MADE_KEYS else ""
+    return [f"{source}: the spec reads {len(made)} tensor(s) that the exporter computed ({listed}{more}), which "
+            "the module's state_dict does not have: the exporter folded constants, such as a BatchNorm into the "
+            "conv before it, so a checkpoint saved from the module does not match this spec. Get its spec from "
+            "the module (pathcond spec CHECKPOINT --arch module:factory --input-shape ...) or from an export "
+            "that keeps them (torch.onnx.export(..., dynamo=False, do_constant_folding=False))."]
+
+
 def spec_text(spec: Mapping[str, Any], *, as_json: bool = False) -> str:
     """A spec as a file's text: JSON, or YAML with one flow-style line per layer (as the docs
     write specs by hand); :func:`parse_spec_text` reads either back to ``spec``."""
