@@ -905,7 +905,7 @@ def spec_command(
         from .report import print_warnings
 
         source, source_path, name = _read_source(model)
-        destination, = check_destinations([written("-o", output)], files_read(source_path, arch))
+        destination, = check_destinations([written("-o", output)], files_read(source_path, arch), offers_in_place=False)
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.lower().endswith(".json"))
         print_warnings([*loaded.warnings, *spec_warnings(loaded.graph, loaded.format, name)], stderr)

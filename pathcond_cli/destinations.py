@@ -74,10 +74,11 @@ def _preferred_companion(kind: str, name: str) -> str | None:
 
 
 def check_destinations(outputs: Sequence[Written | None], reads: Sequence[Path], *,
-                       in_place: bool = False) -> list[Path | None]:
+                       in_place: bool = False, offers_in_place: bool = True) -> list[Path | None]:
     """Refuse, before any work, every path of ``outputs`` that breaks the rule of this module;
     ``reads`` are the files the run reads, the checkpoint first. Returns each output's path as
-    it will be written (a link to a regular file is written through; None where not given)."""
+    it will be written (a link to a regular file is written through; None where not given).
+    ``offers_in_place`` is false for a command without ``--in-place``, whose messages do not offer it."""
     given = [o for o in outputs if o is not None]
     for item in given:
         _check_name(item)
@@ -91,7 +92,7 @@ def check_destinations(outputs: Sequence[Written | None], reads: Sequence[Path],
                 raise OutputError(
                     f"refusing to overwrite '{_shown(source)}', a file this run reads: choose another "
                     f"{item.option} path" + (" (--in-place lets the output replace the checkpoint, nothing else)."
-                                             if is_output else ".")
+                                             if is_output and offers_in_place else ".")
                 )
         for earlier in given[: given.index(item)]:
             clash = _clash(earlier, resolved[id(earlier)], path)

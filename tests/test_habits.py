@@ -604,3 +604,25 @@ def test_an_onnx_model_with_two_inputs_is_an_unsupported_model_exit_4(tmp_path):
     for command in ("inspect", "spec"):
         assert_clean_exit(invoke(command, path, "--input-shape", "a:4", "--input-shape", "b:4"), 4,
                           "two.onnx", "'a'", "'b'", "spec")
+
+
+def test_a_spec_given_as_model_is_named_for_what_it_is(tmp_path):
+    """Arguments swapped (`pathcond spec model.yaml`): the spec is not called a corrupt ONNX file."""
+    spec = tmp_path / "m.yaml"
+    spec.write_text(yaml.safe_dump(mlp_spec()))
+    checkpoint = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(mlp_tensors(), str(checkpoint))
+    for args in (("spec", spec), ("inspect", spec, "--arch", checkpoint), ("rescale", spec, "--arch", checkpoint)):
+        stderr = assert_clean_exit(invoke(*args), 3, "m.yaml", "architecture spec", "--arch")
+        assert "onnx" not in stderr.lower()
+    assert leftovers(tmp_path) == []
+
+
+def test_spec_refusing_to_replace_its_arch_file_offers_no_in_place(tmp_path):
+    """`spec` has no --in-place: its refusal to write over the spec it reads does not offer one."""
+    spec = tmp_path / "m.yaml"
+    spec.write_text(yaml.safe_dump(mlp_spec()))
+    checkpoint = tmp_path / "m.safetensors"
+    safetensors.torch.save_file(mlp_tensors(), str(checkpoint))
+    stderr = assert_clean_exit(invoke("spec", checkpoint, "--arch", spec, "-o", spec), 6, "m.yaml", "choose another -o")
+    assert "--in-place" not in stderr

@@ -23,6 +23,8 @@ SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 
 
 TORCH_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
+# A MODEL named so is a spec given in place of the checkpoint (a .json MODEL is read as a shard index).
+YAML_SUFFIXES = (".yaml", ".yml")
 # torch.save writes a zip archive (since 1.6) or a bare pickle (protocol 2 to 5) before that.
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = tuple(bytes([0x80, protocol]) for protocol in range(2, 6))
@@ -71,6 +73,10 @@ def detect_format(source: Path | bytes) -> str:
             head = handle.read(9)
         if source.suffix.lower() in TORCH_PICKLE_SUFFIXES or head.startswith((_ZIP_MAGIC, *_PICKLE_MAGIC)):
             raise InputError(_torch_pickle_message(str(source)))
+        if source.suffix.lower() in YAML_SUFFIXES:
+            raise InputError(f"cannot read '{shown(str(source))}' as a checkpoint: it is named as an architecture "
+                             "spec (YAML). Give the checkpoint as MODEL and the spec with --arch, e.g. "
+                             "pathcond rescale model.safetensors --arch model.yaml")
         # Any .json is read as a shard index (the safetensors reader takes any *.json index and
         # explains what it expected); onnx.load would otherwise parse it as a JSON ModelProto.
         if source.name.endswith(SHARD_INDEX_SUFFIX) or source.suffix.lower() == ".json":
