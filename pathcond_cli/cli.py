@@ -157,8 +157,8 @@ DeviceOpt = Annotated[str, typer.Option(
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
-    "--plot", metavar="FILE", help="Also draw log10 diag(G) per layer (before and after) and F per iteration to FILE.png, .svg "
-    "or .pdf. Needs matplotlib: pip install 'pathcond[plot]'.",
+    "--plot", metavar="FILE", help="Also draw log10 diag(G) per layer (rescale: before and after, and F per iteration) to "
+    "FILE.png, .svg or .pdf. Needs matplotlib: pip install 'pathcond[plot]'.",
 )]
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 

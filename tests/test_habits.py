@@ -626,3 +626,10 @@ def test_spec_refusing_to_replace_its_arch_file_offers_no_in_place(tmp_path):
     safetensors.torch.save_file(mlp_tensors(), str(checkpoint))
     stderr = assert_clean_exit(invoke("spec", checkpoint, "--arch", spec, "-o", spec), 6, "m.yaml", "choose another -o")
     assert "--in-place" not in stderr
+
+
+def test_inspect_help_promises_the_plot_inspect_draws(tmp_path):
+    """inspect solves nothing: its --plot has no 'after' and no F per iteration (plot.draw with result None)."""
+    text = " ".join(invoke("inspect", "--help").stdout.split())
+    assert "(before and after) and F per iteration" not in text
+    assert "--plot FILE" in text
