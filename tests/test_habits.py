@@ -633,3 +633,29 @@ def test_inspect_help_promises_the_plot_inspect_draws(tmp_path):
     text = " ".join(invoke("inspect", "--help").stdout.split())
     assert "(before and after) and F per iteration" not in text
     assert "--plot FILE" in text
+
+
+class _FlattensInForward(nn.Module):
+    """torch.flatten in forward (as ResNet does): resolved only by running the module."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(4 * 6 * 6, 2)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(torch.relu(self.conv(x)), 1))
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 8, 8), (8, 8)])
+def test_a_module_that_cannot_run_on_the_given_shape_is_a_usage_error(shape):
+    """A wrong --input-shape for a factory or rescale_module (the batch left in, a dimension
+    missing) makes the module raise: exit 2 quoting torch's reason, not exit 4 blaming flatten."""
+    module = _FlattensInForward()
+    with pytest.raises(UsageError) as raised:
+        module_model(module, shape)
+    message = str(raised.value)
+    with pytest.raises(RuntimeError) as torch_says:
+        module(torch.zeros(1, *shape))
+    assert str(shape) in message and "batch-free" in message and str(torch_says.value).splitlines()[0] in message
+    assert module_model(module, (3, 8, 8)).graph.inputs[0].shape == (3, 8, 8)

@@ -24,9 +24,10 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError, UsageError
 from ..graph import Graph
 from .movement import UnsupportedMovement, movement_layer
+from . import shown
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
 from .spec import graph_from_spec
 
@@ -64,8 +65,14 @@ def graph_from_module(
     share memory with the module.
     """
     traced = _trace(module, source)
-    values = _run_on_zeros(module, traced, tuple(input_shape))
+    values, failure = _run_on_zeros(module, traced, tuple(input_shape))
     spec, problems, follow_on = _spec_from_trace(traced, values)
+    if failure is not None and (problems or follow_on):
+        raise UsageError(
+            f"{source}: the module raises when run on one example of the batch-free input shape "
+            f"{tuple(input_shape)} (a zero input of shape {(1, *input_shape)}): {shown((str(failure).strip().splitlines() or [type(failure).__name__])[0], 300)}. "
+            "The input shape is batch-free: 3,32,32 for 32x32 RGB images, not 1,3,32,32."
+        )
     if problems or follow_on:
         raise UnsupportedModelError(
             f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on
@@ -74,9 +81,12 @@ def graph_from_module(
     return graph, {key: tensor.detach() for key, tensor in module.state_dict().items()}
 
 
-def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule, input_shape: tuple[int, ...]) -> dict[torch.fx.Node, Any]:
-    """The value of every fx node on a zero input of batch 1, in eval mode (as far as it runs)."""
+def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
+                  input_shape: tuple[int, ...]) -> tuple[dict[torch.fx.Node, Any], Exception | None]:
+    """The value of every fx node on a zero input of batch 1, in eval mode (as far as it runs),
+    and the exception that stopped the run, if one did."""
     values: dict[torch.fx.Node, Any] = {}
+    failure = None
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, node: torch.fx.Node) -> Any:
@@ -89,11 +99,11 @@ def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule, input_shape: 
     try:
         with torch.no_grad():
             Recorder(traced).run(torch.zeros((1, *input_shape), dtype=floats[0] if floats else torch.float32))
-    except Exception:  # noqa: BLE001 - user code; the nodes it did not reach are reported where used
-        pass
+    except Exception as exc:  # noqa: BLE001 - user code; the nodes it did not reach are reported where used
+        failure = exc
     finally:
         module.train(was_training)
-    return values
+    return values, failure
 
 
 def factory_source_files(spec: str) -> list[Path]:
