@@ -68,9 +68,10 @@ def graph_from_module(
     values, failure = _run_on_zeros(module, traced, tuple(input_shape))
     spec, problems, follow_on = _spec_from_trace(traced, values)
     if failure is not None and (problems or follow_on):
+        reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]  # fx appends its own context
         raise UsageError(
             f"{source}: the module raises when run on one example of the batch-free input shape "
-            f"{tuple(input_shape)} (a zero input of shape {(1, *input_shape)}): {shown((str(failure).strip().splitlines() or [type(failure).__name__])[0], 300)}. "
+            f"{tuple(input_shape)} (a zero input of shape {(1, *input_shape)}): {shown(reason, 300)}. "
             "The input shape is batch-free: 3,32,32 for 32x32 RGB images, not 1,3,32,32."
         )
     if problems or follow_on:
