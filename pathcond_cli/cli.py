@@ -206,7 +206,7 @@ def _parse_shape(texts: list[str] | None) -> tuple[int, ...] | dict[str, tuple[i
 
 def _parse_sizes(text: str) -> tuple[int, ...]:
     try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
     except ValueError:
         raise typer.BadParameter(f"'{text[:200]}' is not a comma-separated list of integers",
                                  param_hint="--input-shape") from None

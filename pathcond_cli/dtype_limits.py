@@ -124,10 +124,13 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
                     changed: Mapping[str, torch.Tensor], u_inf: float, *, advise: bool = True) -> list[str]:
     """Warnings for tensors that keep their values with a few flushed below the smallest normal;
     :class:`StorageError` naming the tensors that would overflow or lose their values. With
-    ``advise`` both name the auto bound (not when that rule chose the rescaling)."""
+    ``advise`` both name the auto bound (not when that rule chose the rescaling, nor when the
+    rescaling is already within it: auto would then write the same values)."""
     problems = check_storage(original, changed)
     fatal = [p for p in problems if p.lost]
-    advice = _advice(groups, original) if fatal or (problems and advise) else ""
+    bound = safe_log_scale(groups, original) if problems else math.inf
+    advise = advise and u_inf > bound
+    advice = _advice(bound) if fatal or (problems and advise) else ""
     if fatal:
         listed = "; ".join(p.describe() for p in fatal[:LISTED_TENSORS])
         if len(fatal) > LISTED_TENSORS:
@@ -152,8 +155,8 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
 LISTED_TENSORS = 5  # the message stays one readable paragraph; the advice comes after the list
 
 
-def _advice(groups: RescalingGroups, original: Mapping[str, torch.Tensor]) -> str:
-    bound = safe_log_scale(groups, original)
+def _advice(bound: float) -> str:
+    """What to do about a rescaling the checkpoint's dtypes cannot hold, given the auto bound."""
     if math.isfinite(bound) and bound > 0:
         return (f"--max-log-scale auto (the default; max_log_scale='auto' in the API) bounds every neuron scale "
                 f"factor to e^±U with U = {bound:.4g}, the largest bound that keeps every rescaled tensor storable")

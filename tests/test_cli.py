@@ -211,6 +211,7 @@ def test_usage_error_exit_status_of_a_real_process(tmp_path):
         (["--input-shape", "3,a,32"], "--input-shape"),
         (["--input-shape", "0,4"], "--input-shape"),
         (["--input-shape", ","], "--input-shape"),
+        (["--input-shape", "3,,32"], "--input-shape"),
         (["-o", "-", "--json"], "--report"),
         (["--solver", "adam"], "--solver"),
         (["--max-iter", "-1"], "--max-iter"),
@@ -218,8 +219,8 @@ def test_usage_error_exit_status_of_a_real_process(tmp_path):
         (["--device", "tpu"], "--device"),
         (["-o", "{out}", "--report", "{out}"], "--report"),
     ],
-    ids=["unknown-option", "shape-not-ints", "shape-zero", "shape-empty", "stdout-with-json", "bad-solver",
-         "negative-max-iter", "nan-tol", "bad-device", "report-overwrites-output"],
+    ids=["unknown-option", "shape-not-ints", "shape-zero", "shape-empty", "shape-empty-size", "stdout-with-json",
+         "bad-solver", "negative-max-iter", "nan-tol", "bad-device", "report-overwrites-output"],
 )
 def test_usage_errors_exit_2(tmp_path, args, needle):
     checkpoint, spec = write_mlp(tmp_path)

@@ -249,6 +249,23 @@ def test_few_flushed_values_warn_many_refuse(nets):
         ensure_storable("net.safetensors", groups, original, changed, 1.0)
 
 
+def test_a_flush_warning_names_the_auto_bound_only_when_the_rescaling_is_beyond_it(nets):
+    """Within the auto bound, auto would write the same values: advising it would send the
+    user to a rerun that changes nothing."""
+    graph, params = _half_mlp(nets)
+    groups = build_groups(graph, params)
+    bound = safe_log_scale(groups, params)
+    tiny = torch.finfo(torch.float16).tiny
+    original = {**params, "big": torch.full((1000,), 2 * tiny, dtype=torch.float16)}
+    changed = {"big": original["big"].clone()}
+    changed["big"][:3] = 0.0
+    within = ensure_storable("net.safetensors", groups, original, changed, bound / 2)
+    beyond = ensure_storable("net.safetensors", groups, original, changed, bound * 2)
+    assert len(within) == len(beyond) == 1
+    assert "--max-log-scale" not in within[0] and "U = " not in within[0]
+    assert f"U = {bound:.4g}" in beyond[0]
+
+
 def test_api_rescale_applies_bound_and_checks_dtypes(nets):
     graph, params = _half_mlp(nets)
     model = LoadedModel(graph, params, "safetensors", "net.safetensors")
