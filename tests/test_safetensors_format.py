@@ -182,6 +182,32 @@ def test_missing_bias_points_at_bias_null(tmp_path):
     assert str(checkpoint) in message and "'conv1.bias'" in message and "bias: null" in message
 
 
+def test_missing_bias_beside_unread_batchnorm_statistics_points_at_the_module_spec(tmp_path):
+    """A spec written from an ONNX export that folded BatchNorm expects conv biases the module's
+    checkpoint lacks, and leaves its BatchNorm tensors unread: 'bias: null' would be wrong advice."""
+    spec = json.loads(json.dumps(SPEC))
+    del spec["layers"][1]["bias"]
+    tensors = checkpoint_tensors()
+    tensors.update({f"layer1.bn9.{role}": torch.ones(4) for role in ("weight", "bias", "running_mean", "running_var")})
+    checkpoint = save(tmp_path / "model.safetensors", tensors)
+    with pytest.raises(InputError) as info:
+        load_safetensors(checkpoint, arch=str(write_spec(tmp_path / "arch.yaml", spec)))
+    message = str(info.value)
+    assert "'conv1.bias'" in message and "bias: null" not in message
+    assert "BatchNorm statistics" in message and "--arch module:factory" in message
+
+
+def test_an_unused_top_level_tensor_is_not_called_a_missing_layer(tmp_path):
+    tensors = checkpoint_tensors()
+    tensors["extra"] = torch.arange(3.0)
+    checkpoint = save(tmp_path / "model.safetensors", tensors)
+    with pytest.raises(InputError) as info:
+        load_safetensors(checkpoint, arch=str(write_spec(tmp_path / "arch.yaml")))
+    message = str(info.value)
+    assert "- extra: top-level names that no layer of the architecture reads" in message
+    assert "layer ''" not in message
+
+
 def test_nan_weights_are_invalid_weights_naming_the_tensor(tmp_path):
     tensors = checkpoint_tensors()
     tensors["conv2.weight"][0, 0, 0, 0] = float("nan")

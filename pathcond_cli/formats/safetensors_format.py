@@ -430,10 +430,19 @@ def _check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display:
             node.name for node in graph.nodes
             if "bias" in node.optional_roles and node.bias is not None and node.bias not in params
         ]
-        hint = (
-            f"\n(layers {', '.join(missing_biases)} have no bias tensor: a layer without bias needs 'bias: null' in the spec)"
-            if missing_biases else ""
-        )
+        hint = ""
+        if missing_biases:
+            used = set(graph.parameter_keys())
+            folded = any(key.endswith("running_mean") and key not in used for key in params)
+            hint = (
+                f"\n(layers {', '.join(missing_biases)} have no bias tensor: "
+                + ("the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
+                   "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
+                   "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
+                   "--input-shape ...)"
+                   if folded else "a layer without bias needs 'bias: null' in the spec")
+                + ")"
+            )
         raise InputError(f"{display}: {exc}{hint}") from None
 
 
@@ -458,6 +467,8 @@ def _unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: s
 
 def _likely_owner(graph: Graph, layer: str, keys: list[str]) -> str:
     names = [node.name for node in graph.nodes]
+    if not layer:
+        return "top-level names that no layer of the architecture reads"
     if layer in names:
         return f"layer '{shown(layer)}' ({graph[layer].op}) exists but does not read them"
     roles = {key.rpartition(".")[2] for key in keys}
