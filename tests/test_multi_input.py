@@ -242,3 +242,13 @@ def test_an_open_input_without_a_shape_is_a_usage_error_naming_it(open_model, co
 
 def test_one_unnamed_shape_for_two_inputs_is_a_usage_error(open_model):
     assert_clean_exit(invoke("inspect", open_model, "--input-shape", "3,8,8"), 2, "'img'", "'vec'", "NAME:SHAPE")
+
+
+def test_a_module_with_two_inputs_is_refused_as_such_not_blamed_on_the_shape():
+    """fx import traces one input: a two-input forward is exit 4 naming its inputs, not a
+    usage error about the one shape it was given (the run on one zero input fails)."""
+    import pathcond_cli
+    from pathcond_cli.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="takes 2 inputs \\('img', 'vec'\\).*ONNX export"):
+        pathcond_cli.rescale_module(_module("concat"), input_shape=IMAGE)
