@@ -252,3 +252,18 @@ def test_a_module_with_two_inputs_is_refused_as_such_not_blamed_on_the_shape():
 
     with pytest.raises(UnsupportedModelError, match="takes 2 inputs \\('img', 'vec'\\).*ONNX export"):
         pathcond_cli.rescale_module(_module("concat"), input_shape=IMAGE)
+
+
+def test_a_factory_with_two_inputs_given_two_named_shapes_is_refused_naming_them(tmp_path, monkeypatch):
+    factory = tmp_path / "two_input_factory.py"
+    factory.write_text("import torch\n\n\nclass Two(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                       "        self.fc = torch.nn.Linear(5, 3)\n\n    def forward(self, img, vec):\n"
+                       "        return self.fc(torch.relu(img + vec))\n\n\ndef build():\n    return Two()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    checkpoint = tmp_path / "two.safetensors"
+    safetensors.torch.save_file({"fc.weight": torch.ones(3, 5), "fc.bias": torch.zeros(3)}, str(checkpoint))
+    try:
+        assert_clean_exit(invoke("inspect", checkpoint, "--arch", "two_input_factory:build", "--input-shape",
+                                 "img:5", "--input-shape", "vec:5"), 4, "2 inputs", "'img'", "'vec'", "ONNX")
+    finally:
+        sys.modules.pop("two_input_factory", None)
