@@ -337,11 +337,12 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
         return override
     if declared is None or any(d is None for d in declared[1:]):
         shown = "unknown" if declared is None else "(" + ", ".join("?" if d is None else str(d) for d in declared) + ")"
-        example = f"{graph_input.name}:3,224,224" if several else "3,224,224"
+        named = f"--input-shape {graph_input.name}:3,224,224"
         raise UsageError(
-            f"{label}: the shape of input '{graph_input.name}' is {shown}; pass --input-shape NAME:SHAPE with "
-            f"the dimensions after the batch dimension (for example --input-shape {example})"
-            + (", once for each input whose shape the model leaves open." if several else ".")
+            f"{label}: the shape of input '{graph_input.name}' is {shown}; pass --input-shape "
+            f"{'NAME:SHAPE' if several else '[NAME:]SHAPE'} with the dimensions after the batch dimension "
+            + (f"(for example {named}), once for each input whose shape the model leaves open." if several
+               else f"(for example --input-shape 3,224,224 or {named}).")
         )
     return tuple(declared[1:])
 
