@@ -242,8 +242,9 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     """Run the original and the written model in a runtime that is not pathcond's.
 
     onnxruntime when installed and able to evaluate the original; else onnx.reference (for a
-    kernel onnxruntime lacks, such as float64 Conv). The input has the batch size the model
-    declares (1 when it is symbolic). Returns ``{"runtime", "status", "detail"}`` with status
+    kernel onnxruntime lacks, such as float64 Conv). Every input is fed, with one batch size
+    for all: the first one an input declares (1 when all are symbolic). Returns
+    ``{"runtime", "status", "detail"}`` with status
     ``passed``; ``failed`` when the runtime that evaluates the original finds a difference, or
     cannot load or evaluate the written file; or ``unavailable`` when no runtime can evaluate
     the original (reported, never fatal).
@@ -255,25 +256,29 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     import numpy as np
     import onnx
 
+    from .formats.onnx_format import fed_inputs
+
     runners, why_not = _onnx_runners(model)
-    graph_input = next(i for i in model.payload.graph.input
-                       if i.name not in {t.name for t in model.payload.graph.initializer})
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type)
-    dims = graph_input.type.tensor_type.shape.dim
-    batch = dims[0].dim_value if len(dims) and dims[0].HasField("dim_value") and dims[0].dim_value > 0 else 1
-    x = np.random.default_rng(seed).standard_normal((batch, *model.graph.inputs[0].shape)).astype(dtype)
+    graph_inputs = fed_inputs(model.payload, model.source)
+    declared = [dims[0].dim_value for dims in (i.type.tensor_type.shape.dim for i in graph_inputs)
+                if len(dims) and dims[0].HasField("dim_value") and dims[0].dim_value > 0]
+    batch = declared[0] if declared else 1
+    generator = np.random.default_rng(seed)
+    # The importer names each input node after its ONNX input.
+    feeds = {i.name: generator.standard_normal((batch, *model.graph[i.name].shape)).astype(
+        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph_inputs}
     # The original as the user holds it: its own file when it came from one (the in-memory
     # model may carry initializers split for reading), else the bytes it was read from.
     original = (None, model.files[0]) if model.files else (model.payload.SerializeToString(), None)
     reasons = []
     for runtime, runner in runners:
         try:
-            before = runner(*original, x)
+            before = runner(*original, feeds)
         except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
             reasons.append(f"{runtime} cannot evaluate the original model ({_exception_line(exc)})")
             continue
         try:
-            after = runner(None, written, x)
+            after = runner(None, written, feeds)
         except Exception as exc:  # noqa: BLE001 - it evaluates the original: the written file is at fault
             return {"runtime": runtime, "status": "failed",
                     "detail": f"it evaluates the original model but cannot load or evaluate the written one "
@@ -294,8 +299,8 @@ def _exception_line(exc: BaseException) -> str:
 
 
 def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
-    """The runtimes to try, in order, as (name, run(model_bytes, model_path, x) -> outputs), and
-    why one is missing ("" when none is)."""
+    """The runtimes to try, in order, as (name, run(model_bytes, model_path, feeds) -> outputs),
+    ``feeds`` an array by input name, and why one is missing ("" when none is)."""
     runners: list[tuple[str, Callable]] = []
     try:
         with interrupts_deferred():
@@ -303,7 +308,7 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
     except ImportError:
         onnxruntime = None
     if onnxruntime is not None:
-        def run_ort(data, path, x):
+        def run_ort(data, path, feeds):
             options = onnxruntime.SessionOptions()
             options.log_severity_level = 3
             # The graph as written, without fusions: the model the file holds is what is checked,
@@ -311,7 +316,7 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
             options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
             session = onnxruntime.InferenceSession(data if data is not None else str(path), options,
                                                    providers=["CPUExecutionProvider"])
-            return session.run(None, {session.get_inputs()[0].name: x})
+            return session.run(None, feeds)
 
         runners.append(("onnxruntime", run_ort))
     stored = sum(t.numel() for t in model.params.values())
@@ -320,13 +325,13 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
         return runners, (f"{missing}onnx.reference is too slow for {stored} stored elements"
                          + (" (install pathcond[onnx-check])" if onnxruntime is None else ""))
 
-    def run_reference(data, path, x):
+    def run_reference(data, path, feeds):
         import onnx
         from onnx.reference import ReferenceEvaluator
 
         proto = onnx.load_from_string(data) if data is not None else onnx.load(str(path))
         evaluator = ReferenceEvaluator(proto)
-        return evaluator.run(None, {evaluator.input_names[0]: x})
+        return evaluator.run(None, feeds)
 
     runners.append(("onnx.reference", run_reference))
     return runners, ""

@@ -57,7 +57,7 @@ def _view_net_onnx() -> onnx.ModelProto:
 def test_shape_inference_without_the_weights_is_the_inference_of_the_whole_model():
     model = _view_net_onnx()
     graph_input = model.graph.input[0]
-    inferred = onnx_format._infer_shapes(model, graph_input.name, (3, 4, 4), "view.onnx", batch=2)
+    inferred = onnx_format._infer_shapes(model, {graph_input.name: (3, 4, 4)}, "view.onnx", batch=2)
 
     whole = onnx.ModelProto()
     whole.CopyFrom(model)

@@ -590,8 +590,9 @@ def test_spec_shows_the_warnings_of_reading_the_checkpoint(tmp_path):
     assert_clean_exit(invoke("spec", checkpoint, "--arch", spec, "--allow-unused"), 0, "warning:", "extra")
 
 
-def test_an_onnx_model_with_two_inputs_is_an_unsupported_model_exit_4(tmp_path):
-    """Readable, but not a network pathcond rescales from ONNX (a spec may have several inputs)."""
+def test_an_onnx_model_with_two_inputs_has_an_input_layer_for_each(tmp_path):
+    """Each graph input is an input of the network, shaped by name or by its declared shape;
+    one unnamed shape cannot say which input it is for."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -601,9 +602,15 @@ def test_an_onnx_model_with_two_inputs_is_an_unsupported_model_exit_4(tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
     path = tmp_path / "two.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    for shapes in ((), ("--input-shape", "a:4", "--input-shape", "b:4")):
+        result = invoke("spec", path, *shapes)
+        assert_clean_exit(result, 0)
+        layers = yaml.safe_load(result.stdout)["layers"]
+        assert [(layer["name"], layer["shape"]) for layer in layers if layer["type"] == "input"] == [
+            ("a", [4]), ("b", [4])]
+        assert_clean_exit(invoke("inspect", path, *shapes), 0)
     for command in ("inspect", "spec"):
-        assert_clean_exit(invoke(command, path, "--input-shape", "a:4", "--input-shape", "b:4"), 4,
-                          "two.onnx", "'a'", "'b'", "spec")
+        assert_clean_exit(invoke(command, path, "--input-shape", "4"), 2, "two.onnx", "'a'", "'b'", "NAME:SHAPE")
 
 
 def test_a_spec_given_as_model_is_named_for_what_it_is(tmp_path):

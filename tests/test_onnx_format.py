@@ -404,7 +404,7 @@ def _with_symbolic_spatial_dims(data: bytes) -> bytes:
 
 def test_symbolic_spatial_dimensions_need_an_input_shape():
     data = _with_symbolic_spatial_dims(exported("concat", "torchscript"))
-    with pytest.raises(InputError, match="--input-shape"):
+    with pytest.raises(UsageError, match="--input-shape"):
         load_onnx(data, name="fcn.onnx")
     model = load_onnx(data, input_shape=(3, 7, 9))
     assert model.graph.inputs[0].shape == (3, 7, 9)

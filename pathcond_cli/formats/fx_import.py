@@ -65,6 +65,7 @@ def graph_from_module(
     share memory with the module.
     """
     traced = _trace(module, source)
+    _check_one_input(traced, source)
     values, failure = _run_on_zeros(module, traced, tuple(input_shape))
     spec, problems, follow_on = _spec_from_trace(traced, values)
     if failure is not None and (problems or follow_on):
@@ -80,6 +81,20 @@ def graph_from_module(
         )
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
     return graph, {key: tensor.detach() for key, tensor in module.state_dict().items()}
+
+
+def _check_one_input(traced: torch.fx.GraphModule, source: str) -> None:
+    """Refuse, before the module runs on one zero input (which would fail for want of the
+    others and be blamed on the shape), a ``forward`` that takes other than one input."""
+    placeholders = [str(n.target) for n in traced.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != 1:
+        names = ", ".join(f"'{shown(name)}'" for name in placeholders) or "none"
+        raise UnsupportedModelError(
+            f"{source}: the module's forward takes {len(placeholders)} inputs ({names}); pathcond traces modules "
+            "with exactly one. A network with several inputs can be given as its ONNX export (each graph input "
+            "is an input of the network) or as a safetensors checkpoint with a spec that has an input layer "
+            "for each (docs/spec-format.md)."
+        )
 
 
 def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
@@ -203,9 +218,6 @@ def _spec_from_trace(
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != 1:
-        problems.append(f"the module's forward takes {len(placeholders)} inputs; pathcond supports exactly one")
     moves = _Movements(values, names)
     offenders: list[tuple[str, str]] = []
     follow_on: list[str] = []

@@ -93,8 +93,9 @@ def load_onnx(
 ) -> LoadedModel:
     """Read an ONNX ReLU network: its DAG, every tensor it stores, and the model for writing back.
 
-    ``input_shape`` (batch excluded; or ``{input name: shape}``) overrides the shape the model
-    declares and is required when a non-batch dimension of the input is symbolic. ``params``
+    ``input_shape`` (batch excluded; or ``{input name: shape}``, the only form for a model with
+    several inputs) overrides the shape the model declares and is required for each input with
+    a symbolic non-batch dimension. Each graph input becomes an input node of the DAG. ``params``
     holds every initializer and ``Constant`` tensor by ONNX name, plus, for a stored tensor that several layers read
     through ``Identity`` nodes, one copy per such Identity keyed by its output name.
     """
@@ -102,16 +103,17 @@ def load_onnx(
     model, external, serialized = _parse(source, label)
     _check(model, serialized, label)
     del serialized  # the whole file (97 MB for ResNet-50): not held through the rest of the load
-    graph_input = _single_input(model, label)
+    graph_inputs = fed_inputs(model, label)
     from . import shapes_by_input
 
-    override = shapes_by_input(input_shape, [graph_input.name], label).get(graph_input.name)
-    shape = _input_shape(graph_input, override, label)
-    inferred = _folded(_infer_shapes(model, graph_input.name, shape, label), graph_input.name, shape, label)
+    given = shapes_by_input(input_shape, [i.name for i in graph_inputs], label)
+    several = len(graph_inputs) > 1
+    shapes = {i.name: _input_shape(i, given.get(i.name), label, several=several) for i in graph_inputs}
+    inferred = _folded(_infer_shapes(model, shapes, label), shapes, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
     translation = _Translator(inferred, label, read_nodes=model.graph.node)
-    graph = translation.translate(graph_input.name, shape)
+    graph = translation.translate(shapes)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
     for alias, key, node_index, position in translation.splits:
@@ -297,20 +299,22 @@ def _default_opset(model: onnx.ModelProto) -> int | None:
     return versions[0] if versions else None
 
 
-def _single_input(model: onnx.ModelProto, label: str) -> onnx.ValueInfoProto:
+def fed_inputs(model: onnx.ModelProto, label: str) -> list[onnx.ValueInfoProto]:
+    """The graph inputs a caller feeds, in the graph's order: those that are not initializers
+    (an initializer listed as an input is a stored tensor with an overridable default)."""
     initializers = {t.name for t in model.graph.initializer}
     inputs = [i for i in model.graph.input if i.name not in initializers]
-    if len(inputs) != 1:
-        names = ", ".join(f"'{i.name}'" for i in inputs) or "none"
+    if not inputs:
         raise UnsupportedModelError(
-            f"{label}: pathcond rescales ONNX models with exactly one input; this one has {len(inputs)} ({names}). "
-            "A network with several inputs can be given as a safetensors checkpoint with a spec that has an "
-            "input layer for each (docs/spec-format.md).")
-    return inputs[0]
+            f"{label}: the ONNX graph has no input to feed (every graph input is an initializer): "
+            "its outputs are constants, not a network of its input.")
+    return inputs
 
 
-def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | None, label: str) -> tuple[int, ...]:
-    """The batch-free input shape: ``override`` if given, else the model's declared dimensions."""
+def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | None, label: str,
+                 *, several: bool = False) -> tuple[int, ...]:
+    """The batch-free shape of one input: ``override`` if given, else the model's declared
+    dimensions (``several``: the model has other inputs, so a shape must name its input)."""
     tensor_type = graph_input.type.tensor_type
     declared = (
         [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
@@ -333,30 +337,37 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
         return override
     if declared is None or any(d is None for d in declared[1:]):
         shown = "unknown" if declared is None else "(" + ", ".join("?" if d is None else str(d) for d in declared) + ")"
-        raise InputError(
-            f"{label}: the shape of input '{graph_input.name}' is {shown}; pass --input-shape with the "
-            "dimensions after the batch dimension (for example --input-shape 3,224,224)."
+        named = f"--input-shape {graph_input.name}:3,224,224"
+        raise UsageError(
+            f"{label}: the shape of input '{graph_input.name}' is {shown}; pass --input-shape "
+            f"{'NAME:SHAPE' if several else '[NAME:]SHAPE'} with the dimensions after the batch dimension "
+            + (f"(for example {named}), once for each input whose shape the model leaves open." if several
+               else f"(for example --input-shape 3,224,224 or {named}).")
         )
     return tuple(declared[1:])
 
 
 def _infer_shapes(
-    model: onnx.ModelProto, input_name: str, shape: tuple[int, ...], label: str, batch: int | None = None
+    model: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], label: str, batch: int | None = None
 ) -> onnx.ModelProto:
-    """A copy of ``model`` with the input's non-batch dimensions fixed and every value's shape inferred.
+    """A copy of ``model`` with each input's non-batch dimensions fixed to its entry of
+    ``shapes`` and every value's shape inferred.
 
-    The batch is ``batch`` if given, else the declared one, else 2.
+    One batch for every input: ``batch`` if given, else the first one an input declares, else 2.
     """
     copy, weights = _without_weight_data(model)
-    graph_input = next(i for i in copy.graph.input if i.name == input_name)
-    dims = graph_input.type.tensor_type.shape.dim
+    graph_inputs = {i.name: i for i in copy.graph.input if i.name in shapes}
     # A concrete batch lets inference resolve the Shape → Gather → Concat → Reshape chains that
     # exporters emit for ``x.view(x.size(0), -1)``; 2 cannot be mistaken for a squeezable axis.
     if batch is None:
-        batch = dims[0].dim_value if len(dims) and dims[0].HasField("dim_value") else 2
-    del dims[:]
-    for d in (batch, *shape):
-        dims.add().dim_value = d
+        declared = [dims[0].dim_value for dims in (i.type.tensor_type.shape.dim for i in graph_inputs.values())
+                    if len(dims) and dims[0].HasField("dim_value")]
+        batch = declared[0] if declared else 2
+    for name, shape in shapes.items():
+        dims = graph_inputs[name].type.tensor_type.shape.dim
+        del dims[:]
+        for d in (batch, *shape):
+            dims.add().dim_value = d
     # Shapes recorded at export time hold for the export's input size only: infer them afresh.
     del copy.graph.value_info[:]
     for output in copy.graph.output:
@@ -364,8 +375,10 @@ def _infer_shapes(
     try:
         inferred = onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as exc:
+        given = ", ".join(f"'{name}' {shape}" for name, shape in shapes.items()) if len(shapes) > 1 else \
+            str(next(iter(shapes.values())))
         raise InputError(
-            f"{label}: ONNX shape inference fails for input shape {shape}: {_one_line(exc)}"
+            f"{label}: ONNX shape inference fails for input shape {given}: {_one_line(exc)}"
         ) from None
     initializers = inferred.graph.initializer
     for index, tensor in weights.items():
@@ -394,13 +407,14 @@ def _without_weight_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[
     return copy, weights
 
 
-def _folded(inferred: onnx.ModelProto, input_name: str, shape: tuple[int, ...], label: str) -> onnx.ModelProto:
+def _folded(inferred: onnx.ModelProto, shapes: dict[str, tuple[int, ...]], label: str) -> onnx.ModelProto:
     """``inferred`` with its run-time shape arithmetic folded to constants, shapes inferred again."""
-    batch = next(i for i in inferred.graph.input if i.name == input_name).type.tensor_type.shape.dim[0].dim_value
+    first = next(iter(shapes))
+    batch = next(i for i in inferred.graph.input if i.name == first).type.tensor_type.shape.dim[0].dim_value
 
     def other_batch(model: onnx.ModelProto) -> onnx.ModelProto | None:
         try:
-            return _infer_shapes(model, input_name, shape, label, batch=batch + 1)
+            return _infer_shapes(model, shapes, label, batch=batch + 1)
         except InputError:
             return None  # a graph fixed to its batch: every folded value counts as batch-dependent
 
@@ -410,7 +424,7 @@ def _folded(inferred: onnx.ModelProto, input_name: str, shape: tuple[int, ...], 
         folded = fold_shape_arithmetic(inferred, other_batch)
         if _constant_count(folded) == _constant_count(inferred):
             return inferred
-        inferred = _infer_shapes(folded, input_name, shape, label, batch=batch)
+        inferred = _infer_shapes(folded, shapes, label, batch=batch)
 
 
 def _constant_count(model: onnx.ModelProto) -> int:
@@ -548,9 +562,11 @@ class _Translator:
 
     # ---- driver
 
-    def translate(self, input_name: str, input_shape: tuple[int, ...]) -> Graph:
-        self._emit(Input(self._unique(input_name), shape=input_shape), input_name)
-        self.activations.add(input_name)
+    def translate(self, shapes: dict[str, tuple[int, ...]]) -> Graph:
+        """The DAG, with an input node for each of ``shapes`` (ONNX input name → batch-free shape)."""
+        for input_name, input_shape in shapes.items():
+            self._emit(Input(self._unique(input_name), shape=input_shape), input_name)
+            self.activations.add(input_name)
         needed = self._needed_values()
         for node in self.onnx_nodes:
             if not any(out in needed for out in node.output):
@@ -1502,15 +1518,17 @@ def _update_metadata(proto: onnx.ModelProto, metadata: dict[str, str]) -> None:
 # --------------------------------------------------------------------------- verification
 
 
-def reference_outputs(source: Path | bytes, inputs: np.ndarray) -> list[np.ndarray]:
+def reference_outputs(source: Path | bytes, inputs: np.ndarray | dict[str, np.ndarray]) -> list[np.ndarray]:
     """The model's outputs on ``inputs`` by ONNX's own reference evaluator (independent of ours).
 
-    ``inputs`` is cast to the element type the model declares for its input.
+    ``inputs`` is the one input's array, or arrays by input name; each is cast to the element
+    type the model declares for its input.
     """
     from onnx.reference import ReferenceEvaluator
 
     model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(str(source))
-    graph_input = _single_input(model, "<reference>")
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(graph_input.type.tensor_type.elem_type)
-    outputs = ReferenceEvaluator(model).run(None, {graph_input.name: np.asarray(inputs).astype(dtype)})
-    return [np.asarray(o) for o in outputs]
+    graph_inputs = fed_inputs(model, "<reference>")
+    arrays = inputs if isinstance(inputs, dict) else {graph_inputs[0].name: inputs}
+    feeds = {i.name: np.asarray(arrays[i.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
+             for i in graph_inputs}
+    return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]

@@ -391,9 +391,11 @@ def _graph_from_arch(arch: str, input_shape: InputShape | None) -> Graph:
 
 
 def _graph_from_factory(arch: str, input_shape: InputShape | None) -> Graph:
-    """The traced graph of the module ``arch`` returns; ``input_shape`` may name the module's one input."""
+    """The traced graph of the module ``arch`` returns; ``input_shape`` may name the module's one input
+    (the module is traced with the first shape named: one whose forward takes several is refused
+    before it runs, and a name that is not its input afterwards)."""
     named = dict(input_shape) if isinstance(input_shape, Mapping) else {}
-    if input_shape is None or len(named) > 1:
+    if input_shape is None:
         raise UsageError(
             f"--arch '{arch}': tracing a Python factory needs the batch-free shape of the module's one input "
             "(--input-shape, e.g. 3,32,32)"
