@@ -358,12 +358,18 @@ ZERO_FUNCTION_NOTE = (
     "the zero function, or a constant). Nothing to rescale: u = 0 and the file is written unchanged; "
     "the objective is undefined and reported as 0."
 )
+NO_PARAMETERS_NOTE = (
+    "the network has no parameters (weights or biases) to rescale: u = 0 and the file is written unchanged; "
+    "the objective is undefined and reported as 0."
+)
 
 
 def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str, tol: float, max_iter: int) -> SolveResult:
-    """The trivial solve of a network whose path kernel is zero: every group stays at u = 0."""
-    if ZERO_FUNCTION_NOTE not in model.warnings:
-        model.warnings.append(ZERO_FUNCTION_NOTE)
+    """The trivial solve of a network whose path kernel is zero (or has no entry: no parameter):
+    every group stays at u = 0."""
+    note = NO_PARAMETERS_NOTE if analysis.groups.p == 0 else ZERO_FUNCTION_NOTE
+    if note not in model.warnings:
+        model.warnings.append(note)
     u = torch.zeros(analysis.groups.num_free, dtype=torch.float64)
     return SolveResult(solver, u, [0.0], 0.0, True, 0, 0, tol=tol, max_iter=max_iter)
 

@@ -306,6 +306,24 @@ def test_bias_free_all_zero_network_is_a_success_with_a_note(tmp_path):
     assert_clean_exit(invoke("inspect", checkpoint, "--arch", spec_path, "-q"), 0)
 
 
+def test_a_network_without_parameters_is_written_unchanged_with_a_note_saying_so(tmp_path):
+    """relu(x + x) has paths but no weight: it was an internal error (exit 1) in verification."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "x"], ["s"]), helper.make_node("Relu", ["s"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+    model = tmp_path / "net.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(model))
+    out = tmp_path / "out.onnx"
+    result = invoke("rescale", model, "-o", out, "--json")
+    assert_clean_exit(result, 0)
+    report = parse_single_json(result.stdout)
+    assert report["verification"]["passed"] and report["u_inf"] == 0.0
+    assert any("has no parameters" in w for w in report["warnings"])
+    assert not any("zero function" in w for w in report["warnings"])
+    assert onnx.load(str(out)).graph.node[0].op_type == "Add"
+
+
 # -- 10. a bug in the importer is a bug, not an inconsistent model -----------------------------
 
 
