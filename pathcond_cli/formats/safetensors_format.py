@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 
 from ..errors import InputError, InvalidWeightsError, OutputError, UsageError
-from ..fileio import atomic_write, is_companion_name
+from ..fileio import atomic_write, describe, is_companion_name
 from ..graph import Graph
 from ..model import LoadedModel
 from . import InputShape, check_weight_types, contained_file, named_by_another_file, parse_json, shapes_by_input, shown
@@ -165,24 +165,35 @@ def _read_file(path: Path, display: str) -> tuple[Mapping[str, torch.Tensor], Sa
 
 
 class MappedTensors(Mapping[str, torch.Tensor]):
-    """The tensors of one safetensors file, memory-mapped rather than read.
+    """The tensors of one safetensors file, each read from the open file only when asked for.
 
-    The file is mapped once (copy-on-write: writing to a tensor never reaches the file) and
-    each tensor is a view of its bytes, so loading costs no memory and a tensor's pages are
-    only read when it is used; they are file pages the kernel can drop and read again. The
-    mapping keeps the file as it was opened even if its name is later replaced (an in-place
-    run renames the rescaled file onto it).
+    Loading costs no memory: a tensor's bytes are read (``pread``) when it is used and freed
+    when it is let go. The file stays open, so reads keep seeing the file as it was opened even
+    if its name is later replaced (an in-place run renames the rescaled file onto it). Reading
+    rather than mapping is deliberate: a mapped file that another process truncates (a training
+    job saving over its checkpoint) kills the reader with SIGBUS, without a word; read, it is an
+    input error naming the file. safetensors before 0.8 can only map.
     """
 
     def __init__(self, path: Path):
-        self._file = safetensors.safe_open(str(path), framework="pt")
+        self._path = path
+        try:
+            self._file = safetensors.safe_open(str(path), framework="pt", backend="pread")
+        except TypeError:  # safetensors < 0.8 has no backend argument
+            self._file = safetensors.safe_open(str(path), framework="pt")
         self._keys = tuple(self._file.keys())
         self._known = frozenset(self._keys)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._known:
             raise KeyError(key)
-        return self._file.get_tensor(key)
+        try:
+            return self._file.get_tensor(key)
+        except _SAFETENSORS_ERRORS as exc:
+            raise InputError(
+                f"{describe(self._path)}: tensor '{shown(key)}' can no longer be read ({exc}): the file was "
+                "truncated or replaced in place while pathcond read it. Run again once nothing writes it."
+            ) from None
 
     def __iter__(self):
         return iter(self._keys)
