@@ -62,3 +62,57 @@ def test_a_shard_truncated_during_an_in_place_run_leaves_the_index_and_shards_as
     assert result.returncode == 3, f"exit {result.returncode}\n{result.stderr}"
     assert "model-00002-of-00002.safetensors" in result.stderr and "Traceback" not in result.stderr
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p != shard} == before
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    floats = torch.randn(7, generator=generator, dtype=torch.float64)
+    counts = torch.arange(3)
+    tensors = {name: floats.to(dtype) for name, dtype in [("f64", torch.float64), ("f32", torch.float32),
+                                                           ("f16", torch.float16), ("bf16", torch.bfloat16),
+                                                           ("f8", torch.float8_e4m3fn), ("f8b", torch.float8_e5m2)]}
+    tensors |= {name: counts.to(dtype) for name, dtype in [("i64", torch.int64), ("i32", torch.int32),
+                                                            ("i16", torch.int16), ("i8", torch.int8), ("u8", torch.uint8),
+                                                            ("u16", torch.uint16), ("u32", torch.uint32),
+                                                            ("u64", torch.uint64)]}
+    tensors |= {"mask": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4), "scalar": torch.tensor(3.5),
+                "c64": torch.randn(2, generator=generator, dtype=torch.complex64)}
+    return tensors
+
+
+def test_the_streaming_writer_writes_what_save_file_writes(tmp_path):
+    """Every dtype safetensors stores, an empty and a 0-d tensor, and metadata: the bytes of
+    ``write_tensors`` are those of ``safetensors.torch.save_file`` (its layout order included),
+    and both of safetensors' readers give the tensors back."""
+    from pathcond_cli.formats.safetensors_format import MappedTensors, write_tensors
+
+    tensors = _every_dtype()
+    reference = tmp_path / "reference.safetensors"
+    safetensors.torch.save_file(tensors, str(reference), metadata={"format": "pt"})
+    mine = tmp_path / "mine.safetensors"
+    write_tensors(MappedTensors(reference), mine, originals=MappedTensors(reference), metadata={"format": "pt"})
+    assert mine.read_bytes() == reference.read_bytes()
+    loaded = safetensors.torch.load_file(str(mine))
+    with safetensors.safe_open(str(mine), framework="pt") as handle:
+        assert handle.metadata() == {"format": "pt"}
+        opened = {key: handle.get_tensor(key) for key in handle.keys()}
+    for key, tensor in tensors.items():
+        for read in (loaded[key], opened[key]):
+            assert read.dtype == tensor.dtype and read.shape == tensor.shape
+            assert torch.equal(read.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+
+
+def test_the_streaming_writer_takes_views_of_shared_and_strided_storage(tmp_path):
+    from collections import ChainMap
+
+    from pathcond_cli.formats.safetensors_format import MappedTensors, write_tensors
+
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    source = tmp_path / "in.safetensors"
+    safetensors.torch.save_file({"a": torch.zeros(6, 4), "b": torch.zeros(4), "c": torch.zeros(6)}, str(source))
+    originals = MappedTensors(source)
+    out = tmp_path / "out.safetensors"
+    write_tensors(ChainMap({"a": base.T, "b": base[:, 1], "c": base[1]}, originals), out, originals=originals,
+                  metadata={})
+    loaded = safetensors.torch.load_file(str(out))
+    assert torch.equal(loaded["a"], base.T) and torch.equal(loaded["b"], base[:, 1]) and torch.equal(loaded["c"], base[1])

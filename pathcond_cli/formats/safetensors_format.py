@@ -502,7 +502,7 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
     checkpoint is never held whole in memory (safetensors' own writer serialises it at once)."""
     if sys.byteorder != "little":
         raise OutputError("safetensors stores little-endian values; pathcond cannot write them on a big-endian machine")
-    order = sorted(originals, key=lambda key: (-originals[key].element_size(), key))
+    order = sorted(originals, key=lambda key: _layout_rank(originals[key].dtype) + (key,))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key in order:
@@ -523,6 +523,16 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
+# save_file's layout: by dtype in this order (its Dtype enum reversed), then by name. Sizes never
+# grow along it, so every tensor stays aligned; the header then equals save_file's.
+_SAVE_FILE_DTYPE_ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16",
+                          "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+
+
+def _layout_rank(dtype: torch.dtype) -> tuple[int, int]:
+    name = _DTYPE_NAMES[dtype]
+    known = _SAVE_FILE_DTYPE_ORDER.index(name) if name in _SAVE_FILE_DTYPE_ORDER else len(_SAVE_FILE_DTYPE_ORDER)
+    return -torch.empty((), dtype=dtype).element_size(), known
 
 
 def _write_sharded(
