@@ -131,6 +131,11 @@ def check_batch_destinations(planned: Sequence[PlannedOutput], *, in_place: bool
     for index, plan in enumerate(planned):
         for key in _identities(plan.destination):
             other = owners.setdefault(key, index)
+            if other != index and same_file(planned[other].source, plan.source):
+                raise OutputError(
+                    f"refusing to write: '{describe(plan.source)}' is given twice (also as "
+                    f"'{describe(planned[other].source)}'). Nothing was written; give each file once."
+                )
             if other != index:
                 raise OutputError(
                     f"refusing to write: '{describe(planned[other].source)}' and '{describe(plan.source)}' would "

@@ -116,3 +116,19 @@ def test_the_streaming_writer_takes_views_of_shared_and_strided_storage(tmp_path
                   metadata={})
     loaded = safetensors.torch.load_file(str(out))
     assert torch.equal(loaded["a"], base.T) and torch.equal(loaded["b"], base[:, 1]) and torch.equal(loaded["c"], base[1])
+
+
+def test_a_file_given_twice_is_named_as_such_before_any_work(tmp_path):
+    """Overlapping globs (``ckpt/*.safetensors ckpt/step-*``) name a file twice: the refusal says
+    so, rather than advising to rename one of two files that are one."""
+    from cli_support import assert_clean_exit, invoke
+
+    checkpoint, spec = write_mlp(tmp_path, "m")
+    out = tmp_path / "out"
+    out.mkdir()
+    twice = tmp_path / "." / "m.safetensors"
+    for extra in ([], ["--in-place"]):
+        stderr = assert_clean_exit(invoke("rescale", checkpoint, twice, "--arch", spec, *(extra or ["--output-dir", out])),
+                                   6, "is given twice", "give each file once")
+        assert "rename one of them" not in stderr
+    assert list(out.iterdir()) == []
