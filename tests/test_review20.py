@@ -132,3 +132,55 @@ def test_a_file_given_twice_is_named_as_such_before_any_work(tmp_path):
                                    6, "is given twice", "give each file once")
         assert "rename one of them" not in stderr
     assert list(out.iterdir()) == []
+
+
+def test_a_run_on_another_machine_leaves_this_runs_staging_alone(tmp_path, monkeypatch):
+    """The Slurm array of docs/clusters.md: tasks on several nodes write into one shared
+    folder, and each run clears the staging of processes that no longer run. A process id
+    means nothing on another node: there, this run's pid is not alive, yet its staging must
+    survive the other node's clean-up, or this run fails (its staging deleted mid-write)."""
+    import os
+    import socket
+
+    from cli_support import assert_clean_exit, invoke
+
+    import pathcond_cli.fileio as fileio
+    import pathcond_cli.formats.safetensors_format as formats
+
+    checkpoint, spec = write_mlp(tmp_path, "m")
+    shared = tmp_path / "rescaled"
+    shared.mkdir()
+    monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
+    write = formats.write_tensors
+
+    def another_node_starts_a_run(*args, **kwargs):
+        mine = os.getpid()
+        with monkeypatch.context() as node_b:
+            node_b.setattr(socket, "gethostname", lambda: "node-b")
+            node_b.setattr(os, "getpid", lambda: mine + 1)
+            node_b.setattr(fileio, "_process_alive", lambda pid: pid == mine + 1)
+            fileio.remove_stale_staging(shared)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "write_tensors", another_node_starts_a_run)
+    assert_clean_exit(invoke("rescale", checkpoint, "--arch", spec, "--output-dir", shared, "-q"), 0)
+    assert sorted(p.name for p in shared.iterdir()) == ["m.pathcond.safetensors"]
+    safetensors.torch.load_file(str(shared / "m.pathcond.safetensors"))
+
+
+def test_staging_of_a_dead_process_on_this_machine_is_still_removed(tmp_path):
+    import re
+
+    import pathcond_cli.fileio as fileio
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    with fileio.atomic_path(tmp_path / "out.json") as staged:
+        ours = staged.name
+    here = tmp_path / re.sub(r"\.pid\d+", f".pid{dead}", ours)
+    elsewhere = tmp_path / re.sub(r"\.pid\d+h[0-9a-f]{8}", f".pid{dead}h{'f' * 8}", ours)
+    assert here != elsewhere, ours
+    for path in (here, elsewhere):
+        path.write_bytes(b"half")
+    fileio.remove_stale_staging(tmp_path)
+    assert not here.exists() and elsewhere.exists()
