@@ -39,6 +39,36 @@ def _run_truncating(victim: Path, *args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=CLEAN_ENV, timeout=300)
 
 
+def test_an_input_rewritten_at_the_same_size_while_read_is_an_input_error(tmp_path, monkeypatch):
+    """A training job rewriting the checkpoint in place (same size, other values) between the
+    solve and the write: the writer would rescale bytes the solver never saw, and the
+    verification (reading the new bytes too) would pass. Exit 3, nothing written."""
+    import os
+
+    from cli_support import assert_clean_exit, invoke
+
+    import pathcond_cli.formats.safetensors_format as formats
+
+    checkpoint, spec = write_mlp(tmp_path, "m")
+    rewritten = tmp_path / "rewritten.safetensors"
+    safetensors.torch.save_file(mlp_tensors(seed=1), str(rewritten))
+    assert rewritten.stat().st_size == checkpoint.stat().st_size
+    write = formats.write_tensors
+
+    def rewriting(*args, **kwargs):
+        with open(checkpoint, "r+b") as handle:
+            handle.write(rewritten.read_bytes())
+        stamp = checkpoint.stat().st_mtime_ns + 10**9
+        os.utime(checkpoint, ns=(stamp, stamp))  # a coarse clock could leave the time as it was
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "write_tensors", rewriting)
+    out = tmp_path / "out.safetensors"
+    assert_clean_exit(invoke("rescale", checkpoint, "--arch", spec, "-o", out, "-q"), 3,
+                      "m.safetensors", "written in place while pathcond read it")
+    assert not out.exists()
+
+
 def test_an_input_truncated_while_read_is_an_input_error_not_a_bus_error(tmp_path):
     """A mapped file cut short under the reader kills it with SIGBUS (no message, a core dump
     where cores are on); read with pread it is exit 3 naming the file, and nothing is written."""
@@ -48,7 +78,7 @@ def test_an_input_truncated_while_read_is_an_input_error_not_a_bus_error(tmp_pat
     out = tmp_path / "out.safetensors"
     result = _run_truncating(checkpoint, "rescale", checkpoint, "--arch", spec, "-o", out, "-q")
     assert result.returncode == 3, f"exit {result.returncode}\n{result.stderr}"
-    assert "m.safetensors" in result.stderr and "truncated or replaced" in result.stderr
+    assert "m.safetensors" in result.stderr and "truncated or written in place" in result.stderr
     assert "Traceback" not in result.stderr
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.arch.yaml", "m.safetensors"]

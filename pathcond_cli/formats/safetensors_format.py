@@ -172,7 +172,9 @@ class MappedTensors(Mapping[str, torch.Tensor]):
     if its name is later replaced (an in-place run renames the rescaled file onto it). Reading
     rather than mapping is deliberate: a mapped file that another process truncates (a training
     job saving over its checkpoint) kills the reader with SIGBUS, without a word; read, it is an
-    input error naming the file. safetensors before 0.8 can only map.
+    input error naming the file. safetensors before 0.8 can only map. A file written in place
+    while it is read (its size or time changed, the name still the opened file) is the same
+    error: later reads would mix its old and new bytes.
     """
 
     def __init__(self, path: Path):
@@ -181,6 +183,7 @@ class MappedTensors(Mapping[str, torch.Tensor]):
             self._file = safetensors.safe_open(str(path), framework="pt", backend="pread")
         except TypeError:  # safetensors < 0.8 has no backend argument
             self._file = safetensors.safe_open(str(path), framework="pt")
+        self._opened = _file_state(path)
         self._keys = tuple(self._file.keys())
         self._known = frozenset(self._keys)
 
@@ -188,18 +191,35 @@ class MappedTensors(Mapping[str, torch.Tensor]):
         if key not in self._known:
             raise KeyError(key)
         try:
-            return self._file.get_tensor(key)
+            tensor = self._file.get_tensor(key)
         except _SAFETENSORS_ERRORS as exc:
-            raise InputError(
-                f"{describe(self._path)}: tensor '{shown(key)}' can no longer be read ({exc}): the file was "
-                "truncated or replaced in place while pathcond read it. Run again once nothing writes it."
-            ) from None
+            raise self._changed(key, str(exc)) from None
+        now = _file_state(self._path)
+        # A name now naming another file (renamed over, deleted) leaves the opened one as it was.
+        if now is not None and self._opened is not None and now[:2] == self._opened[:2] and now != self._opened:
+            raise self._changed(key, "its size or modification time changed")
+        return tensor
+
+    def _changed(self, key: str, reason: str) -> InputError:
+        return InputError(
+            f"{describe(self._path)}: tensor '{shown(key)}' can no longer be read as it was ({reason}): the file "
+            "was truncated or written in place while pathcond read it. Run again once nothing writes it."
+        )
 
     def __iter__(self):
         return iter(self._keys)
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+def _file_state(path: Path) -> tuple[int, int, int, int] | None:
+    """Device, inode, size and modification time of the file ``path`` names (None if it names none)."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def _utf8_path(path: Path) -> bool:
