@@ -105,6 +105,27 @@ def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_plac
                 )
 
 
+def file_state(path: Path) -> tuple[int, int, int, int] | None:
+    """Device, inode, size and modification time of the file ``path`` names (None if it names
+    none): what tells that a file was written or replaced since it was read."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def check_unchanged(states: dict[Path, tuple[int, int, int, int] | None]) -> None:
+    """Refuse to replace input files that another process wrote or replaced since they were read
+    (``states``: :func:`file_state` of each when read): replacing them would lose that write."""
+    for path, state in states.items():
+        if file_state(path) != state:
+            raise OutputError(
+                f"refusing to replace '{describe(path)}': another process wrote or replaced it since pathcond read "
+                f"it, so it is left as it is. {NOTHING_WRITTEN}"
+            )
+
+
 def check_output_directory(directory: Path) -> None:
     """Refuse before any work an ``--output-dir`` that is missing, not a directory or not writable."""
     shown = describe(directory)

@@ -214,3 +214,58 @@ def test_staging_of_a_dead_process_on_this_machine_is_still_removed(tmp_path):
         path.write_bytes(b"half")
     fileio.remove_stale_staging(tmp_path)
     assert not here.exists() and elsewhere.exists()
+
+
+def test_in_place_never_replaces_an_input_another_process_replaced_meanwhile(tmp_path, monkeypatch):
+    """A training job saves a newer checkpoint over the one an in-place run is rescaling (write
+    to a temporary file, rename: the run keeps reading the file it opened). Renaming the
+    rescaled old weights onto the name would silently lose the newer checkpoint: exit 6, the
+    newer file left as it is, no staging left."""
+    import os
+
+    from cli_support import assert_clean_exit, invoke
+
+    import pathcond_cli.formats.safetensors_format as formats
+
+    checkpoint, spec = write_mlp(tmp_path, "m")
+    newer = tmp_path / "newer.safetensors"
+    safetensors.torch.save_file(mlp_tensors(seed=7), str(newer))
+    saved = newer.read_bytes()
+    write = formats.write_tensors
+
+    def training_job_saves_meanwhile(*args, **kwargs):
+        if newer.exists():
+            os.replace(newer, checkpoint)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "write_tensors", training_job_saves_meanwhile)
+    assert_clean_exit(invoke("rescale", checkpoint, "--arch", spec, "--in-place", "-q"), 6,
+                      "m.safetensors", "another process wrote or replaced it")
+    assert checkpoint.read_bytes() == saved
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.arch.yaml", "m.safetensors"]
+
+
+def test_in_place_of_a_sharded_checkpoint_whose_shard_was_replaced_meanwhile_is_refused(tmp_path, monkeypatch):
+    """The replaced shard is one the run would delete once the new index is in place."""
+    import os
+
+    from cli_support import assert_clean_exit, invoke
+
+    import pathcond_cli.formats.safetensors_format as formats
+
+    index, spec = write_sharded_mlp(tmp_path)
+    shard = tmp_path / "model-00001-of-00002.safetensors"
+    newer = {key: 2 * tensor for key, tensor in safetensors.torch.load_file(str(shard)).items()}
+    write = formats.write_tensors
+    replaced = []
+
+    def replacing(*args, **kwargs):
+        if not replaced:
+            safetensors.torch.save_file(newer, str(tmp_path / "saving.tmp"), metadata={"format": "pt"})
+            os.replace(tmp_path / "saving.tmp", shard)
+            replaced.append({p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()})
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "write_tensors", replacing)
+    assert_clean_exit(invoke("rescale", index, "--arch", spec, "--in-place", "-q"), 6, "another process")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == replaced[0]  # and no staging left

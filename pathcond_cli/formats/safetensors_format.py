@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 
 from ..errors import InputError, InvalidWeightsError, OutputError, UsageError
-from ..fileio import atomic_write, describe, is_companion_name
+from ..fileio import atomic_write, describe, file_state, is_companion_name
 from ..graph import Graph
 from ..model import LoadedModel
 from . import InputShape, check_weight_types, contained_file, named_by_another_file, parse_json, shapes_by_input, shown
@@ -183,7 +183,7 @@ class MappedTensors(Mapping[str, torch.Tensor]):
             self._file = safetensors.safe_open(str(path), framework="pt", backend="pread")
         except TypeError:  # safetensors < 0.8 has no backend argument
             self._file = safetensors.safe_open(str(path), framework="pt")
-        self._opened = _file_state(path)
+        self._opened = file_state(path)
         self._keys = tuple(self._file.keys())
         self._known = frozenset(self._keys)
 
@@ -194,7 +194,7 @@ class MappedTensors(Mapping[str, torch.Tensor]):
             tensor = self._file.get_tensor(key)
         except _SAFETENSORS_ERRORS as exc:
             raise self._changed(key, str(exc)) from None
-        now = _file_state(self._path)
+        now = file_state(self._path)
         # A name now naming another file (renamed over, deleted) leaves the opened one as it was.
         if now is not None and self._opened is not None and now[:2] == self._opened[:2] and now != self._opened:
             raise self._changed(key, "its size or modification time changed")
@@ -211,15 +211,6 @@ class MappedTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._keys)
-
-
-def _file_state(path: Path) -> tuple[int, int, int, int] | None:
-    """Device, inode, size and modification time of the file ``path`` names (None if it names none)."""
-    try:
-        status = os.stat(path)
-    except OSError:
-        return None
-    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def _utf8_path(path: Path) -> bool:
