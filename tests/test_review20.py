@@ -3,16 +3,23 @@ they are read, the streaming writer against safetensors' own, many files in one 
 
 from __future__ import annotations
 
+import os
+import re
+import socket
 import subprocess
 import sys
 import textwrap
+from collections import ChainMap
 from pathlib import Path
 
 import safetensors
 import safetensors.torch
 import torch
 
-from cli_support import CLEAN_ENV, mlp_tensors, write_mlp, write_sharded_mlp
+import pathcond_cli.fileio as fileio
+import pathcond_cli.formats.safetensors_format as formats
+from cli_support import CLEAN_ENV, assert_clean_exit, invoke, mlp_tensors, write_mlp, write_sharded_mlp
+from pathcond_cli.formats.safetensors_format import MappedTensors, write_tensors
 
 # Runs the CLI with the input truncated by "another process" just before the output is written,
 # after the solver has read every tensor once: the writer and the verification read them again.
@@ -43,12 +50,6 @@ def test_an_input_rewritten_at_the_same_size_while_read_is_an_input_error(tmp_pa
     """A training job rewriting the checkpoint in place (same size, other values) between the
     solve and the write: the writer would rescale bytes the solver never saw, and the
     verification (reading the new bytes too) would pass. Exit 3, nothing written."""
-    import os
-
-    from cli_support import assert_clean_exit, invoke
-
-    import pathcond_cli.formats.safetensors_format as formats
-
     checkpoint, spec = write_mlp(tmp_path, "m")
     rewritten = tmp_path / "rewritten.safetensors"
     safetensors.torch.save_file(mlp_tensors(seed=1), str(rewritten))
@@ -114,8 +115,6 @@ def test_the_streaming_writer_writes_what_save_file_writes(tmp_path):
     """Every dtype safetensors stores, an empty and a 0-d tensor, and metadata: the bytes of
     ``write_tensors`` are those of ``safetensors.torch.save_file`` (its layout order included),
     and both of safetensors' readers give the tensors back."""
-    from pathcond_cli.formats.safetensors_format import MappedTensors, write_tensors
-
     tensors = _every_dtype()
     reference = tmp_path / "reference.safetensors"
     safetensors.torch.save_file(tensors, str(reference), metadata={"format": "pt"})
@@ -133,10 +132,6 @@ def test_the_streaming_writer_writes_what_save_file_writes(tmp_path):
 
 
 def test_the_streaming_writer_takes_views_of_shared_and_strided_storage(tmp_path):
-    from collections import ChainMap
-
-    from pathcond_cli.formats.safetensors_format import MappedTensors, write_tensors
-
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     source = tmp_path / "in.safetensors"
     safetensors.torch.save_file({"a": torch.zeros(6, 4), "b": torch.zeros(4), "c": torch.zeros(6)}, str(source))
@@ -151,8 +146,6 @@ def test_the_streaming_writer_takes_views_of_shared_and_strided_storage(tmp_path
 def test_a_file_given_twice_is_named_as_such_before_any_work(tmp_path):
     """Overlapping globs (``ckpt/*.safetensors ckpt/step-*``) name a file twice: the refusal says
     so, rather than advising to rename one of two files that are one."""
-    from cli_support import assert_clean_exit, invoke
-
     checkpoint, spec = write_mlp(tmp_path, "m")
     out = tmp_path / "out"
     out.mkdir()
@@ -169,14 +162,6 @@ def test_a_run_on_another_machine_leaves_this_runs_staging_alone(tmp_path, monke
     folder, and each run clears the staging of processes that no longer run. A process id
     means nothing on another node: there, this run's pid is not alive, yet its staging must
     survive the other node's clean-up, or this run fails (its staging deleted mid-write)."""
-    import os
-    import socket
-
-    from cli_support import assert_clean_exit, invoke
-
-    import pathcond_cli.fileio as fileio
-    import pathcond_cli.formats.safetensors_format as formats
-
     checkpoint, spec = write_mlp(tmp_path, "m")
     shared = tmp_path / "rescaled"
     shared.mkdir()
@@ -199,10 +184,6 @@ def test_a_run_on_another_machine_leaves_this_runs_staging_alone(tmp_path, monke
 
 
 def test_staging_of_a_dead_process_on_this_machine_is_still_removed(tmp_path):
-    import re
-
-    import pathcond_cli.fileio as fileio
-
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     with fileio.atomic_path(tmp_path / "out.json") as staged:
@@ -221,12 +202,6 @@ def test_in_place_never_replaces_an_input_another_process_replaced_meanwhile(tmp
     to a temporary file, rename: the run keeps reading the file it opened). Renaming the
     rescaled old weights onto the name would silently lose the newer checkpoint: exit 6, the
     newer file left as it is, no staging left."""
-    import os
-
-    from cli_support import assert_clean_exit, invoke
-
-    import pathcond_cli.formats.safetensors_format as formats
-
     checkpoint, spec = write_mlp(tmp_path, "m")
     newer = tmp_path / "newer.safetensors"
     safetensors.torch.save_file(mlp_tensors(seed=7), str(newer))
@@ -247,12 +222,6 @@ def test_in_place_never_replaces_an_input_another_process_replaced_meanwhile(tmp
 
 def test_in_place_of_a_sharded_checkpoint_whose_shard_was_replaced_meanwhile_is_refused(tmp_path, monkeypatch):
     """The replaced shard is one the run would delete once the new index is in place."""
-    import os
-
-    from cli_support import assert_clean_exit, invoke
-
-    import pathcond_cli.formats.safetensors_format as formats
-
     index, spec = write_sharded_mlp(tmp_path)
     shard = tmp_path / "model-00001-of-00002.safetensors"
     newer = {key: 2 * tensor for key, tensor in safetensors.torch.load_file(str(shard)).items()}
