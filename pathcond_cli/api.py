@@ -496,7 +496,7 @@ def save(
     on ``result`` too. With ``self_contained`` an ONNX model read with external data is written
     as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB).
     """
-    from .fileio import check_destination, describe, resolve_destination, staged_output
+    from .fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
     from .formats import replaced_companions, write_model
 
     model = result.analysis.model
@@ -518,7 +518,9 @@ def save(
             "verify_written", lambda: _verify_written(model, stage.path, input_shape, name=str(destination))
         )
         stage.obsolete = replaced
-        if not in_place:
+        if in_place:
+            check_unchanged(model.file_states)
+        else:
             stage.keep = list(model.files)
     result.warnings += [f"'{describe(file)}', named as data by the replaced '{describe(destination)}', was left in "
                         "place: pathcond deletes only data files provably that model's own" for file in left]

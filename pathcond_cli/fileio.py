@@ -1,20 +1,23 @@
 """Safe file writes: staged beside the target, fsynced, renamed into place only when verified.
 
-Every temporary file or directory pathcond creates carries its process id in its name
-(``.<name>.pid<PID>.<random>.pathcond-tmp``), so that one left behind by a killed process
-is recognised and removed by the next run in that directory, and only when that process is
-gone.
+Every temporary file or directory pathcond creates carries its process id and a tag of its
+machine's name in its name (``.<name>.pid<PID>h<HOST>.<random>.pathcond-tmp``), so that one
+left behind by a killed process is recognised and removed by the next run on that machine in
+that directory, and only when that process is gone. A run on another machine sharing the
+folder (a job array) cannot tell whether the process lives, and leaves it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import tempfile
 import threading
@@ -34,7 +37,8 @@ _STAGED_NAME_BYTES = 120
 NOTHING_WRITTEN = "Nothing was written."
 # Files renamed into place by this process (the CLI says so when interrupted afterwards).
 written_files: list[Path] = []
-_STALE = re.compile(r"^\..*\.pid(\d+)\.[^.]*" + re.escape(TMP_SUFFIX) + "$", re.DOTALL)
+# A name without the machine's tag (an earlier version's) is taken as this machine's.
+_STALE = re.compile(r"^\..*\.pid(\d+)(?:h([0-9a-f]{8}))?\.[^.]*" + re.escape(TMP_SUFFIX) + "$", re.DOTALL)
 
 
 def describe(path: os.PathLike | str) -> str:
@@ -101,6 +105,27 @@ def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_plac
                 )
 
 
+def file_state(path: Path) -> tuple[int, int, int, int] | None:
+    """Device, inode, size and modification time of the file ``path`` names (None if it names
+    none): what tells that a file was written or replaced since it was read."""
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def check_unchanged(states: dict[Path, tuple[int, int, int, int] | None]) -> None:
+    """Refuse to replace input files that another process wrote or replaced since they were read
+    (``states``: :func:`file_state` of each when read): replacing them would lose that write."""
+    for path, state in states.items():
+        if file_state(path) != state:
+            raise OutputError(
+                f"refusing to replace '{describe(path)}': another process wrote or replaced it since pathcond read "
+                f"it, so it is left as it is. {NOTHING_WRITTEN}"
+            )
+
+
 def check_output_directory(directory: Path) -> None:
     """Refuse before any work an ``--output-dir`` that is missing, not a directory or not writable."""
     shown = describe(directory)
@@ -131,6 +156,11 @@ def check_batch_destinations(planned: Sequence[PlannedOutput], *, in_place: bool
     for index, plan in enumerate(planned):
         for key in _identities(plan.destination):
             other = owners.setdefault(key, index)
+            if other != index and same_file(planned[other].source, plan.source):
+                raise OutputError(
+                    f"refusing to write: '{describe(plan.source)}' is given twice (also as "
+                    f"'{describe(planned[other].source)}'). Nothing was written; give each file once."
+                )
             if other != index:
                 raise OutputError(
                     f"refusing to write: '{describe(planned[other].source)}' and '{describe(plan.source)}' would "
@@ -181,7 +211,7 @@ def remove_stale_staging(directory: Path) -> None:
         return
     for entry in entries:
         match = _STALE.match(entry.name)
-        if match is None or _process_alive(int(match.group(1))):
+        if match is None or match.group(2) not in (None, _host_tag()) or _process_alive(int(match.group(1))):
             continue
         with contextlib.suppress(OSError):
             if entry.is_dir(follow_symlinks=False):
@@ -202,10 +232,15 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _host_tag() -> str:
+    """This machine's name, hashed to 8 hex digits: a process id only means something there."""
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
 def _staging_prefix(destination: Path) -> str:
     # Cut in bytes (a character of the name may take four); undecodable bytes are dropped.
     name = os.fsencode(destination.name)[:_STAGED_NAME_BYTES].decode("utf-8", "ignore")
-    return f".{name}.pid{os.getpid()}."
+    return f".{name}.pid{os.getpid()}h{_host_tag()}."
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ class LoadedModel:
     """What every loader returns and every writer takes.
 
     ``params`` holds every tensor of the checkpoint by key (those the graph does not read are
-    carried through unchanged; a safetensors checkpoint's are memory-mapped, read when used).
+    carried through unchanged; a safetensors checkpoint's are read when used).
     ``format`` is ``onnx``, ``safetensors`` or ``module``;
     ``payload`` is the format's own state needed to write the result back (the ONNX
     ``ModelProto``, safetensors metadata and shard layout, ...). ``warnings`` are shown to
@@ -28,7 +28,8 @@ class LoadedModel:
     ``onnx graph``, ``module``, ``--arch FILE``, ``metadata`` (the spec pathcond embeds) or
     ``sidecar FILE``. ``files`` are the files the checkpoint was read from
     (main file first, then shards, external data and the spec file), which a run without
-    ``--in-place`` never writes.
+    ``--in-place`` never writes. ``file_states`` holds each file's ``fileio.file_state`` once
+    read: an in-place run replaces nothing another process has written since.
     """
 
     graph: Graph
@@ -39,6 +40,7 @@ class LoadedModel:
     warnings: list[str] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     arch_source: str = ""
+    file_states: dict[Path, tuple[int, int, int, int] | None] = field(default_factory=dict)
 
     @property
     def parameter_count(self) -> int:

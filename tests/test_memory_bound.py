@@ -130,14 +130,14 @@ def test_a_sharded_in_place_run_reads_the_mapped_originals_not_the_replaced_file
 
 
 def test_safetensors_tensors_are_mapped_and_onnx_parameters_stay_a_dict(tmp_path):
-    """A safetensors checkpoint is read through its mapping (a tensor shares the file's pages
-    and is read-only to the file); an ONNX model's parameters stay a dict (the loader adds
-    copies of shared initializers to it)."""
+    """A safetensors checkpoint is read tensor by tensor when used (writing to a tensor never
+    reaches the file); an ONNX model's parameters stay a dict (the loader adds copies of shared
+    initializers to it)."""
     checkpoint, spec = write_mlp(tmp_path)
     model = pathcond_cli.api.load(checkpoint, arch=str(spec))
     assert isinstance(model.params, safetensors_format.MappedTensors)
     weight = model.params["fc1.weight"]
-    weight.mul_(2)  # copy-on-write: the file keeps its bytes
+    weight.mul_(2)
     assert torch.equal(safetensors.torch.load_file(str(checkpoint))["fc1.weight"], mlp_tensors()["fc1.weight"])
     onnx_model = pathcond_cli.api.load(write_onnx_mlp(tmp_path / "net.onnx"))
     assert type(onnx_model.params) is dict

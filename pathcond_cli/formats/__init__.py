@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import InputError, UsageError
-from ..fileio import describe
+from ..fileio import describe, file_state
 from ..model import LoadedModel
 
 if TYPE_CHECKING:
@@ -254,6 +254,7 @@ def load_model(
             elements = math.prod(node.shape)
             refuse_beyond_memory(8 * INPUT_COPIES * elements, model.source,
                                  f"input '{shown(node.name)}' has shape {shown(str(tuple(node.shape)))} per example")
+    model.file_states = {path: file_state(path) for path in model.files}
     return model
 
 

@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 
 from ..errors import InputError, InvalidWeightsError, OutputError, UsageError
-from ..fileio import atomic_write, is_companion_name
+from ..fileio import atomic_write, describe, file_state, is_companion_name
 from ..graph import Graph
 from ..model import LoadedModel
 from . import InputShape, check_weight_types, contained_file, named_by_another_file, parse_json, shapes_by_input, shown
@@ -165,24 +165,46 @@ def _read_file(path: Path, display: str) -> tuple[Mapping[str, torch.Tensor], Sa
 
 
 class MappedTensors(Mapping[str, torch.Tensor]):
-    """The tensors of one safetensors file, memory-mapped rather than read.
+    """The tensors of one safetensors file, each read from the open file only when asked for.
 
-    The file is mapped once (copy-on-write: writing to a tensor never reaches the file) and
-    each tensor is a view of its bytes, so loading costs no memory and a tensor's pages are
-    only read when it is used; they are file pages the kernel can drop and read again. The
-    mapping keeps the file as it was opened even if its name is later replaced (an in-place
-    run renames the rescaled file onto it).
+    Loading costs no memory: a tensor's bytes are read (``pread``) when it is used and freed
+    when it is let go. The file stays open, so reads keep seeing the file as it was opened even
+    if its name is later replaced (an in-place run renames the rescaled file onto it). Reading
+    rather than mapping is deliberate: a mapped file that another process truncates (a training
+    job saving over its checkpoint) kills the reader with SIGBUS, without a word; read, it is an
+    input error naming the file. safetensors before 0.8 can only map. A file written in place
+    while it is read (its size or time changed, the name still the opened file) is the same
+    error: later reads would mix its old and new bytes.
     """
 
     def __init__(self, path: Path):
-        self._file = safetensors.safe_open(str(path), framework="pt")
+        self._path = path
+        try:
+            self._file = safetensors.safe_open(str(path), framework="pt", backend="pread")
+        except TypeError:  # safetensors < 0.8 has no backend argument
+            self._file = safetensors.safe_open(str(path), framework="pt")
+        self._opened = file_state(path)
         self._keys = tuple(self._file.keys())
         self._known = frozenset(self._keys)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._known:
             raise KeyError(key)
-        return self._file.get_tensor(key)
+        try:
+            tensor = self._file.get_tensor(key)
+        except _SAFETENSORS_ERRORS as exc:
+            raise self._changed(key, str(exc)) from None
+        now = file_state(self._path)
+        # A name now naming another file (renamed over, deleted) leaves the opened one as it was.
+        if now is not None and self._opened is not None and now[:2] == self._opened[:2] and now != self._opened:
+            raise self._changed(key, "its size or modification time changed")
+        return tensor
+
+    def _changed(self, key: str, reason: str) -> InputError:
+        return InputError(
+            f"{describe(self._path)}: tensor '{shown(key)}' can no longer be read as it was ({reason}): the file "
+            "was truncated or written in place while pathcond read it. Run again once nothing writes it."
+        )
 
     def __iter__(self):
         return iter(self._keys)
@@ -504,7 +526,7 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
     checkpoint is never held whole in memory (safetensors' own writer serialises it at once)."""
     if sys.byteorder != "little":
         raise OutputError("safetensors stores little-endian values; pathcond cannot write them on a big-endian machine")
-    order = sorted(originals, key=lambda key: (-originals[key].element_size(), key))
+    order = sorted(originals, key=lambda key: _layout_rank(originals[key].dtype) + (key,))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key in order:
@@ -525,6 +547,16 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
+# save_file's layout: by dtype in this order (its Dtype enum reversed), then by name. Sizes never
+# grow along it, so every tensor stays aligned; the header then equals save_file's.
+_SAVE_FILE_DTYPE_ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16",
+                          "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+
+
+def _layout_rank(dtype: torch.dtype) -> tuple[int, int]:
+    name = _DTYPE_NAMES[dtype]
+    known = _SAVE_FILE_DTYPE_ORDER.index(name) if name in _SAVE_FILE_DTYPE_ORDER else len(_SAVE_FILE_DTYPE_ORDER)
+    return -torch.empty((), dtype=dtype).element_size(), known
 
 
 def _write_sharded(
