@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 from torch import nn
 
 import pathcond_cli.formats.onnx_format as onnx_format
