@@ -341,8 +341,7 @@ def rescale(
     if choice.rule == AUTO:
         result, changed, choice = timed("solve", lambda: within_dtype(analysis.groups, model.params, result,
                                                                       changed, run))
-    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
-                                       advise=choice.rule != AUTO)
+    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
     storage_warnings += choice.warnings(model.source, result) + calibration_warnings(model, analysis.groups)
     verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
     if verification is not None and not verification.passed:
