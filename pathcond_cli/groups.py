@@ -12,6 +12,7 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
@@ -234,6 +235,21 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._writebacks)
+
+    def copy(self) -> dict[str, torch.Tensor]:
+        """A dict of the rescaled tensors, each computed once (what ``changed`` was before 0.4.0)."""
+        return dict(self)
+
+    def __reduce__(self):
+        # Pickled (torch.save, copy.deepcopy) as a state_dict's OrderedDict, which
+        # torch.load(weights_only=True) reads: the original tensors are read from an open
+        # checkpoint file, which cannot be pickled.
+        return OrderedDict, (list(self.items()),)
+
+    def __repr__(self) -> str:
+        keys = list(self)
+        listed = ", ".join(map(repr, keys[:5])) + (", ..." if len(keys) > 5 else "")
+        return f"RescaledTensors({len(keys)} tensors computed when read: {listed})"
 
 
 def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:
