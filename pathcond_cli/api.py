@@ -405,6 +405,8 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
             f"{model.source}: the rescaled module differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the module was not changed."
         )
+    # Computed once, before the module's tensors (which they are computed from) change.
+    result.changed = result.changed.copy()
     state = module.state_dict()
     with torch.no_grad():
         for key, tensor in result.changed.items():

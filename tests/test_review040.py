@@ -47,3 +47,19 @@ def test_changed_copies_as_a_dict_and_says_what_it_holds(tmp_path):
         assert isinstance(snapshot, dict) and list(snapshot) == list(result.changed)
         assert all(torch.equal(snapshot[key], result.changed[key]) for key in snapshot)
     assert repr(result.changed).startswith(f"RescaledTensors({len(result.changed)} tensors computed when read: 'fc1.")
+
+
+def test_changed_after_rescale_module_holds_what_the_module_now_holds():
+    """``changed`` computes its tensors from the module's own (detached) tensors: read after
+    rescale_module had rescaled the module, every read applied the rescaling a second time
+    (e^{2u}: the function still preserved, so nothing caught it)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3)).eval()
+    with torch.no_grad():
+        module[0].weight.mul_(10)
+    original = {key: tensor.clone() for key, tensor in module.state_dict().items()}
+    result = pathcond.rescale_module(module, (6,), device="cpu")
+    state = module.state_dict()
+    assert any(not torch.equal(state[key], original[key]) for key in original)
+    assert all(torch.equal(result.changed[key], state[key]) for key in result.changed)
+    assert all(torch.equal(tensor, state[key]) for key, tensor in result.rescaled_params.items())
