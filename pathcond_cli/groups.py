@@ -215,8 +215,9 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._assigned:
             return self._assigned[key]
+        writeback = self._writebacks[key]  # an unchanged key is a KeyError before its tensor is read
         original = self._params[key]
-        factor = self._writebacks[key].factor(self._u_ext, tuple(original.shape))
+        factor = writeback.factor(self._u_ext, tuple(original.shape))
         # Computed on the analysis device (a copy even of a float64 original there: it may be a
         # view of the mapped checkpoint), returned where the checkpoint tensor lives.
         rescaled = original.to(self._u_ext.device, torch.float64, copy=True).mul_(factor)
@@ -229,6 +230,9 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
 
     def __delitem__(self, key: str) -> None:
         raise TypeError("the rescaled tensors are fixed by u; none can be removed")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._writebacks
 
     def __iter__(self):
         return iter(self._writebacks)
