@@ -501,6 +501,9 @@ def save(
     from .formats import replaced_companions, write_model
 
     model = result.analysis.model
+    if input_shape is None and model.format == "onnx":
+        # The written file is read back with the shapes the analysis used, which the model may leave open.
+        input_shape = {node.name: tuple(node.shape) for node in model.graph.inputs}
     destination = resolve_destination(Path(destination))
     check_destination(destination, inputs=model.files, in_place=in_place)
     not_finite = sorted(k for k, t in result.changed.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
