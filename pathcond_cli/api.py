@@ -341,8 +341,7 @@ def rescale(
     if choice.rule == AUTO:
         result, changed, choice = timed("solve", lambda: within_dtype(analysis.groups, model.params, result,
                                                                       changed, run))
-    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
-                                       advise=choice.rule != AUTO)
+    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
     storage_warnings += choice.warnings(model.source, result) + calibration_warnings(model, analysis.groups)
     verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
     if verification is not None and not verification.passed:
@@ -406,6 +405,8 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
             f"{model.source}: the rescaled module differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the module was not changed."
         )
+    # Computed once, before the module's tensors (which they are computed from) change.
+    result.changed = result.changed.copy()
     state = module.state_dict()
     with torch.no_grad():
         for key, tensor in result.changed.items():
@@ -500,6 +501,9 @@ def save(
     from .formats import replaced_companions, write_model
 
     model = result.analysis.model
+    if input_shape is None and model.format == "onnx":
+        # The written file is read back with the shapes the analysis used, which the model may leave open.
+        input_shape = {node.name: tuple(node.shape) for node in model.graph.inputs}
     destination = resolve_destination(Path(destination))
     check_destination(destination, inputs=model.files, in_place=in_place)
     not_finite = sorted(k for k, t in result.changed.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))

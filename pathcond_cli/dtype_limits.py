@@ -121,17 +121,15 @@ def check_storage(original: Mapping[str, torch.Tensor], changed: Mapping[str, to
 
 
 def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str, torch.Tensor],
-                    changed: Mapping[str, torch.Tensor], u_inf: float, *, advise: bool = True) -> list[str]:
+                    changed: Mapping[str, torch.Tensor], u_inf: float) -> list[str]:
     """Warnings for tensors that keep their values with a few flushed below the smallest normal;
-    :class:`StorageError` naming the tensors that would overflow or lose their values. With
-    ``advise`` both name the auto bound (not when that rule chose the rescaling, nor when the
-    rescaling is already within it: auto would then write the same values)."""
+    :class:`StorageError` naming the tensors that would overflow or lose their values, and the
+    auto bound. A warning does not name that bound: auto bounds only a rescaling that loses
+    values, so it would write the same values as the run warned."""
     problems = check_storage(original, changed)
     fatal = [p for p in problems if p.lost]
-    bound = safe_log_scale(groups, original) if problems else math.inf
-    advise = advise and u_inf > bound
-    advice = _advice(bound) if fatal or (problems and advise) else ""
     if fatal:
+        advice = _advice(safe_log_scale(groups, original))
         listed = "; ".join(p.describe() for p in fatal[:LISTED_TENSORS])
         if len(fatal) > LISTED_TENSORS:
             listed += f"; and {len(fatal) - LISTED_TENSORS} more tensor(s)"
@@ -139,9 +137,8 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
             f"{source}: the rescaling (largest log scale |u| = {u_inf:.3g}) cannot be stored in the checkpoint's "
             f"dtypes: {listed}. Nothing was written; {advice}."
         )
-    suffix = f"; {advice}." if advise else "."
     if len(problems) <= 1:
-        return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}{suffix}" for p in problems]
+        return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {p.describe()}." for p in problems]
     # One warning for all tensors: an fp16 network has one such tensor per layer, each saying the same.
     flushed = sum(p.flushed for p in problems)
     listed = ", ".join(f"'{p.key}' {p.flushed:,}/{p.normal:,}" for p in problems[:LISTED_TENSORS])
@@ -149,7 +146,7 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
     dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in problems}))
     return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {flushed:,} normal values of "
             f"{len(problems)} {dtypes} tensors would fall below their dtype's smallest normal (stored as subnormals "
-            f"or zero; flushed/normal values per tensor: {listed}{more}){suffix}"]
+            f"or zero; flushed/normal values per tensor: {listed}{more})."]
 
 
 LISTED_TENSORS = 5  # the message stays one readable paragraph; the advice comes after the list

@@ -12,6 +12,7 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
@@ -214,8 +215,9 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._assigned:
             return self._assigned[key]
+        writeback = self._writebacks[key]  # an unchanged key is a KeyError before its tensor is read
         original = self._params[key]
-        factor = self._writebacks[key].factor(self._u_ext, tuple(original.shape))
+        factor = writeback.factor(self._u_ext, tuple(original.shape))
         # Computed on the analysis device (a copy even of a float64 original there: it may be a
         # view of the mapped checkpoint), returned where the checkpoint tensor lives.
         rescaled = original.to(self._u_ext.device, torch.float64, copy=True).mul_(factor)
@@ -229,11 +231,29 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
     def __delitem__(self, key: str) -> None:
         raise TypeError("the rescaled tensors are fixed by u; none can be removed")
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._writebacks
+
     def __iter__(self):
         return iter(self._writebacks)
 
     def __len__(self) -> int:
         return len(self._writebacks)
+
+    def copy(self) -> dict[str, torch.Tensor]:
+        """A dict of the rescaled tensors, each computed once (what ``changed`` was before 0.4.0)."""
+        return dict(self)
+
+    def __reduce__(self):
+        # Pickled (torch.save, copy.deepcopy) as a state_dict's OrderedDict, which
+        # torch.load(weights_only=True) reads: the original tensors are read from an open
+        # checkpoint file, which cannot be pickled.
+        return OrderedDict, (list(self.items()),)
+
+    def __repr__(self) -> str:
+        keys = list(self)
+        listed = ", ".join(map(repr, keys[:5])) + (", ..." if len(keys) > 5 else "")
+        return f"RescaledTensors({len(keys)} tensors computed when read: {listed})"
 
 
 def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:

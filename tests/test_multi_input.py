@@ -162,6 +162,22 @@ def test_named_shapes_shape_each_input_of_an_open_model(tmp_path):
     _check_written(module, names, source, tmp_path / "out.onnx", report)
 
 
+def test_the_api_saves_an_open_model_read_with_named_shapes_without_repeating_them(tmp_path):
+    """``save`` reads the written file back with the shapes the analysis used: without
+    ``input_shape`` it was a VerificationError (exit 5) telling an API user to pass
+    --input-shape, and nothing was written."""
+    import pathcond_cli as pathcond
+
+    module, names = _module("concat"), _input_names("concat")
+    source = tmp_path / "open.onnx"
+    source.write_bytes(_export(module, _examples("concat"), names, "torchscript", open_spatial=True))
+    result = pathcond.rescale(pathcond.load(source, input_shape={"img": IMAGE, "vec": VECTOR}), device="cpu")
+    verification = pathcond.save(result, tmp_path / "out.onnx")
+    report = {"verification": {"passed": verification.passed, "independent": verification.independent},
+              "input_shape": [list(IMAGE), list(VECTOR)]}
+    _check_written(module, names, source, tmp_path / "out.onnx", report)
+
+
 def test_onnx_reference_checks_a_two_input_model_without_onnxruntime(tmp_path, monkeypatch):
     module, names = _module("concat"), _input_names("concat")
     source = tmp_path / "two.onnx"

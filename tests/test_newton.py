@@ -249,9 +249,10 @@ def test_few_flushed_values_warn_many_refuse(nets):
         ensure_storable("net.safetensors", groups, original, changed, 1.0)
 
 
-def test_a_flush_warning_names_the_auto_bound_only_when_the_rescaling_is_beyond_it(nets):
-    """Within the auto bound, auto would write the same values: advising it would send the
-    user to a rerun that changes nothing."""
+def test_a_flush_warning_never_names_the_auto_bound(nets):
+    """auto bounds only a rescaling that loses values (which the other rules refuse): where a
+    rescaling only flushes a few, auto writes the same values, so advising it, within the
+    bound or beyond it, would send the user to a rerun that changes nothing."""
     graph, params = _half_mlp(nets)
     groups = build_groups(graph, params)
     bound = safe_log_scale(groups, params)
@@ -259,11 +260,34 @@ def test_a_flush_warning_names_the_auto_bound_only_when_the_rescaling_is_beyond_
     original = {**params, "big": torch.full((1000,), 2 * tiny, dtype=torch.float16)}
     changed = {"big": original["big"].clone()}
     changed["big"][:3] = 0.0
-    within = ensure_storable("net.safetensors", groups, original, changed, bound / 2)
-    beyond = ensure_storable("net.safetensors", groups, original, changed, bound * 2)
-    assert len(within) == len(beyond) == 1
-    assert "--max-log-scale" not in within[0] and "U = " not in within[0]
-    assert f"U = {bound:.4g}" in beyond[0]
+    for u_inf in (bound / 2, bound * 2):
+        warnings = ensure_storable("net.safetensors", groups, original, changed, u_inf)
+        assert len(warnings) == 1 and "'big'" in warnings[0]
+        assert "--max-log-scale" not in warnings[0] and "U = " not in warnings[0]
+
+
+def test_none_beyond_the_auto_bound_warns_of_flushed_values_and_auto_writes_the_same():
+    """The sample CNN in float16: its optimum (‖u‖∞ 1.14) is beyond the auto bound (1.02) and
+    flushes 48 values, too few to lose a tensor; auto keeps that optimum, so the warning under
+    none must not say that auto would bound it."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from pathcond_cli.api import load
+
+    samples = Path(__file__).resolve().parent.parent / "sample_models"
+    tensors = {k: v.to(torch.float16) for k, v in load_file(samples / "cifar_nv_small.safetensors").items()}
+    graph = load(samples / "cifar_nv_small.safetensors", arch=str(samples / "cifar_nv_small.yaml")).graph
+    model = LoadedModel(graph, tensors, "safetensors", "cifar_fp16.safetensors")
+    unbounded = rescale(model, device="cpu", max_log_scale="none")
+    auto = rescale(model, device="cpu", max_log_scale="auto")
+    assert unbounded.solve.u_inf > safe_log_scale(unbounded.analysis.groups, tensors)
+    assert not auto.bound.applied and auto.solve.u_inf == unbounded.solve.u_inf
+    assert all(torch.equal(auto.changed[k], unbounded.changed[k]) for k in unbounded.changed)
+    assert unbounded.warnings == auto.warnings
+    assert len(unbounded.warnings) == 1 and "fall below their dtype's smallest normal" in unbounded.warnings[0]
+    assert "--max-log-scale" not in unbounded.warnings[0] and "U = " not in unbounded.warnings[0]
 
 
 def test_api_rescale_applies_bound_and_checks_dtypes(nets):
