@@ -305,6 +305,8 @@ def _failure(exc: Exception, *, complete: bool = False) -> tuple[int, str, str]:
     """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure;
     ``complete`` (``--json``) lists every problem of a refused network, consequences included.
     A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
+    from .formats import exception_line
+
     if isinstance(exc, UnsupportedModelError) and complete:
         return exc.exit_code, "error", _true_to_disk(exc.complete)
     if isinstance(exc, PathcondError):
@@ -312,14 +314,14 @@ def _failure(exc: Exception, *, complete: bool = False) -> tuple[int, str, str]:
     if _out_of_memory(exc):
         # The network's passes need more than the machine has: a property of the input (exit 3).
         return EXIT_CODES["unreadable_input"], "error", _true_to_disk(
-            f"out of memory: the passes over this network need more memory than is available ({_bounded(exc)}); "
+            f"out of memory: the passes over this network need more memory than is available ({exception_line(exc)}); "
             f"check the input shape (--input-shape), or run on a machine with more memory. {NOTHING_WRITTEN}")
     if isinstance(exc, typer.TyperException):  # a usage error met while processing one of several files
         return exc.exit_code, "error", exc.format_message()
     if os.environ.get(DEBUG_VARIABLE):
         raise exc
     return 1, "internal error", (
-        f"{_bounded(exc)}\nThis is a bug in pathcond {__version__}; please report it with the "
+        f"{exception_line(exc)}\nThis is a bug in pathcond {__version__}; please report it with the "
         f"command line. Set {DEBUG_VARIABLE}=1 to see the traceback."
     )
 
@@ -330,16 +332,6 @@ def _out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
-
-
-def _bounded(exc: BaseException) -> str:
-    """An unexpected exception in one line of at most a few hundred characters (it may quote a file)."""
-    from .formats import shown
-
-    return shown(" ".join(f"{type(exc).__name__}: {exc}".split()), BOUNDED_CHARS)
-
-
-BOUNDED_CHARS = 300
 
 
 def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: str) -> None:

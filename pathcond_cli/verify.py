@@ -15,6 +15,7 @@ import torch
 from .errors import VerificationError
 from .evaluate import forward
 from .fileio import interrupts_deferred
+from .formats import exception_line
 from .graph import BatchNorm, Graph
 from .model import LoadedModel
 
@@ -277,14 +278,14 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
         try:
             before = runner(*original, feeds)
         except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
-            reasons.append(f"{runtime} cannot evaluate the original model ({_exception_line(exc)})")
+            reasons.append(f"{runtime} cannot evaluate the original model ({exception_line(exc)})")
             continue
         try:
             after = runner(None, written, feeds)
         except Exception as exc:  # noqa: BLE001 - it evaluates the original: the written file is at fault
             return {"runtime": runtime, "status": "failed",
                     "detail": f"it evaluates the original model but cannot load or evaluate the written one "
-                              f"({_exception_line(exc)})"}
+                              f"({exception_line(exc)})"}
         max_abs, max_rel = _max_errors([torch.from_numpy(np.asarray(b, dtype=np.float64)) for b in before],
                                        [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in after])
         limit = max(tolerance, INDEPENDENT_MIN_TOLERANCE)
@@ -294,10 +295,6 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
                           f"(tolerance {limit:g})" + "".join(f"; {reason}" for reason in reasons)}
     reasons += [why_not] if why_not else []
     return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
-
-
-def _exception_line(exc: BaseException) -> str:
-    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
 def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:

@@ -243,7 +243,7 @@ def load_model(
         except (text_format.Error, json_format.Error) as exc:
             # onnx.load picks a text parser from extensions such as .textproto or .pbtxt.
             label = name or str(source)
-            raise InputError(f"cannot read '{label}': it is not a valid ONNX model ({_one_line(exc)}).") from None
+            raise InputError(f"cannot read '{label}': it is not a valid ONNX model ({exception_line(exc)}).") from None
         check_weight_types(model.graph, model.params, model.source)
     else:
         from .safetensors_format import load_safetensors
@@ -442,9 +442,13 @@ def _gib(size: int) -> str:
         return f"10^{math.log10(size) - 30 * math.log10(2):.0f} GiB"
 
 
-def _one_line(exc: Exception) -> str:
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
-    return text if len(text) <= 300 else text[:297] + "..."
+def exception_line(exc: BaseException) -> str:
+    """An exception as one line of at most :data:`EXCEPTION_CHARS` characters, for a message (it
+    may quote a file, or a third-party library's multi-line report)."""
+    return shown(" ".join(f"{type(exc).__name__}: {exc}".split()), EXCEPTION_CHARS)
+
+
+EXCEPTION_CHARS = 300
 
 
 def write_model(
