@@ -18,7 +18,7 @@ import os
 import re
 import sys
 from collections import ChainMap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -514,26 +514,29 @@ def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, 
 
 
 def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], originals: Mapping[str, torch.Tensor],
-                metadata: Mapping[str, str]) -> None:
-    atomic_write(destination, lambda tmp: write_tensors(tensors, tmp, originals=originals, metadata=metadata))
+                metadata: Mapping[str, str], keys: Sequence[str] | None = None) -> None:
+    atomic_write(destination, lambda tmp: write_tensors(tensors, tmp, originals=originals, metadata=metadata,
+                                                        keys=keys))
 
 
 def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals: Mapping[str, torch.Tensor],
-                  metadata: Mapping[str, str]) -> None:
-    """Write a safetensors file holding ``originals``' keys with the values of ``tensors``, one
-    tensor at a time: the header is laid out from ``originals`` (each written tensor must have
-    its original's shape and dtype), then each tensor is fetched, written and let go, so a
-    checkpoint is never held whole in memory (safetensors' own writer serialises it at once)."""
+                  metadata: Mapping[str, str], keys: Sequence[str] | None = None) -> None:
+    """Write a safetensors file holding the tensors ``keys`` (default: every key of
+    ``originals``) with the values of ``tensors``, one tensor at a time: the header is laid out
+    from ``originals`` (each written tensor must have its original's shape and dtype), then each
+    tensor is fetched, written and let go, so a checkpoint is never held whole in memory
+    (safetensors' own writer serialises it at once). Each original is read once, for its layout:
+    a checkpoint's tensors are read from its file each time they are asked for."""
     if sys.byteorder != "little":
         raise OutputError("safetensors stores little-endian values; pathcond cannot write them on a big-endian machine")
-    order = sorted(originals, key=lambda key: _layout_rank(originals[key].dtype) + (key,))
+    layouts = {key: _stored_layout(originals[key]) for key in (originals if keys is None else keys)}
+    order = sorted(layouts, key=lambda key: _layout_rank(layouts[key][0]) + (key,))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for key in order:
-        original = originals[key]
-        end = offset + original.numel() * original.element_size()
-        header[key] = {"dtype": _DTYPE_NAMES[original.dtype], "shape": list(original.shape), "data_offsets": [offset, end]}
-        offset = end
+        dtype, shape, size = layouts[key]
+        header[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
     with open(path, "wb") as out:
@@ -541,9 +544,14 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
         out.write(text)
         for key in order:
             tensor = tensors[key]
-            if tensor.shape != originals[key].shape or tensor.dtype != originals[key].dtype:
+            if (tensor.dtype, tuple(tensor.shape)) != layouts[key][:2]:
                 raise ValueError(f"changed tensor '{key}' must replace a checkpoint tensor of the same shape and dtype")
             out.write(memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+def _stored_layout(tensor: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """A tensor's dtype, shape and size in bytes: what the header says of it."""
+    return tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size()
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
@@ -576,7 +584,7 @@ def _write_sharded(
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(payload.shards, start=1):
         file = companion_name(f"{stem}-{number:05d}-of-{len(payload.shards):05d}.safetensors")
-        _write_file(destination.with_name(file), tensors, {key: originals[key] for key in shard.keys}, shard.metadata)
+        _write_file(destination.with_name(file), tensors, originals, shard.metadata, keys=shard.keys)
         weight_map.update(dict.fromkeys(shard.keys, file))
     index = {"metadata": {**payload.metadata, **added}, "weight_map": dict(sorted(weight_map.items()))}
     text = json.dumps(index, indent=2) + "\n"
