@@ -157,15 +157,15 @@ class RescalingGroups:
     def incidence_sums(self, weights: Iterable[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per free group: sum of ``weights`` over parameters entering it (A) and leaving it (C).
 
-        ``weights`` has one tensor per DAG parameter, shaped like its value, and is read one
-        tensor at a time (a generator holds one); the sums are float64 where the maps live.
-        Parameters whose two ends lie in the same group have a zero row of B and count in
-        neither sum.
+        ``weights`` has one tensor per DAG parameter, shaped like its value or summed over the
+        kernel (``[G, O/G, I/G]``, as ḡ is), and is read one tensor at a time (a generator holds
+        one); the sums are float64 where the maps live. Parameters whose two ends lie in the
+        same group have a zero row of B and count in neither sum.
         """
         incoming = torch.zeros(self.num_free + 1, dtype=torch.float64, device=self.device)
         outgoing = torch.zeros(self.num_free + 1, dtype=torch.float64, device=self.device)
         for dp, w in zip(self.dag_params, weights):
-            dp.accumulate(w.to(torch.float64).reshape(dp.view), incoming, outgoing)
+            dp.accumulate(w.to(torch.float64).reshape(*dp.view[:3], -1), incoming, outgoing)
         return incoming[:-1], outgoing[:-1]
 
     @property

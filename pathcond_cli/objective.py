@@ -108,12 +108,8 @@ class Objective:
         """:func:`degenerate_mask` from ḡ, on this objective's device: a kernel sum of g is zero
         exactly when every g_i it sums is zero."""
         # A generator: one tensor's indicator at a time, never a float64 copy of the network.
-        present = (torch.isfinite(log_gbar).to(torch.float64)[..., None] for log_gbar in self.log_gbar)
-        incoming = torch.zeros(self.groups.num_free + 1, dtype=torch.float64, device=self.device)
-        outgoing = torch.zeros_like(incoming)
-        for dp, w4 in zip(self.groups.dag_params, present):
-            dp.accumulate(w4, incoming, outgoing)
-        return (incoming[:-1] == 0) | (outgoing[:-1] == 0)
+        incoming, outgoing = self.groups.incidence_sums(torch.isfinite(log_gbar) for log_gbar in self.log_gbar)
+        return (incoming == 0) | (outgoing == 0)
 
     def log_weights(self, u: torch.Tensor) -> list[torch.Tensor]:
         """log w = log ḡ − 2(Bu) per tensor, shaped ``[G, O/G, I/G, 1]`` (kernel summed)."""
