@@ -259,13 +259,11 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     import numpy as np
     import onnx
 
-    from .formats.onnx_format import fed_inputs
+    from .formats.onnx_format import declared_batch, fed_inputs
 
     runners, why_not = _onnx_runners(model)
     graph_inputs = fed_inputs(model.payload, model.source)
-    declared = [dims[0].dim_value for dims in (i.type.tensor_type.shape.dim for i in graph_inputs)
-                if len(dims) and dims[0].HasField("dim_value") and dims[0].dim_value > 0]
-    batch = declared[0] if declared else 1
+    batch = declared_batch(graph_inputs) or 1
     generator = np.random.default_rng(seed)
     # The importer names each input node after its ONNX input.
     feeds = {i.name: generator.standard_normal((batch, *model.graph[i.name].shape)).astype(

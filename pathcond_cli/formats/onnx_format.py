@@ -17,7 +17,7 @@ import dataclasses
 import math
 import os
 from math import prod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -299,6 +299,16 @@ def _default_opset(model: onnx.ModelProto) -> int | None:
     return versions[0] if versions else None
 
 
+def declared_batch(graph_inputs: Iterable[onnx.ValueInfoProto]) -> int | None:
+    """The batch size the first input that declares one declares (None when all are symbolic):
+    one batch for every input."""
+    for graph_input in graph_inputs:
+        dims = graph_input.type.tensor_type.shape.dim
+        if len(dims) and dims[0].HasField("dim_value") and dims[0].dim_value > 0:
+            return dims[0].dim_value
+    return None
+
+
 def fed_inputs(model: onnx.ModelProto, label: str) -> list[onnx.ValueInfoProto]:
     """The graph inputs a caller feeds, in the graph's order: those that are not initializers
     (an initializer listed as an input is a stored tensor with an overridable default)."""
@@ -360,9 +370,7 @@ def _infer_shapes(
     # A concrete batch lets inference resolve the Shape → Gather → Concat → Reshape chains that
     # exporters emit for ``x.view(x.size(0), -1)``; 2 cannot be mistaken for a squeezable axis.
     if batch is None:
-        declared = [dims[0].dim_value for dims in (i.type.tensor_type.shape.dim for i in graph_inputs.values())
-                    if len(dims) and dims[0].HasField("dim_value")]
-        batch = declared[0] if declared else 2
+        batch = declared_batch(graph_inputs.values()) or 2
     for name, shape in shapes.items():
         dims = graph_inputs[name].type.tensor_type.shape.dim
         del dims[:]
