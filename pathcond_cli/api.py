@@ -22,7 +22,7 @@ from . import __version__
 from .calibration import calibration_warnings
 from .bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
 from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
-from .diag import DiagG, PathCount, diag_g, path_count
+from .diag import DiagG, LogG, OuterLog, PathCount, diag_g, path_count
 from .dtype_limits import ensure_storable
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
 from .groups import RescalingGroups, build_groups
@@ -87,7 +87,9 @@ class _TensorStats:
     log_total: float
 
 
-def _tensor_stats(lg: torch.Tensor) -> _TensorStats:
+def _tensor_stats(lg: LogG) -> _TensorStats:
+    if isinstance(lg, OuterLog):
+        return _outer_stats(lg)
     # log g is never NaN or +inf (diag_g guarantees it), and its minimum is −inf exactly when
     # some g = 0: tensors without zeros, the usual case, need no mask at all.
     low, high = float(lg.min()), float(lg.max())
@@ -103,6 +105,18 @@ def _tensor_stats(lg: torch.Tensor) -> _TensorStats:
                         float(lg.masked_fill(zeros, 0.0).sum()))
 
 
+def _outer_stats(lg: OuterLog) -> _TensorStats:
+    """The same reductions from the factors (ln g_oi = rows_o + cols_i): O(O + I), exact up to
+    rounding, since the finite entries are the finite rows crossed with the finite columns."""
+    finite_rows, finite_cols = lg.rows[torch.isfinite(lg.rows)], lg.cols[torch.isfinite(lg.cols)]
+    if not (finite_rows.numel() and finite_cols.numel()):
+        return _TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
+    return _TensorStats(
+        lg.zeros(), float(finite_rows.min() + finite_cols.min()), float(finite_rows.max() + finite_cols.max()),
+        float(torch.logsumexp(finite_rows, 0) + torch.logsumexp(finite_cols, 0)),
+        float(finite_cols.numel() * finite_rows.sum() + finite_rows.numel() * finite_cols.sum()))
+
+
 def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Conditioning:
     zeros = sum(s.zeros for s in stats)
     counted = sum(sizes) - zeros
@@ -115,7 +129,7 @@ def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Condit
     return Conditioning(p * per_parameter, per_parameter, counted, zeros)
 
 
-def conditioning(log_g: list[torch.Tensor], p: int) -> Conditioning:
+def conditioning(log_g: Sequence[LogG], p: int) -> Conditioning:
     """D from log diag(G) (−inf where g = 0), tensor by tensor in the log domain."""
     return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g], p)
 
@@ -131,7 +145,7 @@ class DiagSummary:
     ln_high: float | None
 
 
-def summarise(groups: RescalingGroups, log_g: list[torch.Tensor]) -> DiagSummary:
+def summarise(groups: RescalingGroups, log_g: Sequence[LogG]) -> DiagSummary:
     stats = [_tensor_stats(lg) for lg in log_g]
     spreads: dict[str, LayerSpread] = {}
     lows: dict[str, float] = {}
@@ -154,7 +168,7 @@ def summarise(groups: RescalingGroups, log_g: list[torch.Tensor]) -> DiagSummary
     )
 
 
-def histogram(log_g: list[torch.Tensor], ln_low: float | None, ln_high: float | None,
+def histogram(log_g: Sequence[LogG], ln_low: float | None, ln_high: float | None,
               bins: int = 12) -> list[tuple[float, float, int]]:
     """Counts of g > 0 over ``bins`` equal-width bins of ln g spanning [ln_low, ln_high] (the
     exact extremes, so every g > 0 is counted), with the edges given as log10."""
@@ -164,7 +178,8 @@ def histogram(log_g: list[torch.Tensor], ln_low: float | None, ln_high: float | 
     counts = torch.zeros(bins, dtype=torch.long)
     for lg in log_g:
         # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
-        counts += torch.histc(lg, bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
+        for block in lg.row_blocks() if isinstance(lg, OuterLog) else [lg]:
+            counts += torch.histc(block, bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
     width = (ln_high - ln_low) / bins
     return [((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E, int(counts[i])) for i in range(bins)]
 
@@ -182,7 +197,7 @@ class Analysis:
 
     @cached_property
     def summary(self) -> DiagSummary:
-        return summarise(self.groups, self.diag.log_g)
+        return summarise(self.groups, self.diag.parts)
 
     @property
     def log10_min(self) -> float | None:
@@ -197,7 +212,7 @@ class Analysis:
 
     def histogram(self, bins: int = 12) -> list[tuple[float, float, int]]:
         """Counts of log10 g over equal-width bins (g = 0 excluded)."""
-        return histogram(self.diag.log_g, self.summary.ln_low, self.summary.ln_high, bins)
+        return histogram(self.diag.parts, self.summary.ln_low, self.summary.ln_high, bins)
 
     @property
     def conditioning(self) -> Conditioning:
@@ -207,18 +222,21 @@ class Analysis:
 
 def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:
     """diag(G) of the parameters rescaled by ``u``: log g_i − 2(Bu)_i, since g(θ_u)_i = g_i e^{−2(Bu)_i}."""
-    return DiagG(RescaledLogG(groups, diag.log_g, groups.extend(u.to(groups.device, torch.float64))))
+    return DiagG(RescaledLogG(groups, diag.parts, groups.extend(u.to(groups.device, torch.float64))))
 
 
-class RescaledLogG(Sequence[torch.Tensor]):
+class RescaledLogG(Sequence[LogG]):
     """log g − 2(Bu) per tensor, computed when read and not kept: the reports read it once or
     twice, and keeping it would hold a second float64 copy of the network's size."""
 
-    def __init__(self, groups: RescalingGroups, log_g: Sequence[torch.Tensor], u_ext: torch.Tensor):
+    def __init__(self, groups: RescalingGroups, log_g: Sequence[LogG], u_ext: torch.Tensor):
         self.groups, self.log_g, self.u_ext = groups, log_g, u_ext
 
-    def __getitem__(self, t: int) -> torch.Tensor:
+    def __getitem__(self, t: int) -> LogG:
         dp, lg = self.groups.dag_params[t], self.log_g[t]
+        if isinstance(lg, OuterLog):
+            # (Bu)_oi = u_dst(o) − u_src(i) splits between the two factors.
+            return OuterLog(lg.rows - 2 * self.u_ext[dp.dst].reshape(-1), lg.cols + 2 * self.u_ext[dp.src].reshape(-1))
         # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
         return torch.add(lg.reshape(dp.view), dp.exponent(self.u_ext), alpha=-2.0).reshape(lg.shape)
 
@@ -252,7 +270,7 @@ class RescaleResult:
     @cached_property
     def summary_after(self) -> DiagSummary:
         """Per-layer spreads, D and range of diag(G) after rescaling."""
-        return summarise(self.analysis.groups, self.diag_after.log_g)
+        return summarise(self.analysis.groups, self.diag_after.parts)
 
     @property
     def conditioning_after(self) -> Conditioning:
@@ -332,7 +350,7 @@ def rescale(
     if criterion == "enorm":
         result = timed("solve", lambda: enorm(analysis.groups, tol=tol, max_iter=max_iter, device=device,
                                               progress=progress))
-    elif not any(bool(torch.isfinite(lg).any()) for lg in analysis.diag.log_g):
+    elif not analysis.diag.any_nonzero():
         result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver, tol, max_iter))
     else:
         result = timed("solve", lambda: run(bound))

@@ -9,29 +9,114 @@ Overflow: deep networks with extreme weights overflow a naive float64 pass, so d
 computed on a balanced copy Dθ (each layer's incoming squared norm set to 1, an admissible
 rescaling) and mapped back in the log domain: log g(θ) = log g(Dθ) + 2(B u_D). The path
 count renormalises activations as it goes and keeps the scale in a log offset.
+
+Memory: a Linear layer that sees one input vector has g_oi = δ_o x_i (δ its cotangent, x its
+input in the squared network), an outer product; its log g is kept as the two factors
+(:class:`OuterLog`), O + I numbers instead of O·I, so that an MLP's diag(G) and everything the
+solvers keep from it are the size of its neurons, not of its weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .graph import Graph, Input, Node, Scale
 from .groups import DagParam, RescalingGroups
-from .rules import per_channel, rule_for
+from .rules import LinearRule, per_channel, rule_for
 
 EXACT_LIMIT = 2**53
+# Elements per block when an OuterLog is expanded for a histogram: bounded transients.
+BLOCK_ELEMENTS = 2**22
+
+
+@dataclass(frozen=True)
+class OuterLog:
+    """log g of a weight whose g is an outer product: ln g_oi = rows_o + cols_i (float64,
+    −inf for g = 0), standing for the ``[O, I]`` tensor ``rows[:, None] + cols[None, :]``."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows.numel(), self.cols.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    def numel(self) -> int:
+        return self.rows.numel() * self.cols.numel()
+
+    def dense(self) -> torch.Tensor:
+        """The ``[O, I]`` tensor itself (O·I float64 values: for small tensors and tests)."""
+        return self.rows[:, None] + self.cols[None, :]
+
+    def row_blocks(self):
+        """The dense tensor, flattened, in consecutive blocks of whole rows of bounded size."""
+        per_block = max(1, BLOCK_ELEMENTS // max(1, self.cols.numel()))
+        for start in range(0, self.rows.numel(), per_block):
+            yield (self.rows[start:start + per_block, None] + self.cols[None, :]).reshape(-1)
+
+    def flat_entries(self, index: torch.Tensor) -> torch.Tensor:
+        """Entries of the flattened dense tensor at ``index``."""
+        width = self.cols.numel()
+        return self.rows[torch.div(index, width, rounding_mode="floor")] + self.cols[index % width]
+
+    def finite_counts(self) -> tuple[int, int]:
+        """How many rows and how many columns have a finite log (g > 0 exactly on their product)."""
+        return int(torch.isfinite(self.rows).sum()), int(torch.isfinite(self.cols).sum())
+
+    def zeros(self) -> int:
+        finite_rows, finite_cols = self.finite_counts()
+        return self.numel() - finite_rows * finite_cols
+
+    def to(self, device: torch.device | str) -> OuterLog:
+        return OuterLog(self.rows.to(device), self.cols.to(device))
+
+
+LogG = torch.Tensor | OuterLog
+
+
+def dense(log_g: LogG) -> torch.Tensor:
+    """A tensor's log g as a tensor, whichever way it is kept."""
+    return log_g.dense() if isinstance(log_g, OuterLog) else log_g
+
+
+def zero_count(log_g: LogG) -> int:
+    """How many g = 0 in this tensor."""
+    return log_g.zeros() if isinstance(log_g, OuterLog) else int(torch.isneginf(log_g).sum())
+
+
+def has_nonzero(log_g: LogG) -> bool:
+    """Whether some g > 0 in this tensor."""
+    if isinstance(log_g, OuterLog):
+        return min(log_g.finite_counts()) > 0
+    return bool(torch.isfinite(log_g).any())
 
 
 @dataclass
 class DiagG:
-    """log diag(G) per DAG parameter (−inf where g = 0), in float64, in the original θ's scale."""
+    """log diag(G) per DAG parameter (−inf where g = 0), in float64, in the original θ's scale.
 
-    log_g: list[torch.Tensor]
+    ``parts`` keeps each as a tensor shaped like the parameter, or as an :class:`OuterLog` for
+    a Linear layer's weight whose g is an outer product; pathcond's own passes read them so.
+    ``log_g`` gives every one as a tensor, an outer product expanded when read.
+    """
+
+    parts: Sequence[LogG]
+
+    @property
+    def log_g(self) -> Sequence[torch.Tensor]:
+        return _Expanded(self.parts)
+
+    def any_nonzero(self) -> bool:
+        return any(has_nonzero(lg) for lg in self.parts)
 
 
 @dataclass
@@ -136,7 +221,7 @@ def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple
 
 def log_gradients(
     graph: Graph, layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *, power: int = 2
-) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+) -> dict[str, tuple[LogG, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets.
 
     Each node's vector–Jacobian product is taken locally on normalised values, and the scale
@@ -165,12 +250,20 @@ def log_gradients(
             weight, bias = layers[node.name]
             source = node.inputs[0]
             x = forward.values[source]
-            grad_x, grad_w = _vjp(lambda a, w: rule.weighted(node, a, w), [x, weight.value], cotangent)
+            log_weight: LogG
+            if isinstance(rule, LinearRule) and x.numel() == weight.value.shape[1]:
+                # One input vector: ∂L/∂ψ = δ xᵀ, kept as its two factors, never built.
+                (grad_x,) = _vjp(lambda a: rule.weighted(node, a, weight.value), [x], cotangent)
+                log_weight = OuterLog(torch.log(cotangent.reshape(-1)) + sigma,
+                                      torch.log(x.reshape(-1)) + forward.offsets[source])
+            else:
+                grad_x, grad_w = _vjp(lambda a, w: rule.weighted(node, a, w), [x, weight.value], cotangent)
+                log_weight = torch.log_(grad_w).add_(sigma + forward.offsets[source])
             send(source, grad_x, sigma + weight.log_scale)
             log_bias = None
             if bias is not None:
                 log_bias = torch.log(cotangent.sum(dim=[0, *range(2, cotangent.dim())]).clamp_min(0)) + sigma
-            result[node.name] = (torch.log_(grad_w).add_(sigma + forward.offsets[source]), log_bias)
+            result[node.name] = (log_weight, log_bias)
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
             unit, log_gain = _unit_gain(node)
@@ -178,6 +271,19 @@ def log_gradients(
             for source, grad in zip(node.inputs, grads):
                 send(source, grad, sigma + power * log_gain)
     return result
+
+
+class _Expanded(Sequence[torch.Tensor]):
+    def __init__(self, parts: Sequence[LogG]):
+        self._parts = parts
+
+    def __getitem__(self, t):
+        if isinstance(t, slice):
+            return [dense(lg) for lg in self._parts[t]]
+        return dense(self._parts[t])
+
+    def __len__(self) -> int:
+        return len(self._parts)
 
 
 def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
@@ -271,14 +377,20 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> Di
     u_ext = groups.extend(balancing_exponents(groups))
     layers = _Layers(groups, lambda dp: _balanced_psi(dp, u_ext, device))
     gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=2, device=device))
-    log_g = []
+    log_g: list[LogG] = []
     for dp, position in zip(groups.dag_params, _position_in_layer(groups)):
         weight_log, bias_log = gradients[dp.layer]
-        lg = (bias_log if position else weight_log).reshape(dp.view)
-        lg.add_(2 * u_ext[dp.dst][:, :, None, None]).sub_(2 * u_ext[dp.src][:, None, :, None])
-        lg = lg.reshape(dp.value.shape)
+        lg = bias_log if position else weight_log
+        if isinstance(lg, OuterLog):
+            lg = OuterLog(lg.rows + 2 * u_ext[dp.dst].reshape(-1), lg.cols - 2 * u_ext[dp.src].reshape(-1))
+            checked = [lg.rows, lg.cols]
+        else:
+            lg = lg.reshape(dp.view)
+            lg.add_(2 * u_ext[dp.dst][:, :, None, None]).sub_(2 * u_ext[dp.src][:, None, :, None])
+            lg = lg.reshape(dp.value.shape)
+            checked = [lg]
         # NaN and +inf both fail this comparison: one reduction checks both.
-        if lg.numel() and not float(lg.max()) < math.inf:
+        if any(t.numel() and not float(t.max()) < math.inf for t in checked):
             raise ArithmeticError("diag(G) could not be represented even in the log domain")
         log_g.append(lg)
     return DiagG(log_g)
@@ -315,7 +427,7 @@ def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "
     counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
     unused: dict[str, int] = {}
     for layer, (weight_log, bias_log) in counts.items():
-        missing = int(torch.isneginf(weight_log).sum()) + (0 if bias_log is None else int(torch.isneginf(bias_log).sum()))
+        missing = zero_count(weight_log) + (0 if bias_log is None else zero_count(bias_log))
         if missing:
             unused[layer] = missing
     return unused

@@ -60,6 +60,25 @@ class DagParam:
         incoming.index_add_(0, self.dst.reshape(-1), w4.sum((2, 3)).reshape(-1))
         outgoing.index_add_(0, self.src.reshape(-1), w4.sum((1, 3)).reshape(-1))
 
+    def accumulate_outer(self, rows: torch.Tensor, cols: torch.Tensor, incoming: torch.Tensor,
+                         outgoing: torch.Tensor) -> None:
+        """:meth:`accumulate` for w = rows ⊗ cols per conv group (``[G, O/G]``, ``[G, I/G]``, a
+        kernel of one), without building w: a row's sum is its factor times the columns' total,
+        less the columns in its own free group when the tensor has self-loops."""
+        row_sums = rows * cols.sum(1, keepdim=True)
+        col_sums = cols * rows.sum(1, keepdim=True)
+        if self.self_loops is not None:
+            free = len(incoming) - 1
+            # Group h of conv group c is slot c·(H + 1) + h, so that only one conv group's columns meet.
+            offsets = torch.arange(self.view[0], device=rows.device)[:, None] * (free + 1)
+            slots, sources = self.dst + offsets, self.src + offsets
+            cols_by_group = rows.new_zeros(self.view[0] * (free + 1)).index_add_(0, sources.reshape(-1), cols.reshape(-1))
+            rows_by_group = rows.new_zeros(self.view[0] * (free + 1)).index_add_(0, slots.reshape(-1), rows.reshape(-1))
+            row_sums = row_sums - rows * torch.where(self.dst < free, cols_by_group[slots], 0.0)
+            col_sums = col_sums - cols * torch.where(self.src < free, rows_by_group[sources], 0.0)
+        incoming.index_add_(0, self.dst.reshape(-1), row_sums.reshape(-1))
+        outgoing.index_add_(0, self.src.reshape(-1), col_sums.reshape(-1))
+
 
 @dataclass
 class WriteBack:
@@ -157,15 +176,21 @@ class RescalingGroups:
     def incidence_sums(self, weights: Iterable[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per free group: sum of ``weights`` over parameters entering it (A) and leaving it (C).
 
-        ``weights`` has one tensor per DAG parameter, shaped like its value or summed over the
-        kernel (``[G, O/G, I/G]``, as ḡ is), and is read one tensor at a time (a generator holds
-        one); the sums are float64 where the maps live. Parameters whose two ends lie in the
-        same group have a zero row of B and count in neither sum.
+        ``weights`` has one entry per DAG parameter: a tensor shaped like its value or summed
+        over the kernel (``[G, O/G, I/G]``, as ḡ is), or a pair ``(rows, cols)`` standing for
+        their outer product (a kernel of one), which is never built. It is read one entry at a
+        time (a generator holds one); the sums are float64 where the maps live. Parameters
+        whose two ends lie in the same group have a zero row of B and count in neither sum.
         """
         incoming = torch.zeros(self.num_free + 1, dtype=torch.float64, device=self.device)
         outgoing = torch.zeros(self.num_free + 1, dtype=torch.float64, device=self.device)
         for dp, w in zip(self.dag_params, weights):
-            dp.accumulate(w.to(torch.float64).reshape(*dp.view[:3], -1), incoming, outgoing)
+            if isinstance(w, tuple):
+                rows, cols = w
+                dp.accumulate_outer(rows.to(torch.float64).reshape(dp.dst.shape),
+                                    cols.to(torch.float64).reshape(dp.src.shape), incoming, outgoing)
+            else:
+                dp.accumulate(w.to(torch.float64).reshape(*dp.view[:3], -1), incoming, outgoing)
         return incoming[:-1], outgoing[:-1]
 
     @property

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .diag import OuterLog
 from .objective import Objective, group_logsumexp
 
 #: per-variable damping |∂F/∂c_I| / REACH caps a step near REACH while far from the optimum
@@ -68,6 +69,10 @@ def _log_rows_by_source(objective: Objective, t: int, local: torch.Tensor, count
     keeps ḡ there (its range cannot underflow a positive term); by logsumexp per aggregate
     otherwise."""
     log_gbar = objective.log_gbar[t]
+    if isinstance(log_gbar, OuterLog):
+        # Σ_j ḡ_ij over an aggregate's columns is rows_i times that aggregate's column total.
+        cols = group_logsumexp(local.reshape(-1), log_gbar.cols, count)
+        return log_gbar.rows.reshape(*local.shape[:1], -1, 1) + cols
     gbar = objective.gbar[t]
     if gbar is not None:
         one_hot = torch.nn.functional.one_hot(local, count).to(torch.float64)

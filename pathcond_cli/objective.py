@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from .diag import DiagG
+from .diag import DiagG, LogG, OuterLog, dense, has_nonzero
 from .groups import RescalingGroups
 
 LOG2 = math.log(2.0)
@@ -77,44 +77,48 @@ class Objective:
         self.log_p = math.log(self.p)
         self.k = groups.k.to(self.device, torch.float64)
         self.degree = (groups.n_in + groups.n_out).to(self.device, torch.float64).clamp_min(1)
-        self.log_gbar: list[torch.Tensor] = []
+        self.log_gbar: list[LogG] = []
         self.gbar = LinearG(self.log_gbar, cache_bytes=GBAR_CACHE_BYTES)
         self.gbar_shift: list[float] = []
         self.gbar_range: list[float] = []
         self_loop_log = torch.full((groups.num_free + 1,), -torch.inf, dtype=torch.float64, device=self.device)
-        for lg, dp in zip(diag.log_g, self.groups.dag_params):
-            lg = lg.to(self.device).reshape(dp.view)
-            # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit):
-            # ḡ is then a view of log g, not a second parameter-sized copy.
-            log_gbar = lg[..., 0] if dp.view[3] == 1 else torch.logsumexp(lg, dim=3)
-            finite = log_gbar[torch.isfinite(log_gbar)]
-            shift = float(finite.max()) if finite.numel() else 0.0
-            spread = shift - float(finite.min()) if finite.numel() else 0.0
-            self.log_gbar.append(log_gbar)
-            self.gbar.add(shift if spread < SAFE_RANGE else None)
+        for lg, dp in zip(diag.parts, self.groups.dag_params):
+            if isinstance(lg, OuterLog):
+                # A kernel of one: ḡ is g, kept as its factors; products with it are O(O + I).
+                log_gbar = lg.to(self.device)
+                shift, spread = _outer_extremes(log_gbar)
+                self.log_gbar.append(log_gbar)
+                self.gbar.add(None)
+            else:
+                lg = lg.to(self.device).reshape(dp.view)
+                # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit):
+                # ḡ is then a view of log g, not a second parameter-sized copy.
+                log_gbar = lg[..., 0] if dp.view[3] == 1 else torch.logsumexp(lg, dim=3)
+                finite = log_gbar[torch.isfinite(log_gbar)]
+                shift = float(finite.max()) if finite.numel() else 0.0
+                spread = shift - float(finite.min()) if finite.numel() else 0.0
+                self.log_gbar.append(log_gbar)
+                self.gbar.add(shift if spread < SAFE_RANGE else None)
             self.gbar_shift.append(shift)
             self.gbar_range.append(spread)
             if dp.self_loops is not None:
-                masked = torch.where(dp.self_loops[..., 0], log_gbar, torch.full_like(log_gbar, -torch.inf))
-                self_loop_log = torch.logaddexp(
-                    self_loop_log, group_logsumexp(dp.dst.reshape(-1), torch.logsumexp(masked, dim=2).reshape(-1),
-                                                   groups.num_free + 1))
+                self_loop_log = torch.logaddexp(self_loop_log, _self_loop_logs(dp, log_gbar, groups.num_free + 1))
         self.self_loop_log = self_loop_log[:-1]
-        if not any(bool(torch.isfinite(lg).any()) for lg in self.log_gbar):
+        if not any(has_nonzero(lg) for lg in self.log_gbar):
             raise ValueError("diag(G) is zero everywhere: the network computes the zero function")
         self.passes = 0
 
     def degenerate(self) -> torch.Tensor:
         """:func:`degenerate_mask` from ḡ, on this objective's device: a kernel sum of g is zero
         exactly when every g_i it sums is zero."""
-        # A generator: one tensor's indicator at a time, never a float64 copy of the network.
-        incoming, outgoing = self.groups.incidence_sums(torch.isfinite(log_gbar) for log_gbar in self.log_gbar)
-        return (incoming == 0) | (outgoing == 0)
+        return _without_incidence(self.groups, self.log_gbar)
 
     def log_weights(self, u: torch.Tensor) -> list[torch.Tensor]:
-        """log w = log ḡ − 2(Bu) per tensor, shaped ``[G, O/G, I/G, 1]`` (kernel summed)."""
+        """log w = log ḡ − 2(Bu) per tensor, shaped ``[G, O/G, I/G, 1]`` (kernel summed): dense,
+        outer-product tensors included, for the sequential solver, which updates them in place."""
         u_ext = self.groups.extend(u)
-        return [lg[..., None] - 2 * dp.exponent(u_ext) for lg, dp in zip(self.log_gbar, self.groups.dag_params)]
+        return [dense(lg).reshape(dp.view[:3])[..., None] - 2 * dp.exponent(u_ext)
+                for lg, dp in zip(self.log_gbar, self.groups.dag_params)]
 
     def tensor_ranges(self, log_dst: torch.Tensor, log_src: torch.Tensor) -> list[list[float]]:
         """Per tensor: largest and smallest finite ``log_dst`` over its destination groups and
@@ -137,6 +141,13 @@ class Objective:
     def _tensor_sums(self, t: int, log_dst: torch.Tensor, log_src: torch.Tensor,
                      ranges: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """log of the row sums ``[G, O/G]`` and column sums ``[G, I/G]`` of w for tensor ``t``."""
+        log_gbar = self.log_gbar[t]
+        if isinstance(log_gbar, OuterLog):
+            # w = (ḡ_rows e^{dst}) ⊗ (ḡ_cols e^{src}): each sum is one factor times the other's total.
+            log_rows = log_gbar.rows.reshape(log_dst.shape) + log_dst
+            log_cols = log_gbar.cols.reshape(log_src.shape) + log_src
+            return (log_rows + torch.logsumexp(log_cols, dim=1, keepdim=True),
+                    log_cols + torch.logsumexp(log_rows, dim=1, keepdim=True))
         scale = self.linear_scale(t, ranges)
         if scale is not None:
             e_dst, e_src = torch.exp(log_dst - ranges[0]), torch.exp(log_src - ranges[2])
@@ -144,7 +155,7 @@ class Objective:
             rows = e_dst * torch.bmm(gbar, e_src[:, :, None])[:, :, 0]
             cols = e_src * torch.bmm(e_dst[:, None, :], gbar)[:, 0, :]
             return torch.log(rows) + scale, torch.log(cols) + scale
-        log_w = self.log_gbar[t] + log_dst[:, :, None] + log_src[:, None, :]
+        log_w = log_gbar + log_dst[:, :, None] + log_src[:, None, :]
         return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
 
     def evaluate(self, u: torch.Tensor, frozen: torch.Tensor | None = None) -> Evaluation:
@@ -218,8 +229,10 @@ class LinearG:
         """Register the tensor just appended to ``log_gbar`` (``shift`` None: log scale only)."""
         t = len(self.shifts)
         self.shifts.append(shift)
+        if shift is None:
+            return
         size = self.log_gbar[t].numel() * self.log_gbar[t].element_size()
-        if shift is not None and size <= self.room:
+        if size <= self.room:
             self.kept[t] = self[t]
             self.room -= size
 
@@ -240,6 +253,8 @@ class LinearG:
 class Coupling:
     """The matrices W_t = ḡ_ij · e^{x_i + y_j} of every tensor, x on destination groups and y on
     source groups (``[H + 1]`` each, −inf to leave a group out), for repeated products.
+    Each is kept as ``(e_dst, e_src, matrix)``, W = diag(e_dst) · matrix() · diag(e_src), where
+    ``matrix`` None stands for all ones (an outer-product ḡ: its factors are in the two vectors).
 
     Used where every entry of W is at most about 1 (w/S, or the Jacobi-scaled Hessian): a tensor
     is kept factorised (ḡ and two vectors) when its dynamic range allows linear-scale products,
@@ -257,6 +272,14 @@ class Coupling:
                 self.parts.append(None)
                 continue
             dst, src = log_dst[dp.dst], log_src[dp.src]
+            log_gbar = objective.log_gbar[t]
+            if isinstance(log_gbar, OuterLog):
+                # W = e^{rows + dst} ⊗ e^{cols + src}, the first factor scaled to peak at 1.
+                log_rows, log_cols = log_gbar.rows.reshape(dst.shape) + dst, log_gbar.cols.reshape(src.shape) + src
+                peak = float(_finite_max(log_rows))
+                self.parts.append(None if peak == -math.inf else
+                                  (torch.exp(log_rows - peak), torch.exp(log_cols + peak), None))
+                continue
             scale = objective.linear_scale(t, ranges)
             if scale is not None and abs(scale) < SAFE_RANGE:
                 e_dst = torch.exp(dst - ranges[0]) * math.exp(scale)
@@ -270,7 +293,7 @@ class Coupling:
 
     def rows(self, part, x_src: torch.Tensor) -> torch.Tensor:
         e_dst, e_src, matrix = part
-        return e_dst * torch.bmm(matrix(), (e_src * x_src)[:, :, None])[:, :, 0]
+        return e_dst * _times(matrix, e_src * x_src)
 
     def bilinear(self, x_dst: torch.Tensor, x_src: torch.Tensor) -> torch.Tensor:
         """Σ_t x_dstᵀ W_t x_src (``[H + 1]`` vectors indexed by group), a 0-d tensor."""
@@ -288,13 +311,55 @@ class Coupling:
                 continue
             e_dst, e_src, matrix = part
             out.index_add_(0, dp.dst.reshape(-1), self.rows(part, x[dp.src]).reshape(-1))
-            cols = e_src * torch.bmm((e_dst * x[dp.dst])[:, None, :], matrix())[:, 0, :]
+            cols = e_src * _times_transposed(matrix, e_dst * x[dp.dst])
             out.index_add_(0, dp.src.reshape(-1), cols.reshape(-1))
         return out
 
 
 def _itself(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _times(matrix, x: torch.Tensor) -> torch.Tensor:
+    """matrix() · x per conv group (``[G, O/G, I/G]`` by ``[G, I/G]``); None is all ones."""
+    return x.sum(1, keepdim=True) if matrix is None else torch.bmm(matrix(), x[:, :, None])[:, :, 0]
+
+
+def _times_transposed(matrix, x: torch.Tensor) -> torch.Tensor:
+    """matrix()ᵀ · x per conv group (``[G, O/G]`` in, ``[G, I/G]`` out); None is all ones."""
+    return x.sum(1, keepdim=True) if matrix is None else torch.bmm(x[:, None, :], matrix())[:, 0, :]
+
+
+def _outer_extremes(log_gbar: OuterLog) -> tuple[float, float]:
+    """The largest finite ln ḡ and the spread of the finite ones (0, 0 when none is finite)."""
+    rows, cols = log_gbar.rows, log_gbar.cols
+    top_rows, top_cols = float(_finite_max(rows)), float(_finite_max(cols))
+    if not (math.isfinite(top_rows) and math.isfinite(top_cols)):
+        return 0.0, 0.0
+    shift = top_rows + top_cols
+    return shift, shift - float(_finite_min(rows)) - float(_finite_min(cols))
+
+
+def _self_loop_logs(dp, log_gbar: LogG, size: int) -> torch.Tensor:
+    """Per group (``size`` = H + 1 slots): log Σ ḡ over this tensor's parameters whose two ends
+    lie in that free group (the within-group terms every pass subtracts)."""
+    if isinstance(log_gbar, OuterLog):
+        # Σ over o, i in group h of e^{rows_o + cols_i} = (Σ_{o in h} e^{rows_o})(Σ_{i in h} e^{cols_i}).
+        within = (group_logsumexp(dp.dst.reshape(-1), log_gbar.rows, size)
+                  + group_logsumexp(dp.src.reshape(-1), log_gbar.cols, size))
+        return torch.where(torch.arange(size, device=within.device) < size - 1, within, -torch.inf)
+    masked = torch.where(dp.self_loops[..., 0], log_gbar, torch.full_like(log_gbar, -torch.inf))
+    return group_logsumexp(dp.dst.reshape(-1), torch.logsumexp(masked, dim=2).reshape(-1), size)
+
+
+def _without_incidence(groups: RescalingGroups, log_gs) -> torch.Tensor:
+    """Free groups that no g > 0 enters or leaves, from log g or ḡ per tensor."""
+    # One tensor's indicator at a time (outer products by their factors), never a float64 copy of
+    # the network.
+    incoming, outgoing = groups.incidence_sums(
+        (torch.isfinite(lg.rows), torch.isfinite(lg.cols)) if isinstance(lg, OuterLog) else torch.isfinite(lg)
+        for lg in log_gs)
+    return (incoming == 0) | (outgoing == 0)
 
 
 def _finite_max(x: torch.Tensor) -> torch.Tensor:
@@ -325,9 +390,7 @@ def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:
 
     Depends only on which g_i are zero, so it holds for every u.
     """
-    # A generator: one tensor's indicator at a time, never a float64 copy of the network.
-    incoming, outgoing = groups.incidence_sums(torch.isfinite(lg) for lg in diag.log_g)
-    return (incoming == 0) | (outgoing == 0)
+    return _without_incidence(groups, diag.parts)
 
 
 def log_positive_root(log_quadratic: torch.Tensor, linear: torch.Tensor, log_linear_abs: torch.Tensor,

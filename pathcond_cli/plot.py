@@ -10,6 +10,7 @@ network is drawn without copying its diag(G).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,25 +18,33 @@ import numpy as np
 import torch
 
 from .api import LOG10_E, DiagSummary
+from .diag import LogG, OuterLog
 
 QUARTILE_SAMPLE = 200_000
 BEFORE_COLOUR, AFTER_COLOUR = "#9e9e9e", "#1f77b4"
 
 
-def _layer_boxes(groups, log_g: list[torch.Tensor], summary: DiagSummary) -> dict[str, dict[str, Any]]:
+def _layer_boxes(groups, log_g: Sequence[LogG], summary: DiagSummary) -> dict[str, dict[str, Any]]:
     """Box statistics of log10 g > 0 per layer, in network order."""
-    tensors: dict[str, list[torch.Tensor]] = {}
+    tensors: dict[str, list[LogG]] = {}
     for dp, lg in zip(groups.dag_params, log_g):
-        tensors.setdefault(dp.layer, []).append(lg.reshape(-1))
+        tensors.setdefault(dp.layer, []).append(lg)
     boxes = {}
     for spread in summary.layers:
         step = max(1, spread.parameters // QUARTILE_SAMPLE)
-        sample = torch.cat([t[::step] for t in tensors[spread.layer]]).to("cpu", torch.float64)
+        sample = torch.cat([_strided(t, step) for t in tensors[spread.layer]]).to("cpu", torch.float64)
         sample = sample[torch.isfinite(sample)].numpy() * LOG10_E
         q1, med, q3 = np.percentile(sample, [25, 50, 75]) if sample.size else (np.nan,) * 3
         low, high = (np.nan if v is None else v for v in (spread.log10_min, spread.log10_max))
         boxes[spread.layer] = {"label": spread.layer, "whislo": low, "q1": q1, "med": med, "q3": q3, "whishi": high}
     return boxes
+
+
+def _strided(lg: LogG, step: int) -> torch.Tensor:
+    """Every ``step``-th entry of the flattened log g, without expanding an outer product."""
+    if isinstance(lg, OuterLog):
+        return lg.flat_entries(torch.arange(0, lg.numel(), step, device=lg.rows.device))
+    return lg.reshape(-1)[::step]
 
 
 def short_label(layer: str, limit: int = 28) -> str:
@@ -57,8 +66,8 @@ def draw(report: dict[str, Any], analysis, result, path: Path, fmt: str) -> None
     import matplotlib.pyplot as plt
 
     groups = analysis.groups
-    before = _layer_boxes(groups, analysis.diag.log_g, analysis.summary)
-    after = _layer_boxes(groups, result.diag_after.log_g, result.summary_after) if result is not None else None
+    before = _layer_boxes(groups, analysis.diag.parts, analysis.summary)
+    after = _layer_boxes(groups, result.diag_after.parts, result.summary_after) if result is not None else None
     layers = list(before)
     width = min(max(8.0, 0.45 * len(layers) + 3.0), 40.0)
     figure = plt.figure(figsize=(width, 8.0 if result is not None else 5.0), layout="constrained")

@@ -7,6 +7,7 @@ parse never disagree.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import rich.markup
@@ -17,7 +18,7 @@ from rich.table import Table
 
 from . import __version__
 from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
-from .diag import unused_parameters
+from .diag import LogG, unused_parameters
 from .fileio import printable
 from .model import LoadedModel
 from .objective import degenerate_mask
@@ -39,7 +40,7 @@ def _power_of_ten(log10: float | None) -> float | None:
         return None
 
 
-def _diag_section(summary: DiagSummary, log_g: list[torch.Tensor],
+def _diag_section(summary: DiagSummary, log_g: Sequence[LogG],
                   ln_bounds: tuple[float | None, float | None]) -> dict[str, Any]:
     """``diag_g`` (or ``diag_g_after``): spread, per-layer table and a histogram of ln g over ``ln_bounds``."""
     low, high = (None if v is None else v * LOG10_E for v in (summary.ln_low, summary.ln_high))
@@ -119,7 +120,7 @@ def analysis_report(
         },
         "paths": {"log10": _finite(analysis.paths.log10), "exact": analysis.paths.exact},
         "conditioning": {"before": _conditioning(analysis.conditioning)},
-        "diag_g": _diag_section(summary, analysis.diag.log_g, ln_bounds or (summary.ln_low, summary.ln_high)),
+        "diag_g": _diag_section(summary, analysis.diag.parts, ln_bounds or (summary.ln_low, summary.ln_high)),
         "unused_parameters": unused,
         "warnings": list(model.warnings) + _unused_warning(unused, model),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
@@ -179,7 +180,7 @@ def rescale_report(result: RescaleResult, output: str | None, seconds: dict[str,
         "decrease": _finite(decrease),
         "fraction_of_gap_closed": _finite(decrease / before.conditioning.value) if before.conditioning.value > 0 else None,
     }
-    report["diag_g_after"] = _diag_section(after, result.diag_after.log_g, ln_bounds)
+    report["diag_g_after"] = _diag_section(after, result.diag_after.parts, ln_bounds)
     if not solve.converged:
         report["warnings"].append(
             f"not converged: the solver stopped after {solve.iterations} iterations (--max-iter {solve.max_iter}) "
