@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import rich.markup
-import torch
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
