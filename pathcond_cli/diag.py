@@ -26,12 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from .graph import Graph, Input, Node, Scale
-from .groups import DagParam, RescalingGroups
+from .groups import DagParam, RescalingGroups, blocks
 from .rules import LinearRule, per_channel, rule_for
 
 EXACT_LIMIT = 2**53
-# Elements per block when an OuterLog is expanded for a histogram: bounded transients.
-BLOCK_ELEMENTS = 2**22
 
 
 @dataclass(frozen=True)
@@ -59,9 +57,8 @@ class OuterLog:
 
     def row_blocks(self):
         """The dense tensor, flattened, in consecutive blocks of whole rows of bounded size."""
-        per_block = max(1, BLOCK_ELEMENTS // max(1, self.cols.numel()))
-        for start in range(0, self.rows.numel(), per_block):
-            yield (self.rows[start:start + per_block, None] + self.cols[None, :]).reshape(-1)
+        for rows in blocks(self.rows.numel(), self.cols.numel()):
+            yield (self.rows[rows, None] + self.cols[None, :]).reshape(-1)
 
     def flat_entries(self, index: torch.Tensor) -> torch.Tensor:
         """Entries of the flattened dense tensor at ``index``."""
@@ -190,6 +187,8 @@ def squared_network(
                 y = rule.weighted(node, values[node.inputs[0]], weight.value) * math.exp(weighted_scale - offset)
                 if bias is not None:
                     y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
+                # ψ is layer-sized: released before the next layer's is built, not when it is assigned.
+                del weight, bias
             else:
                 unit, log_gain = _unit_gain(node)
                 offset = max(offsets[i] for i in node.inputs)
@@ -264,6 +263,7 @@ def log_gradients(
             if bias is not None:
                 log_bias = torch.log(cotangent.sum(dim=[0, *range(2, cotangent.dim())]).clamp_min(0)) + sigma
             result[node.name] = (log_weight, log_bias)
+            del weight, bias, log_weight
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
             unit, log_gain = _unit_gain(node)
@@ -330,13 +330,14 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     assigned[H] = True
     for dps in _layer_tensors(groups, groups.dag_params).values():
         weight_dp = dps[0]
-        w4 = weight_dp.value.reshape(weight_dp.view).to(torch.float64).abs()
-        row_max = w4.amax(dim=(2, 3), keepdim=True)
         source = -2 * u[weight_dp.src]
         source_max = source.amax(dim=1, keepdim=True)
-        squares = (w4 / row_max.clamp_min(torch.finfo(torch.float64).tiny)).square().sum(3)
-        per_out = torch.log(torch.bmm(squares, torch.exp(source - source_max)[:, :, None]).squeeze(2))
-        per_out = (per_out + 2 * torch.log(row_max[:, :, 0, 0]) + source_max).reshape(-1)
+        source_scale = torch.exp(source - source_max)[:, :, None]
+        stored = weight_dp.value.reshape(weight_dp.view)
+        conv_groups, rows_per_group, in_per_group, kernel = weight_dp.view
+        per_out = torch.cat([_log_row_norms(stored[:, rows], source_scale)
+                             for rows in blocks(rows_per_group, conv_groups * in_per_group * kernel)], dim=1)
+        per_out = (per_out + source_max).reshape(-1)
         if len(dps) > 1:
             per_out = torch.logaddexp(per_out, 2 * torch.log(dps[1].value.to(torch.float64).abs()))
         dst = weight_dp.dst.reshape(-1)
@@ -346,6 +347,15 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
             u.scatter_reduce_(0, dst[fresh], target[fresh], reduce="amin", include_self=False)
             assigned[dst[fresh]] = True
     return u[:H]
+
+
+def _log_row_norms(w4: torch.Tensor, source_scale: torch.Tensor) -> torch.Tensor:
+    """ln Σ_{i,k} w_oik² e^{s_i} per row o of a ``[G, rows, I/G, K]`` block, with ``source_scale``
+    = e^{s − max s} and without that max; each row divided by its largest entry before squaring."""
+    w4 = w4.to(torch.float64).abs()
+    row_max = w4.amax(dim=(2, 3), keepdim=True)
+    squares = w4.div_(row_max.clamp_min(torch.finfo(torch.float64).tiny)).square_().sum(3)
+    return torch.log(torch.bmm(squares, source_scale).squeeze(2)) + 2 * torch.log(row_max[:, :, 0, 0])
 
 
 def _balanced_psi(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:

@@ -12,16 +12,29 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
+
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
+from types import EllipsisType
 
 import torch
 
 from .evaluate import infer_shapes
 from .graph import Graph
 from .rules import Affine, Ties, rule_for, swap_group_axes
+
+
+# Elements per block when a layer-sized pass runs block by block: bounded float64 transients.
+BLOCK_ELEMENTS = 2**22
+
+
+def blocks(length: int, per_item: int) -> list[slice]:
+    """Consecutive slices of an axis of ``length`` items of ``per_item`` elements each, at most
+    ``BLOCK_ELEMENTS`` elements per slice (at least one item; one empty slice for an empty axis)."""
+    step = max(1, BLOCK_ELEMENTS // max(1, per_item))
+    return [slice(start, start + step) for start in range(0, max(length, 1), step)]
 
 
 @dataclass
@@ -113,31 +126,42 @@ class WriteBack:
             logs = torch.cat([dst.amax(1) - src.amin(1), dst.amin(1) - src.amax(1)])
         return not bool((torch.exp(torch.stack([logs.amax(), logs.amin()])) == 1.0).all())
 
-    def factor(self, u_ext: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of ``shape``."""
-        return self.log_factor(u_ext, u_ext, shape).exp_()
+    def factor(self, u_ext: torch.Tensor, shape: tuple[int, ...], rows: slice | EllipsisType = slice(None)) -> torch.Tensor:
+        """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of ``shape`` (its
+        ``rows`` along the first axis)."""
+        return self.log_factor(u_ext, u_ext, shape, rows).exp_()
 
-    def log_factor(self, dst_values: torch.Tensor, src_values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def log_factor(self, dst_values: torch.Tensor, src_values: torch.Tensor, shape: tuple[int, ...],
+                   rows: slice | EllipsisType = slice(None)) -> torch.Tensor:
         """``dst_values[dst] − src_values[src]`` per stored element, shaped like :meth:`factor`
         (two value vectors, so that per-element facts such as how many free groups move an
-        element come from the same layout code as the rescaling itself); a fresh tensor."""
+        element come from the same layout code as the rescaling itself); a fresh tensor.
+        ``rows`` restricts it to those indices of the stored tensor's first axis."""
         if self.layout == "vector":
             log = dst_values[self.dst] if self.src is None else dst_values[self.dst] - src_values[self.src]
-            return log.reshape(shape)
-        ndim = len(shape)
-        in_per_group = 1 if self.src is None else len(self.src) // self.groups
-        log = torch.zeros(self.out_channels, in_per_group, dtype=dst_values.dtype, device=dst_values.device)
-        if self.dst is not None:
-            log += dst_values[self.dst][:, None]
-        if self.src is not None:
-            # In place through a grouped view: no second weight-sized tensor.
-            log.view(self.groups, self.out_channels // self.groups, in_per_group).sub_(
-                src_values[self.src].reshape(self.groups, 1, in_per_group))
+            return log.reshape(shape)[rows]
         if self.layout == "weight_t":
-            log = log.t()
+            log = self._canonical_log(dst_values, src_values, slice(None), rows).t()
         elif self.layout == "conv_transpose":
-            log = swap_group_axes(log, self.groups)
-        return log.reshape(*log.shape, *([1] * (ndim - 2)))
+            log = swap_group_axes(self._canonical_log(dst_values, src_values, slice(None), slice(None)), self.groups)[rows]
+        else:
+            log = self._canonical_log(dst_values, src_values, rows, slice(None))
+        return log.reshape(*log.shape, *([1] * (len(shape) - 2)))
+
+    def _canonical_log(self, dst_values: torch.Tensor, src_values: torch.Tensor, out_rows: slice,
+                       in_columns: slice) -> torch.Tensor:
+        """dst − src on the ``[O, I/G]`` grid (one column when the input side is not rescaled),
+        restricted to ``out_rows`` × ``in_columns``."""
+        in_per_group = 1 if self.src is None else len(self.src) // self.groups
+        outputs = torch.arange(self.out_channels, device=dst_values.device)[out_rows]
+        columns = torch.arange(in_per_group, device=dst_values.device)[in_columns if self.src is not None else slice(None)]
+        log = torch.zeros(len(outputs), len(columns), dtype=dst_values.dtype, device=dst_values.device)
+        if self.dst is not None:
+            log += dst_values[self.dst][out_rows][:, None]
+        if self.src is not None:
+            by_group = src_values[self.src].reshape(self.groups, in_per_group)[:, columns]
+            log -= by_group[torch.div(outputs, self.out_channels // self.groups, rounding_mode="floor")]
+        return log
 
 
 @dataclass
@@ -242,11 +266,15 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
             return self._assigned[key]
         writeback = self._writebacks[key]  # an unchanged key is a KeyError before its tensor is read
         original = self._params[key]
-        factor = writeback.factor(self._u_ext, tuple(original.shape))
-        # Computed on the analysis device (a copy even of a float64 original there: it may be a
-        # view of the mapped checkpoint), returned where the checkpoint tensor lives.
-        rescaled = original.to(self._u_ext.device, torch.float64, copy=True).mul_(factor)
-        return rescaled.to(original.device, original.dtype)
+        shape = tuple(original.shape)
+        rescaled = torch.empty(shape, dtype=original.dtype, device=self._u_ext.device)
+        # Block by block along the first axis, so that the float64 transients are a block's; on
+        # the analysis device (a copy even of a float64 original there: it may be a view of the
+        # mapped checkpoint), returned where the checkpoint tensor lives.
+        for rows in blocks(shape[0], prod(shape[1:])) if shape else [...]:
+            factor = writeback.factor(self._u_ext, shape, rows)
+            rescaled[rows] = original[rows].to(self._u_ext.device, torch.float64, copy=True).mul_(factor)
+        return rescaled.to(original.device)
 
     def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
         if key not in self._writebacks:
