@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import StorageError
-from .groups import RescalingGroups
+from .groups import BLOCK_ELEMENTS, RescalingGroups
 
 LOST_FRACTION = 0.01
 ROUNDING_MARGIN = 1e-9
@@ -102,22 +102,27 @@ def check_storage(original: Mapping[str, torch.Tensor], changed: Mapping[str, to
     """One entry per rescaled floating-point tensor that overflows or loses normal values."""
     problems = []
     for key, new in changed.items():
-        old = original[key]
         if not new.is_floating_point() or not new.numel():
             continue
         tiny = torch.finfo(new.dtype).tiny
-        magnitude = new.abs()
-        low, high = magnitude.aminmax()
-        # Every value finite and normal (NaN fails the first test): nothing overflowed or was
-        # flushed, known from one reduction; the element-wise accounting is for the rest.
-        if math.isfinite(float(high)) and float(low) >= tiny:
+        # Every value finite and normal: nothing overflowed or was flushed, known from one
+        # reduction per block (no tensor-sized |new|); the element-wise accounting is for the rest.
+        if all(_finite_and_normal(block, tiny) for block in new.reshape(-1).split(BLOCK_ELEMENTS)):
             continue
+        old = original[key]
+        magnitude = new.abs()
         overflowed = int((torch.isfinite(old) & ~torch.isfinite(new)).sum())
         was_normal = old.abs() >= tiny
         flushed = int((was_normal & (magnitude < tiny)).sum())
         if overflowed or flushed:
             problems.append(StorageCheck(key, new.dtype, new.numel(), overflowed, flushed, int(was_normal.sum())))
     return problems
+
+
+def _finite_and_normal(values: torch.Tensor, tiny: float) -> bool:
+    low, high = values.abs().aminmax()
+    # NaN fails the first test.
+    return math.isfinite(float(high)) and float(low) >= tiny
 
 
 def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str, torch.Tensor],
