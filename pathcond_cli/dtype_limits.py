@@ -100,23 +100,27 @@ def safe_log_scale(groups: RescalingGroups, params: Mapping[str, torch.Tensor]) 
 
 def check_storage(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> list[StorageCheck]:
     """One entry per rescaled floating-point tensor that overflows or loses normal values."""
-    problems = []
-    for key, new in changed.items():
-        if not new.is_floating_point() or not new.numel():
-            continue
-        tiny = torch.finfo(new.dtype).tiny
-        # Every value finite and normal: nothing overflowed or was flushed, known from one
-        # reduction per block (no tensor-sized |new|); the element-wise accounting is for the rest.
-        if all(_finite_and_normal(block, tiny) for block in new.reshape(-1).split(BLOCK_ELEMENTS)):
-            continue
-        old = original[key]
-        magnitude = new.abs()
-        overflowed = int((torch.isfinite(old) & ~torch.isfinite(new)).sum())
-        was_normal = old.abs() >= tiny
-        flushed = int((was_normal & (magnitude < tiny)).sum())
-        if overflowed or flushed:
-            problems.append(StorageCheck(key, new.dtype, new.numel(), overflowed, flushed, int(was_normal.sum())))
-    return problems
+    # One key at a time: a rescaled tensor and its original are let go before the next is read.
+    return [problem for key in changed if (problem := _storage_problem(key, original, changed[key])) is not None]
+
+
+def _storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.Tensor) -> StorageCheck | None:
+    if not new.is_floating_point() or not new.numel():
+        return None
+    tiny = torch.finfo(new.dtype).tiny
+    # Every value finite and normal: nothing overflowed or was flushed, known from one
+    # reduction per block (no tensor-sized |new|); the element-wise accounting is for the rest.
+    if all(_finite_and_normal(block, tiny) for block in new.reshape(-1).split(BLOCK_ELEMENTS)):
+        return None
+    overflowed = flushed = normal = 0
+    for old_block, new_block in zip(original[key].reshape(-1).split(BLOCK_ELEMENTS), new.reshape(-1).split(BLOCK_ELEMENTS)):
+        was_normal = old_block.abs() >= tiny
+        overflowed += int((torch.isfinite(old_block) & ~torch.isfinite(new_block)).sum())
+        flushed += int((was_normal & (new_block.abs() < tiny)).sum())
+        normal += int(was_normal.sum())
+    if overflowed or flushed:
+        return StorageCheck(key, new.dtype, new.numel(), overflowed, flushed, normal)
+    return None
 
 
 def _finite_and_normal(values: torch.Tensor, tiny: float) -> bool:

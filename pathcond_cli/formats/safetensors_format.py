@@ -547,6 +547,7 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
             if (tensor.dtype, tuple(tensor.shape)) != layouts[key][:2]:
                 raise ValueError(f"changed tensor '{key}' must replace a checkpoint tensor of the same shape and dtype")
             out.write(memoryview(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del tensor  # before the next tensor is computed, not when it is assigned
 
 
 def _stored_layout(tensor: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], int]:
