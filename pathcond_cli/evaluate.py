@@ -51,10 +51,9 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
 
     (Meta tensors would skip the arithmetic, but their one-off set-up costs seconds.)
     """
-    probe_params = {key: params[key].to(torch.float32) for key in graph.parameter_keys()}
-
     def param(key: str | None) -> torch.Tensor | None:
-        return None if key is None else probe_params[key]
+        # Read when a node uses it: a checkpoint read when used is never held whole.
+        return None if key is None else params[key].to(torch.float32)
 
     shapes: dict[str, tuple[int, ...]] = {}
     values: dict[str, torch.Tensor] = {}

@@ -97,8 +97,7 @@ def compare(
     modes = ("eval", "train") if any(isinstance(n, BatchNorm) for n in graph.nodes) else ("eval",)
     # Keys only: each tensor is looked up when a run reads it, so a mapped or computed-when-read
     # ``rescaled`` is never held whole.
-    changed = _Selected(rescaled, [key for key, tensor in rescaled.items()
-                                   if key in original and not torch.equal(tensor, original[key])])
+    changed = _Selected(rescaled, [key for key in rescaled if key in original and _differs(key, original, rescaled)])
 
     def run(overrides: Mapping[str, torch.Tensor] | None, train: bool) -> list[torch.Tensor]:
         # The rescaled tensors themselves (not the rounding floor's) run on the written graph.
@@ -110,6 +109,11 @@ def compare(
         return [outputs[name] for name in network.outputs]
 
     return _measure(run, original, changed, modes, tolerance_for(rescaled, graph.parameter_keys()), seed)
+
+
+def _differs(key: str, original: Mapping[str, torch.Tensor], rescaled: Mapping[str, torch.Tensor]) -> bool:
+    # A function, so that both tensors are let go before the next key's are read.
+    return not torch.equal(rescaled[key], original[key])
 
 
 class _Selected(Mapping[str, torch.Tensor]):
