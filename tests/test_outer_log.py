@@ -4,10 +4,11 @@ Every quantity read from the factored diag(G) that ``diag_g`` returns is compare
 quantity from ``DiagG`` of the expanded tensors (the representation before OuterLog, which the
 tensor code paths handle) and, where cheap, with brute force: log g by path enumeration in the
 log domain, dense B from the neuron DAG, explicit sums over every parameter. The networks are
-random MLPs (wide-range layer scales up to 1e±200, dead units giving −inf rows and columns), a
-residual MLP whose Linear layers have self-loops (a group tied to itself through several
-channels), Linear layers fed by a flattened conv, and zero padding before a flatten (Linear
-weights on no path).
+random MLPs (wide-range layer scales up to 1e±200, dead units giving −inf rows and columns,
+layers of zeros), a residual MLP whose Linear layers have self-loops (a group tied to itself
+through several channels), Linear layers fed by a flattened conv, zero padding before a flatten
+and units that feed nothing (Linear weights on no path). Every Linear node sees one feature
+vector (the graph accepts no other input for it), so every Linear weight is factored.
 """
 
 from __future__ import annotations
