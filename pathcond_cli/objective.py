@@ -79,14 +79,15 @@ class Objective:
         self.degree = (groups.n_in + groups.n_out).to(self.device, torch.float64).clamp_min(1)
         self.log_gbar: list[LogG] = []
         self.gbar = LinearG(self.log_gbar, cache_bytes=GBAR_CACHE_BYTES)
-        self.gbar_shift: list[float] = []
-        self.gbar_range: list[float] = []
+        self.gbar_shift: list[float | None] = []
+        self.gbar_range: list[float | None] = []
         self_loop_log = torch.full((groups.num_free + 1,), -torch.inf, dtype=torch.float64, device=self.device)
         for lg, dp in zip(diag.parts, self.groups.dag_params):
             if isinstance(lg, OuterLog):
-                # A kernel of one: ḡ is g, kept as its factors; products with it are O(O + I).
+                # A kernel of one: ḡ is g, kept as its factors; every product with it is exact in
+                # the log domain at O(O + I), so it has no linear-scale form (and no shift or range).
                 log_gbar = lg.to(self.device)
-                shift, spread = _outer_extremes(log_gbar)
+                shift = spread = None
                 self.log_gbar.append(log_gbar)
                 self.gbar.add(None)
             else:
@@ -328,16 +329,6 @@ def _times(matrix, x: torch.Tensor) -> torch.Tensor:
 def _times_transposed(matrix, x: torch.Tensor) -> torch.Tensor:
     """matrix()ᵀ · x per conv group (``[G, O/G]`` in, ``[G, I/G]`` out); None is all ones."""
     return x.sum(1, keepdim=True) if matrix is None else torch.bmm(x[:, None, :], matrix())[:, 0, :]
-
-
-def _outer_extremes(log_gbar: OuterLog) -> tuple[float, float]:
-    """The largest finite ln ḡ and the spread of the finite ones (0, 0 when none is finite)."""
-    rows, cols = log_gbar.rows, log_gbar.cols
-    top_rows, top_cols = float(_finite_max(rows)), float(_finite_max(cols))
-    if not (math.isfinite(top_rows) and math.isfinite(top_cols)):
-        return 0.0, 0.0
-    shift = top_rows + top_cols
-    return shift, shift - float(_finite_min(rows)) - float(_finite_min(cols))
 
 
 def _self_loop_logs(dp, log_gbar: LogG, size: int) -> torch.Tensor:

@@ -535,7 +535,7 @@ def test_summary_conditioning_and_histogram_from_factors_equal_expanded_and_plai
     assert bins == histogram(case.expanded.parts, got.ln_low, got.ln_high, bins=7)
     assert sum(count for *_, count in bins) == got.conditioning.counted
     # an outer product expanded a row or two at a time, as a large one is
-    monkeypatch.setattr("pathcond_cli.diag.BLOCK_ELEMENTS", 5)
+    monkeypatch.setattr("pathcond_cli.groups.BLOCK_ELEMENTS", 5)
     assert histogram(case.factored.parts, got.ln_low, got.ln_high, bins=7) == bins
 
 
