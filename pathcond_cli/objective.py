@@ -159,24 +159,42 @@ class Objective:
         log_w = log_gbar + log_dst[:, :, None] + log_src[:, None, :]
         return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
 
+    def _sums_between_groups(self, t: int, log_dst: torch.Tensor,
+                             log_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_tensor_sums` without the parameters whose two ends lie in one free group, summed
+        without them rather than subtracted: a group's self-loops may outweigh the rest of its
+        weight by more than float64 resolves, and a difference would then be rounding."""
+        dp, log_gbar = self.groups.dag_params[t], self.log_gbar[t]
+        if isinstance(log_gbar, OuterLog):
+            log_rows = log_gbar.rows.reshape(log_dst.shape) + log_dst
+            log_cols = log_gbar.cols.reshape(log_src.shape) + log_src
+            size = self.groups.num_free + 1
+            return (log_rows + _other_groups(group_logsumexp(dp.src.reshape(-1), log_cols.reshape(-1), size), dp.dst),
+                    log_cols + _other_groups(group_logsumexp(dp.dst.reshape(-1), log_rows.reshape(-1), size), dp.src))
+        log_w = (log_gbar + log_dst[:, :, None] + log_src[:, None, :]).masked_fill(dp.self_loops[..., 0], -torch.inf)
+        return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
+
     def evaluate(self, u: torch.Tensor, frozen: torch.Tensor | None = None) -> Evaluation:
         """F(u), log shares, ∂F/∂u and the relative KKT residual (frozen groups excluded)."""
         self.passes += 1
         H = self.groups.num_free
         u_ext = self.groups.extend(u)
-        row_logs, col_logs, dst_index, src_index = [], [], [], []
+        row_logs, col_logs, between_rows, between_cols, dst_index, src_index = [], [], [], [], [], []
         ranges = self.tensor_ranges(-2 * u_ext, 2 * u_ext)
         for t, dp in enumerate(self.groups.dag_params):
-            rows, cols = self._tensor_sums(t, -2 * u_ext[dp.dst], 2 * u_ext[dp.src], ranges[t])
+            log_dst, log_src = -2 * u_ext[dp.dst], 2 * u_ext[dp.src]
+            rows, cols = self._tensor_sums(t, log_dst, log_src, ranges[t])
             row_logs.append(rows)
             col_logs.append(cols)
+            if dp.self_loops is not None:
+                rows, cols = self._sums_between_groups(t, log_dst, log_src)
+            between_rows.append(rows.reshape(-1))
+            between_cols.append(cols.reshape(-1))
             dst_index.append(dp.dst.reshape(-1))
             src_index.append(dp.src.reshape(-1))
-        rows = torch.cat([r.reshape(-1) for r in row_logs])
-        cols = torch.cat([c.reshape(-1) for c in col_logs])
-        log_total = torch.logsumexp(rows, dim=0)
-        log_in = _minus(group_logsumexp(torch.cat(dst_index), rows, H + 1)[:H], self.self_loop_log)
-        log_out = _minus(group_logsumexp(torch.cat(src_index), cols, H + 1)[:H], self.self_loop_log)
+        log_total = torch.logsumexp(torch.cat([r.reshape(-1) for r in row_logs]), dim=0)
+        log_in = group_logsumexp(torch.cat(dst_index), torch.cat(between_rows), H + 1)[:H]
+        log_out = group_logsumexp(torch.cat(src_index), torch.cat(between_cols), H + 1)[:H]
         log_a, log_c = log_in + self.log_p - log_total, log_out + self.log_p - log_total
         value = self.p * float(log_total) + 2 * float(self.k @ u)
         gradient = 2 * (self.k - torch.exp(log_a) + torch.exp(log_c))
@@ -361,10 +379,16 @@ def _finite_min(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.full_like(x, torch.inf)).amin()
 
 
-def _minus(log_x: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
-    """log(x − y) for y ≤ x (−inf where the difference vanishes)."""
-    ratio = torch.exp(torch.clamp(log_y - log_x, max=0.0))
-    return torch.where(torch.isfinite(log_y), log_x + torch.log1p(-ratio), log_x)
+def _other_groups(log_by_group: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Per entry of ``groups`` (indices into ``log_by_group``, ``[H + 1]``, the last the fixed slot):
+    log Σ over every other slot of exp(log_by_group), or over all of them for the fixed slot,
+    which has no self-loops. Prefix and suffix log-sums, so nothing is subtracted."""
+    none = log_by_group.new_full((1,), -torch.inf)
+    before = torch.cat([none, torch.logcumsumexp(log_by_group, 0)[:-1]])
+    after = torch.cat([torch.logcumsumexp(log_by_group.flip(0), 0).flip(0)[1:], none])
+    others = torch.logaddexp(before, after)
+    others[-1] = torch.logsumexp(log_by_group, 0)
+    return others[groups]
 
 
 def group_logsumexp(index: torch.Tensor, log_values: torch.Tensor, size: int) -> torch.Tensor:

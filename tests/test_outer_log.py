@@ -120,8 +120,6 @@ CASES = {
 }
 SOLVER_CASES = ["mlp", "mlp_1e30", "mlp_dead", "residual_self_loop", "residual_self_loop_1e30", "conv_flatten",
                 "pad_flatten", "slice_unused"]
-# the block solver loses a group there (−inf shares by cancellation; see the xfail test below)
-BLOCK_FAILS = {"residual_self_loop_1e30"}
 
 
 @dataclass
@@ -598,8 +596,6 @@ def test_plot_samples_from_factors_equal_the_strided_flattened_tensor(name):
 @pytest.mark.parametrize("method", SOLVERS)
 @pytest.mark.parametrize("name", SOLVER_CASES)
 def test_solvers_reach_the_same_point_from_factors_and_from_expanded_tensors(name, method):
-    if method == "block" and name in BLOCK_FAILS:
-        pytest.skip("the block solver fails on both sides: test_shares_of_a_group_dominated_by_its_self_loops")
     case = _case(name)
     got = solve(case.groups, case.factored, method=method, tol=1e-10)
     want = solve(case.groups, case.expanded, method=method, tol=1e-10)
@@ -626,13 +622,10 @@ def _brute_shares(case: Case, u: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return shares(B > 0), shares(B < 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Objective.evaluate gets A_h and C_h as (all weight into/out of h) − (self-loop weight of h) "
-    "(objective.py, _minus of group_logsumexp and self_loop_log): when a group's self-loops outweigh "
-    "the rest of its incoming weight by more than 1e16 the difference is rounding, log a_h = −inf "
-    "(truth ≈ −236), and the block solver's step for that group is −inf (u becomes −inf, then NaN). "
-    "Not OuterLog's: the tensor path does the same, and the old code failed on the new log g too"))
 def test_shares_of_a_group_dominated_by_its_self_loops():
+    """A group whose self-loops outweigh the rest of its incoming weight by e^{120}: its share a_h
+    is summed without the self-loops, not as a difference (which was rounding, log a_h = −inf,
+    and sent the block solver's u to −inf, then NaN, on the 1e30 case)."""
     case = _case("residual_self_loop")
     looped = int(torch.nonzero(torch.isfinite(Objective(case.groups, case.factored).self_loop_log))[0, 0])
     u = torch.zeros(case.groups.num_free, dtype=torch.float64)
