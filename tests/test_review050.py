@@ -1,0 +1,92 @@
+"""Review of the bounded-memory change (issue 20): the block-by-block passes must really run in
+blocks, whatever the stored layout.
+
+The largest float64 tensor a pass creates is measured with a dispatch mode that sees every
+tensor torch allocates (views excluded), with ``BLOCK_ELEMENTS`` set to a few elements so that
+each tensor is cut into many blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import NetBuilder
+from pathcond_cli import groups as groups_module
+from pathcond_cli.dtype_limits import check_storage
+from pathcond_cli.groups import build_groups
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """The most elements of any new (not a view) tensor of ``dtype`` created inside the block."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype, self.largest = dtype, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.dtype == self.dtype:
+                    self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def _one_by_one_transposed(groups: int):
+    """A 1×1 ConvTranspose (8 → 6 channels): its per-element factor grid is as large as the weight."""
+    b = NetBuilder((8, 2, 2), seed=4, dtype=torch.float32)
+    b.conv(8, 1); b.relu()
+    b.conv_transpose(6, 1, groups=groups); b.relu()
+    b.conv(2, 1)
+    return b.build()
+
+
+def _one_by_one(transposed_linear: bool):
+    """The same sizes for the two other weight layouts: a 1×1 conv (``weight``) and a Linear
+    stored ``[in, out]`` (``weight_t``)."""
+    if transposed_linear:
+        b = NetBuilder((8,), seed=4, dtype=torch.float32)
+        b.linear(8); b.relu(); b.linear(6, transposed=True); b.relu(); b.linear(2)
+    else:
+        b = NetBuilder((8, 2, 2), seed=4, dtype=torch.float32)
+        b.conv(8, 1); b.relu(); b.conv(6, 1); b.relu(); b.conv(2, 1)
+    return b.build()
+
+
+@pytest.mark.parametrize("build", [lambda: _one_by_one_transposed(1), lambda: _one_by_one_transposed(2),
+                                   lambda: _one_by_one(False), lambda: _one_by_one(True)],
+                         ids=["conv_transpose", "conv_transpose_grouped", "weight", "weight_t"])
+def test_rescaling_a_weight_holds_float64_of_a_block_not_of_the_tensor(build, monkeypatch):
+    """d73cd94 built a ConvTranspose's whole factor grid (and its group-swapped copy) for every
+    block of its first axis: float64 the size of the weight divided by its kernel, once per block."""
+    graph, params = build()
+    groups = build_groups(graph, params)
+    u = torch.randn(groups.num_free, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    whole = {key: tensor.clone() for key, tensor in groups.apply(params, u).items()}
+    monkeypatch.setattr(groups_module, "BLOCK_ELEMENTS", 6)
+    middle = "convt3.weight" if "convt3.weight" in params else next(
+        key for key in params if key.endswith("3.weight"))
+    size = params[middle].numel()
+    assert size >= 24 and middle in whole
+    changed = groups.apply(params, u)
+    with _LargestAllocation(torch.float64) as seen:
+        rescaled = changed[middle]
+    assert torch.equal(rescaled, whole[middle])
+    # A block (6 elements) and the per-channel vectors (8 channels at most) are all a pass may hold.
+    assert seen.largest <= 8, f"a float64 tensor of {seen.largest} elements for a weight of {size}"
+
+
+def test_storage_check_reads_the_block_size_when_it_runs(monkeypatch):
+    """check_storage took ``BLOCK_ELEMENTS`` by value when dtype_limits was imported, so the block
+    size set at run time (as tests/test_blocks.py sets it) never reached it: its block test ran
+    the whole tensor as one block."""
+    monkeypatch.setattr(groups_module, "BLOCK_ELEMENTS", 4)
+    original = {"w": torch.ones(6, 5, dtype=torch.float32)}
+    changed = {"w": torch.ones(6, 5, dtype=torch.float32)}
+    changed["w"][5, 4] = 1e-45
+    with _LargestAllocation(torch.float32) as seen:
+        (problem,) = check_storage(original, changed)
+    assert (problem.flushed, problem.normal) == (1, 30)
+    assert seen.largest <= 4, f"a float32 tensor of {seen.largest} elements with blocks of 4"
