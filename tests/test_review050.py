@@ -1,10 +1,9 @@
-"""Review of the bounded-memory change (issue 20): the block-by-block passes must really run in
-blocks, whatever the stored layout.
+"""Review of the bounded-memory change (issue 20), one test per defect found.
 
-The largest float64 tensor a pass creates is measured with a dispatch mode that sees every
-tensor torch allocates (views excluded), with ``BLOCK_ELEMENTS`` set to a few elements so that
-each tensor is cut into many blocks.
-"""
+The block-by-block passes must really run in blocks, whatever the stored layout: the largest
+tensor a pass creates is measured with a dispatch mode that sees every tensor torch allocates
+(views excluded), with ``BLOCK_ELEMENTS`` set to a few elements so that each tensor is cut into
+many blocks. ``diag_after`` must read like ``analysis.diag``, slices included."""
 
 from __future__ import annotations
 
@@ -14,8 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import NetBuilder
 from pathcond_cli import groups as groups_module
+from pathcond_cli.api import rescale
+from pathcond_cli.diag import OuterLog, diag_g
 from pathcond_cli.dtype_limits import check_storage
 from pathcond_cli.groups import build_groups
+from pathcond_cli.model import LoadedModel
 
 
 class _LargestAllocation(TorchDispatchMode):
@@ -90,3 +92,23 @@ def test_storage_check_reads_the_block_size_when_it_runs(monkeypatch):
         (problem,) = check_storage(original, changed)
     assert (problem.flushed, problem.normal) == (1, 30)
     assert seen.largest <= 4, f"a float32 tensor of {seen.largest} elements with blocks of 4"
+
+
+def test_diag_after_slices_like_the_analysis_diag(nets):
+    """``result.diag_after.log_g[:2]`` (and ``.parts[1:]``) raised AttributeError ('list' object has
+    no attribute 'reshape'), while ``analysis.diag.log_g[:2]`` gives a list: both are DiagG."""
+    graph, params = nets.mlp(seed=1)
+    result = rescale(LoadedModel(graph, params, "safetensors", "mlp.safetensors"))
+    after = result.diag_after
+    # The oracle: diag(G) computed afresh from the rescaled checkpoint.
+    fresh = diag_g(build_groups(graph, {**params, **result.changed.copy()})).log_g
+    count = len(after.log_g)
+    assert count == len(fresh) == 6
+    for sliced, indices in [(after.log_g[:2], [0, 1]), (after.log_g[1::2], [1, 3, 5]), (after.log_g[-2:], [4, 5])]:
+        assert isinstance(sliced, list) and len(sliced) == len(indices)
+        for tensor, t in zip(sliced, indices):
+            assert torch.equal(tensor, after.log_g[t])
+            assert torch.allclose(tensor, fresh[t], rtol=0, atol=1e-9)
+    parts = after.parts[1:]
+    assert len(parts) == count - 1 and isinstance(parts[0], OuterLog) == isinstance(after.parts[1], OuterLog)
+    assert len(result.analysis.diag.log_g[:2]) == 2
