@@ -232,7 +232,9 @@ class RescaledLogG(Sequence[LogG]):
     def __init__(self, groups: RescalingGroups, log_g: Sequence[LogG], u_ext: torch.Tensor):
         self.groups, self.log_g, self.u_ext = groups, log_g, u_ext
 
-    def __getitem__(self, t: int) -> LogG:
+    def __getitem__(self, t: int | slice) -> LogG | list[LogG]:
+        if isinstance(t, slice):
+            return [self[i] for i in range(len(self))[t]]
         dp, lg = self.groups.dag_params[t], self.log_g[t]
         if isinstance(lg, OuterLog):
             # (Bu)_oi = u_dst(o) − u_src(i) splits between the two factors.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import StorageError
-from .groups import BLOCK_ELEMENTS, RescalingGroups
+from .groups import RescalingGroups, blocks
 
 LOST_FRACTION = 0.01
 ROUNDING_MARGIN = 1e-9
@@ -110,10 +110,14 @@ def _storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.
     tiny = torch.finfo(new.dtype).tiny
     # Every value finite and normal: nothing overflowed or was flushed, known from one
     # reduction per block (no tensor-sized |new|); the element-wise accounting is for the rest.
-    if all(_finite_and_normal(block, tiny) for block in new.reshape(-1).split(BLOCK_ELEMENTS)):
+    new_values = new.reshape(-1)
+    # The block size is read now, not when this module was imported.
+    parts = blocks(new_values.numel(), 1)
+    if all(_finite_and_normal(new_values[part], tiny) for part in parts):
         return None
+    old_values = original[key].reshape(-1)
     overflowed = flushed = normal = 0
-    for old_block, new_block in zip(original[key].reshape(-1).split(BLOCK_ELEMENTS), new.reshape(-1).split(BLOCK_ELEMENTS)):
+    for old_block, new_block in ((old_values[part], new_values[part]) for part in parts):
         was_normal = old_block.abs() >= tiny
         overflowed += int((torch.isfinite(old_block) & ~torch.isfinite(new_block)).sum())
         flushed += int((was_normal & (new_block.abs() < tiny)).sum())

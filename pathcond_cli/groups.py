@@ -23,7 +23,7 @@ import torch
 
 from .evaluate import infer_shapes
 from .graph import Graph
-from .rules import Affine, Ties, rule_for, swap_group_axes
+from .rules import Affine, Ties, rule_for
 
 
 # Elements per block when a layer-sized pass runs block by block: bounded float64 transients.
@@ -143,10 +143,24 @@ class WriteBack:
         if self.layout == "weight_t":
             log = self._canonical_log(dst_values, src_values, slice(None), rows).t()
         elif self.layout == "conv_transpose":
-            log = swap_group_axes(self._canonical_log(dst_values, src_values, slice(None), slice(None)), self.groups)[rows]
+            log = self._transposed_log(dst_values, src_values, rows)
         else:
             log = self._canonical_log(dst_values, src_values, rows, slice(None))
         return log.reshape(*log.shape, *([1] * (len(shape) - 2)))
+
+    def _transposed_log(self, dst_values: torch.Tensor, src_values: torch.Tensor, in_rows: slice) -> torch.Tensor:
+        """dst − src on a transposed convolution's stored ``[I, O/G]`` grid, restricted to the input
+        channels ``in_rows``: input channel i of group g reads outputs g·O/G ... (g + 1)·O/G − 1, so
+        the block's entries are gathered directly, never the whole grid (the weight's input side
+        is always rescaled: ``src`` is set)."""
+        out_per_group = self.out_channels // self.groups
+        channels = torch.arange(len(self.src), device=dst_values.device)[in_rows]
+        group = torch.div(channels, len(self.src) // self.groups, rounding_mode="floor")
+        outputs = group[:, None] * out_per_group + torch.arange(out_per_group, device=dst_values.device)
+        log = torch.zeros(outputs.shape, dtype=dst_values.dtype, device=dst_values.device)
+        if self.dst is not None:
+            log += dst_values[self.dst][outputs]
+        return log.sub_(src_values[self.src][channels][:, None])
 
     def _canonical_log(self, dst_values: torch.Tensor, src_values: torch.Tensor, out_rows: slice,
                        in_columns: slice) -> torch.Tensor:
