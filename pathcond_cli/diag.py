@@ -65,6 +65,10 @@ class OuterLog:
         width = self.cols.numel()
         return self.rows[torch.div(index, width, rounding_mode="floor")] + self.cols[index % width]
 
+    def shifted(self, log_dst: torch.Tensor, log_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two factors of ln g_oi + log_dst_o + log_src_i, shaped like ``log_dst`` and ``log_src``."""
+        return self.rows.reshape(log_dst.shape) + log_dst, self.cols.reshape(log_src.shape) + log_src
+
     def finite_counts(self) -> tuple[int, int]:
         """How many rows and how many columns have a finite log (g > 0 exactly on their product)."""
         return int(torch.isfinite(self.rows).sum()), int(torch.isfinite(self.cols).sum())

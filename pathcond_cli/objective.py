@@ -145,8 +145,7 @@ class Objective:
         log_gbar = self.log_gbar[t]
         if isinstance(log_gbar, OuterLog):
             # w = (ḡ_rows e^{dst}) ⊗ (ḡ_cols e^{src}): each sum is one factor times the other's total.
-            log_rows = log_gbar.rows.reshape(log_dst.shape) + log_dst
-            log_cols = log_gbar.cols.reshape(log_src.shape) + log_src
+            log_rows, log_cols = log_gbar.shifted(log_dst, log_src)
             return (log_rows + torch.logsumexp(log_cols, dim=1, keepdim=True),
                     log_cols + torch.logsumexp(log_rows, dim=1, keepdim=True))
         scale = self.linear_scale(t, ranges)
@@ -166,8 +165,7 @@ class Objective:
         weight by more than float64 resolves, and a difference would then be rounding."""
         dp, log_gbar = self.groups.dag_params[t], self.log_gbar[t]
         if isinstance(log_gbar, OuterLog):
-            log_rows = log_gbar.rows.reshape(log_dst.shape) + log_dst
-            log_cols = log_gbar.cols.reshape(log_src.shape) + log_src
+            log_rows, log_cols = log_gbar.shifted(log_dst, log_src)
             size = self.groups.num_free + 1
             return (log_rows + _other_groups(group_logsumexp(dp.src.reshape(-1), log_cols.reshape(-1), size), dp.dst),
                     log_cols + _other_groups(group_logsumexp(dp.dst.reshape(-1), log_rows.reshape(-1), size), dp.src))
@@ -294,7 +292,7 @@ class Coupling:
             log_gbar = objective.log_gbar[t]
             if isinstance(log_gbar, OuterLog):
                 # W = e^{rows + dst} ⊗ e^{cols + src}, the first factor scaled to peak at 1.
-                log_rows, log_cols = log_gbar.rows.reshape(dst.shape) + dst, log_gbar.cols.reshape(src.shape) + src
+                log_rows, log_cols = log_gbar.shifted(dst, src)
                 peak = float(_finite_max(log_rows))
                 self.parts.append(None if peak == -math.inf else
                                   (torch.exp(log_rows - peak), torch.exp(log_cols + peak), None))
@@ -351,7 +349,7 @@ def _times_transposed(matrix, x: torch.Tensor) -> torch.Tensor:
 
 def _self_loop_logs(dp, log_gbar: LogG, size: int) -> torch.Tensor:
     """Per group (``size`` = H + 1 slots): log Σ ḡ over this tensor's parameters whose two ends
-    lie in that free group (the within-group terms every pass subtracts)."""
+    lie in that free group (the within-group terms that ``change`` and the Hessian take out)."""
     if isinstance(log_gbar, OuterLog):
         # Σ over o, i in group h of e^{rows_o + cols_i} = (Σ_{o in h} e^{rows_o})(Σ_{i in h} e^{cols_i}).
         within = (group_logsumexp(dp.dst.reshape(-1), log_gbar.rows, size)
