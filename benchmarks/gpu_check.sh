@@ -3,7 +3,10 @@
 #   1. the whole default test suite, where `--device auto` and the API's default pick the GPU
 #      and the CUDA-only tests run;
 #   2. the solver benchmark (Newton) and the end-to-end benchmark, on the GPU and on the CPU;
-#   3. one table of the figures, headed by the GPU's name.
+#   3. one table of the figures, headed by the GPU's name;
+#   4. issue 20's memory bound on the GPU: peak GPU and host memory of a rescale of a 1.03 GiB
+#      sharded MLP (benchmarks/bench_memory.py --device cuda), against 1.5 x + 1 GiB (GPU) and
+#      1.5 x + 2 GiB (host).
 # It installs nothing but pathcond itself: torch (a CUDA build) and the test extra must be
 # there already. Usage: benchmarks/gpu_check.sh [MODEL ...]   (default: resnet50 mlp3)
 # MODELs are names both benchmarks know (resnet18, resnet50, cifar_nv, mlp1, mlp3, inception_v3);
@@ -32,6 +35,9 @@ for device in cuda cpu; do
             --json "$scratch/end_to_end.jsonl" || true
     done
 done
+
+python3 benchmarks/bench_memory.py --inputs 8192 --width 8192 --depth 4 --outputs 1000 --shards 2 --device cuda \
+    > "$scratch/memory.txt" 2>&1 || true
 
 python3 - "$scratch" "$suite_status" <<'PY'
 import json, sys, xml.etree.ElementTree as ET
@@ -64,5 +70,8 @@ for r in rows("solvers.jsonl"):
           f"| {r['analysis_seconds'].get('diag_g', float('nan')):.3f} s "
           f"| {run.get('wall_seconds', float('nan')):.2f} s | {run.get('staged_seconds', float('nan')):.2f} s "
           f"| {run.get('peak_rss_gib', float('nan')):.2f} GiB |")
+memory = scratch / "memory.txt"
+print("\nissue 20's bound on the GPU (bench_memory.py --device cuda, 1.03 GiB MLP):\n")
+print(memory.read_text() if memory.exists() else "not run")
 sys.exit(status)
 PY
