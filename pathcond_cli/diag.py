@@ -318,7 +318,7 @@ class _Layers(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
 
 
 def _ones(dp: DagParam, device) -> ScaledTensor:
-    return ScaledTensor(torch.ones(dp.value.shape, dtype=torch.float64, device=device))
+    return ScaledTensor(torch.ones(dp.shape, dtype=torch.float64, device=device))
 
 
 def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
@@ -375,10 +375,10 @@ def _balanced_psi(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
     low, high = value.aminmax() if value.numel() else (value.new_zeros(()), value.new_zeros(()))
     peak = max(-float(low), float(high))
     if peak == 0.0:
-        return ScaledTensor(torch.zeros(dp.value.shape, dtype=torch.float64, device=device))
+        return ScaledTensor(torch.zeros(dp.shape, dtype=torch.float64, device=device))
     psi = value.mul_((torch.exp(a - a_max) / peak)[:, :, None, None])
     psi.mul_(torch.exp(b - b_max)[:, None, :, None]).square_()
-    return ScaledTensor(psi.reshape(dp.value.shape), 2 * (math.log(peak) + a_max + b_max))
+    return ScaledTensor(psi.reshape(dp.shape), 2 * (math.log(peak) + a_max + b_max))
 
 
 def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> DiagG:
@@ -401,7 +401,7 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> Di
         else:
             lg = lg.reshape(dp.view)
             lg.add_(2 * u_ext[dp.dst][:, :, None, None]).sub_(2 * u_ext[dp.src][:, None, :, None])
-            lg = lg.reshape(dp.value.shape)
+            lg = lg.reshape(dp.shape)
             checked = [lg]
         # NaN and +inf both fail this comparison: one reduction checks both.
         if any(t.numel() and not float(t.max()) < math.inf for t in checked):

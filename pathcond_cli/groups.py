@@ -14,7 +14,7 @@ from __future__ import annotations
 
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
 from types import EllipsisType
@@ -37,27 +37,50 @@ def blocks(length: int, per_item: int) -> list[slice]:
     return [slice(start, start + step) for start in range(0, max(length, 1), step)]
 
 
+@dataclass(frozen=True)
+class Reread:
+    """A DAG parameter's value computed from the checkpoint's tensors each time it is asked
+    for: the analysis reads each layer when it uses it and never holds the network's weights."""
+
+    read: Callable[[], torch.Tensor]
+    shape: tuple[int, ...]
+
+    def to(self, device: torch.device | str) -> Reread:
+        read = self.read
+        return Reread(lambda: read().to(device), self.shape)
+
+
 @dataclass
 class DagParam:
     """One DAG parameter tensor (BatchNorm folded), in torch's canonical layout.
 
     ``value`` is ``[O, I/groups, *kernel]`` for weights and ``[O]`` for biases, in the
-    checkpoint's dtype (float64 when BatchNorm is folded in); passes cast one at a time. ``view`` is
-    the shape ``(G, O/G, I/G, K)`` every reduction uses; ``dst`` is ``[G, O/G]`` and ``src``
-    ``[G, I/G]`` group indices (``src`` of a bias is a single fixed entry).
+    checkpoint's dtype (float64 when BatchNorm is folded in); passes cast one at a time. It is
+    held in ``source`` as a tensor, or as a :class:`Reread` that computes it when asked (each
+    access reads it again: read it once per pass). ``view`` is the shape ``(G, O/G, I/G, K)``
+    every reduction uses; ``dst`` is ``[G, O/G]`` and ``src`` ``[G, I/G]`` group indices
+    (``src`` of a bias is a single fixed entry).
     """
 
     name: str
     layer: str
-    value: torch.Tensor
+    source: torch.Tensor | Reread
     dst: torch.Tensor
     src: torch.Tensor
     view: tuple[int, int, int, int]
     self_loops: torch.Tensor | None = None
 
     @property
+    def value(self) -> torch.Tensor:
+        return self.source.read() if isinstance(self.source, Reread) else self.source
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.source.shape)
+
+    @property
     def numel(self) -> int:
-        return self.value.numel()
+        return prod(self.view)
 
     def exponent(self, u_ext: torch.Tensor) -> torch.Tensor:
         """``(Bu)`` for this tensor, broadcastable to :attr:`view`."""
@@ -238,7 +261,7 @@ class RescalingGroups:
     def to(self, device: torch.device | str) -> RescalingGroups:
         """A copy whose maps, parameter values and write-back maps all live on ``device``."""
         moved = [
-            DagParam(dp.name, dp.layer, dp.value.to(device), dp.dst.to(device), dp.src.to(device), dp.view,
+            DagParam(dp.name, dp.layer, dp.source.to(device), dp.dst.to(device), dp.src.to(device), dp.view,
                      None if dp.self_loops is None else dp.self_loops.to(device))
             for dp in self.dag_params
         ]
@@ -355,7 +378,9 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     for node in graph.nodes:
         affine = rule_for(node).affine(node, graph, params)
         if affine is not None:
-            _add_layer(node, affine, node_groups, num_free, dag_params, writebacks)
+            _add_layer(node, affine, _rereads(node, graph, params, affine), node_groups, num_free, dag_params,
+                       writebacks)
+        del affine  # the layer's weights, read to lay it out: let go before the next layer's
 
     partial = RescalingGroups(graph, num_free, len(fixed_roots), dag_params, writebacks, labels,
                               torch.zeros(num_free, dtype=torch.long), torch.zeros(0), torch.zeros(0),
@@ -365,17 +390,26 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     return partial
 
 
-def _add_layer(node, affine: Affine, node_groups: dict[str, torch.Tensor], num_free: int,
-               dag_params: list[DagParam], writebacks: list[WriteBack]) -> None:
+def _rereads(node, graph: Graph, params: Mapping[str, torch.Tensor], affine: Affine) -> tuple[Reread, Reread | None]:
+    """The layer's weight and bias as :class:`Reread` values: its rule computes them from
+    ``params`` again at each access (the checkpoint's tensors, read when used)."""
+    rule = rule_for(node)
+    weight = Reread(lambda: rule.affine(node, graph, params).weight, tuple(affine.weight.shape))
+    bias = None if affine.bias is None else Reread(lambda: rule.affine(node, graph, params).bias, tuple(affine.bias.shape))
+    return weight, bias
+
+
+def _add_layer(node, affine: Affine, values: tuple[Reread, Reread | None], node_groups: dict[str, torch.Tensor],
+               num_free: int, dag_params: list[DagParam], writebacks: list[WriteBack]) -> None:
     """The layer's DAG parameters with their group maps, and the write-back of its stored tensors."""
     dst, src = node_groups[affine.output], node_groups[node.inputs[0]]
-    weight, groups = affine.weight, affine.groups
+    (weight, bias), groups = values, affine.groups
     out_ch, in_per_group = weight.shape[0], weight.shape[1]
     view = (groups, out_ch // groups, in_per_group, prod(weight.shape[2:]))
     dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
     dag_params.append(DagParam(affine.weight_label, node.name, weight, dst2, src2, view, _self_loops(dst2, src2, num_free)))
-    if affine.bias is not None:
-        dag_params.append(DagParam(affine.bias_label, node.name, affine.bias, dst.reshape(1, -1),
+    if bias is not None:
+        dag_params.append(DagParam(affine.bias_label, node.name, bias, dst.reshape(1, -1),
                                    torch.tensor([[num_free]]), (1, out_ch, 1, 1)))
     for stored in affine.stored:
         writebacks.append(WriteBack(stored.key, stored.layout, dst if stored.output_side else None,
