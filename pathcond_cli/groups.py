@@ -12,7 +12,6 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
-
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -378,7 +377,7 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     for node in graph.nodes:
         affine = rule_for(node).affine(node, graph, params)
         if affine is not None:
-            _add_layer(node, affine, _rereads(node, graph, params, affine), node_groups, num_free, dag_params,
+            _add_layer(node, affine, _reread_weight(node, graph, params, affine), node_groups, num_free, dag_params,
                        writebacks)
         del affine  # the layer's weights, read to lay it out: let go before the next layer's
 
@@ -390,20 +389,19 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     return partial
 
 
-def _rereads(node, graph: Graph, params: Mapping[str, torch.Tensor], affine: Affine) -> tuple[Reread, Reread | None]:
-    """The layer's weight and bias as :class:`Reread` values: its rule computes them from
-    ``params`` again at each access (the checkpoint's tensors, read when used)."""
+def _reread_weight(node, graph: Graph, params: Mapping[str, torch.Tensor], affine: Affine) -> Reread:
+    """The layer's weight as a :class:`Reread` value: its rule computes it from ``params`` again
+    at each access (the checkpoint's tensors, read when used). The bias, O numbers, is kept:
+    recomputing it through the rule would read the weight as well."""
     rule = rule_for(node)
-    weight = Reread(lambda: rule.affine(node, graph, params).weight, tuple(affine.weight.shape))
-    bias = None if affine.bias is None else Reread(lambda: rule.affine(node, graph, params).bias, tuple(affine.bias.shape))
-    return weight, bias
+    return Reread(lambda: rule.affine(node, graph, params).weight, tuple(affine.weight.shape))
 
 
-def _add_layer(node, affine: Affine, values: tuple[Reread, Reread | None], node_groups: dict[str, torch.Tensor],
+def _add_layer(node, affine: Affine, weight: Reread, node_groups: dict[str, torch.Tensor],
                num_free: int, dag_params: list[DagParam], writebacks: list[WriteBack]) -> None:
     """The layer's DAG parameters with their group maps, and the write-back of its stored tensors."""
     dst, src = node_groups[affine.output], node_groups[node.inputs[0]]
-    (weight, bias), groups = values, affine.groups
+    bias, groups = affine.bias, affine.groups
     out_ch, in_per_group = weight.shape[0], weight.shape[1]
     view = (groups, out_ch // groups, in_per_group, prod(weight.shape[2:]))
     dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
