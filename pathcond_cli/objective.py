@@ -291,11 +291,12 @@ class Coupling:
             dst, src = log_dst[dp.dst], log_src[dp.src]
             log_gbar = objective.log_gbar[t]
             if isinstance(log_gbar, OuterLog):
-                # W = e^{rows + dst} ⊗ e^{cols + src}, the first factor scaled to peak at 1.
+                # W = e^{rows + dst} ⊗ e^{cols + src}, the first factor scaled to peak at 1. The peak
+                # stays on the device (no sync per tensor); with no finite row it is float64's
+                # lowest, and both factors are then exactly 0.
                 log_rows, log_cols = log_gbar.shifted(dst, src)
-                peak = float(_finite_max(log_rows))
-                self.parts.append(None if peak == -math.inf else
-                                  (torch.exp(log_rows - peak), torch.exp(log_cols + peak), None))
+                peak = _finite_max(log_rows).clamp_min(torch.finfo(torch.float64).min)
+                self.parts.append((torch.exp(log_rows - peak), torch.exp(log_cols + peak), None))
                 continue
             scale = objective.linear_scale(t, ranges)
             if scale is not None and abs(scale) < SAFE_RANGE:
