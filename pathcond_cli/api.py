@@ -238,7 +238,7 @@ class RescaledLogG(Sequence[LogG]):
         dp, lg = self.groups.dag_params[t], self.log_g[t]
         if isinstance(lg, OuterLog):
             # (Bu)_oi = u_dst(o) − u_src(i) splits between the two factors.
-            return OuterLog(lg.rows - 2 * self.u_ext[dp.dst].reshape(-1), lg.cols + 2 * self.u_ext[dp.src].reshape(-1))
+            return OuterLog(*lg.shifted(-2 * self.u_ext[dp.dst].reshape(-1), 2 * self.u_ext[dp.src].reshape(-1)))
         # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
         return torch.add(lg.reshape(dp.view), dp.exponent(self.u_ext), alpha=-2.0).reshape(lg.shape)
 

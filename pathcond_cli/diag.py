@@ -267,7 +267,7 @@ def log_gradients(
             if bias is not None:
                 log_bias = torch.log(cotangent.sum(dim=[0, *range(2, cotangent.dim())]).clamp_min(0)) + sigma
             result[node.name] = (log_weight, log_bias)
-            del weight, bias, log_weight
+            del weight, bias
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
             unit, log_gain = _unit_gain(node)
@@ -396,7 +396,7 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> Di
         weight_log, bias_log = gradients[dp.layer]
         lg = bias_log if position else weight_log
         if isinstance(lg, OuterLog):
-            lg = OuterLog(lg.rows + 2 * u_ext[dp.dst].reshape(-1), lg.cols - 2 * u_ext[dp.src].reshape(-1))
+            lg = OuterLog(*lg.shifted(2 * u_ext[dp.dst].reshape(-1), -2 * u_ext[dp.src].reshape(-1)))
             checked = [lg.rows, lg.cols]
         else:
             lg = lg.reshape(dp.view)
