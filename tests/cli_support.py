@@ -94,6 +94,18 @@ def assert_unchanged(directory: Path, before: Mapping[str, str]) -> None:
 # -- tiny models -------------------------------------------------------------------------------
 
 
+class CountingReads(dict):
+    """The checkpoint's tensors, counting how often each is read."""
+
+    def __init__(self, tensors):
+        super().__init__(tensors)
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key):
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return super().__getitem__(key)
+
+
 def mlp_tensors(dims: Sequence[int] = (6, 8, 5, 3), *, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     tensors = {}

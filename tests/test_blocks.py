@@ -19,6 +19,8 @@ from pathcond_cli.diag import OuterLog, balancing_exponents
 from pathcond_cli.dtype_limits import check_storage
 from pathcond_cli.groups import blocks, build_groups
 
+from cli_support import CountingReads
+
 # Every stored layout: weight (grouped too), weight_t, conv_transpose, vector (biases, BatchNorm, PReLU).
 LAYOUT_NETS = ["mlp", "mlp_nobias_transposed", "grouped_conv", "conv_transpose", "conv_bn", "prelu_scale",
                "self_loop", "conv3d"]
@@ -93,18 +95,6 @@ def test_histogram_of_an_outer_product_in_blocks_equals_the_dense_one(tiny_block
     assert sum(count for _, _, count in dense) == 8 * 6
 
 
-class _CountingReads(dict):
-    """A checkpoint mapping that counts the reads of each key."""
-
-    def __init__(self, tensors):
-        super().__init__(tensors)
-        self.reads: dict[str, int] = {}
-
-    def __getitem__(self, key):
-        self.reads[key] = self.reads.get(key, 0) + 1
-        return super().__getitem__(key)
-
-
 @pytest.mark.parametrize("arch", ["mlp", "conv_bn", "mlp_nobias_transposed", "conv_transpose"])
 def test_dag_values_are_read_from_the_checkpoint_when_used_and_not_held(nets, arch):
     """The groups hold no weights (issue 20): each DAG weight is computed from the checkpoint's
@@ -115,7 +105,7 @@ def test_dag_values_are_read_from_the_checkpoint_when_used_and_not_held(nets, ar
     from pathcond_cli.groups import Reread
 
     graph, params = nets.catalogue[arch](seed=4)
-    counting = _CountingReads(params)
+    counting = CountingReads(params)
     groups = build_groups(graph, counting)
     # Weights are re-read; a bias (O numbers) is kept.
     assert all(isinstance(dp.source, Reread) or dp.source.dim() == 1 for dp in groups.dag_params)

@@ -8,7 +8,7 @@ import copy
 import torch
 
 import pathcond_cli as pathcond
-from cli_support import mlp_tensors, write_mlp
+from cli_support import CountingReads, mlp_tensors, write_mlp
 
 
 def _mlp(x: torch.Tensor, tensors) -> torch.Tensor:
@@ -65,18 +65,6 @@ def test_changed_after_rescale_module_holds_what_the_module_now_holds():
     assert all(torch.equal(tensor, state[key]) for key, tensor in result.rescaled_params.items())
 
 
-class _CountingReads(dict):
-    """The checkpoint's tensors, counting how often each is read."""
-
-    def __init__(self, tensors):
-        super().__init__(tensors)
-        self.reads: dict[str, int] = {}
-
-    def __getitem__(self, key):
-        self.reads[key] = self.reads.get(key, 0) + 1
-        return super().__getitem__(key)
-
-
 def test_membership_and_the_verifications_chain_map_read_no_tensor_for_nothing(tmp_path):
     """``key in changed`` computed the rescaled tensor (Mapping's default __contains__), and an
     unchanged key read its checkpoint tensor before failing, so the verification's
@@ -84,7 +72,7 @@ def test_membership_and_the_verifications_chain_map_read_no_tensor_for_nothing(t
     from collections import ChainMap
 
     _, result = _rescaled(tmp_path)
-    params = _CountingReads(mlp_tensors())
+    params = CountingReads(mlp_tensors())
     params["extra"] = torch.ones(3)
     changed = result.analysis.groups.apply(params, result.solve.u)
     assert "fc1.weight" in changed and "extra" not in changed and params.reads == {}
