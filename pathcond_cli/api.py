@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 import time
 from collections import ChainMap
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -22,7 +23,7 @@ from . import __version__
 from .calibration import calibration_warnings
 from .bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
 from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
-from .diag import DiagG, LogG, OuterLog, PathCount, diag_g, path_count
+from .diag import DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g, path_count, path_norm
 from .dtype_limits import ensure_storable
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
 from .groups import RescalingGroups, build_groups
@@ -32,6 +33,9 @@ from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCall
 from .verify import Verification, compare
 
 LOG10_E = 1 / math.log(10)
+# The ℓq path norms every analysis reports (SPEC §8); ``path_norms=`` adds others.
+DEFAULT_PATH_NORMS = (1.0, 2.0)
+VerifiedT = TypeVar("VerifiedT")
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -194,6 +198,8 @@ class Analysis:
     paths: PathCount
     seconds: dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
+    # ‖Φ(θ)‖_q by report key (``l1``, ``l2``, ``l4``, ...), in the order asked for.
+    path_norms: dict[str, PathNorm] = field(default_factory=dict)
 
     @cached_property
     def summary(self) -> DiagSummary:
@@ -258,6 +264,8 @@ class RescaleResult:
     criterion: str = DEFAULT_CRITERION
     warnings: list[str] = field(default_factory=list)
     bound: BoundChoice = field(default_factory=lambda: BoundChoice(NONE))
+    # ‖Φ‖_q of the rescaled network as written and read back (None until written, see :func:`save`).
+    path_norms_after: dict[str, PathNorm] | None = None
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -280,7 +288,7 @@ class RescaleResult:
         return self.summary_after.conditioning
 
 
-class _Stopwatch:
+class Stopwatch:
     def __init__(self, seconds: dict[str, float]):
         self.seconds = seconds
 
@@ -291,15 +299,80 @@ class _Stopwatch:
         return value
 
 
-def analyse(model: LoadedModel, *, device: str | torch.device = "auto") -> Analysis:
-    """Groups, diag(G) and path count of a loaded model."""
+def analyse(model: LoadedModel, *, device: str | torch.device = "auto",
+            path_norms: Iterable[float] = DEFAULT_PATH_NORMS) -> Analysis:
+    """Groups, diag(G), path count and the ℓq path norms of a loaded model (q = 1, 2 and any
+    other q ≥ 1 in ``path_norms``)."""
     device = resolve_device(device)
     seconds: dict[str, float] = {}
-    timed = _Stopwatch(seconds)
+    timed = Stopwatch(seconds)
+    qs = path_norm_orders(path_norms)
     groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
-    diag = timed("diag_g", lambda: diag_g(groups, device=device))
+    # One balancing serves diag(G) and every path norm.
+    u_ext = timed("diag_g", lambda: groups.extend(balancing_exponents(groups)))
+    diag = timed("diag_g", lambda: diag_g(groups, device=device, u_ext=u_ext))
     paths = timed("path_count", lambda: path_count(groups, device=device))
-    return Analysis(model, groups, diag, paths, seconds, str(device))
+    norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext))
+    return Analysis(model, groups, diag, paths, seconds, str(device), norms)
+
+
+def path_norm_orders(extra: Iterable[float]) -> list[float]:
+    """q = 1 and 2, then every other q asked for, each once; q must be a finite number ≥ 1."""
+    orders: list[float] = []
+    for q in (*DEFAULT_PATH_NORMS, *extra):
+        q = float(q)
+        if not (math.isfinite(q) and q >= 1):
+            raise UsageError(f"a path norm needs a finite q ≥ 1, not {q:g} (‖Φ‖_q is not a norm below 1)")
+        if q not in orders:
+            orders.append(q)
+    return orders
+
+
+def path_norms_of(groups: RescalingGroups, orders: Iterable[float], *, device: str | torch.device = "cpu",
+                  u_ext: torch.Tensor | None = None) -> dict[str, PathNorm]:
+    """‖Φ(θ)‖_q for each q, one forward pass each on one balanced copy of θ (``u_ext``: the
+    balancing, computed here when not given)."""
+    groups = groups.to(device)
+    if u_ext is None:
+        u_ext = groups.extend(balancing_exponents(groups))
+    norms = [path_norm(groups, q, device=device, u_ext=u_ext) for q in orders]
+    return {norm.key: norm for norm in norms}
+
+
+def rounding_tolerance(groups: RescalingGroups, dtypes: Iterable[torch.dtype]) -> float:
+    """Relative change of any ‖Φ‖_q that rounding the stored tensors to ``dtypes`` can cause.
+
+    Each DAG parameter is a product of at most two stored values (a weight and a folded
+    BatchNorm γ), each rounded once (relative error ≤ u, the unit roundoff), and a path holds at
+    most L of them, so every |Φ_P| moves by a factor within (1 ± u)^{2L}; a sum of such terms,
+    and its q-th root, by no more. float64's own passes add 1e-9.
+    """
+    unit = max((torch.finfo(dtype).eps / 2 for dtype in dtypes if dtype.is_floating_point), default=0.0)
+    layers = {dp.layer for dp in groups.dag_params}
+    depth: dict[str, int] = {}
+    for node in groups.graph.nodes:
+        depth[node.name] = max((depth[i] for i in node.inputs), default=0) + (node.name in layers)
+    longest = max(depth.values(), default=0)
+    return math.expm1(2 * longest * math.log1p(unit)) + 1e-9
+
+
+def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tensor], name: str) -> dict[str, PathNorm]:
+    """The path norms of the rescaled network ``graph``/``params``, which must equal the
+    original's up to rounding (Φ is rescaling-invariant): :class:`VerificationError` otherwise.
+    A check of the rescaling that needs no input data."""
+    groups = build_groups(graph, params).to(analysis.groups.device)
+    after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=analysis.groups.device)
+    tolerance = rounding_tolerance(groups, [params[key].dtype for key in graph.parameter_keys()])
+    for key, before in analysis.path_norms.items():
+        change = abs(math.expm1((after[key].log10 - before.log10) * math.log(10)))
+        if not change <= tolerance:  # NaN fails too
+            raise VerificationError(
+                f"'{name}': the path norm ‖Φ‖_{before.q:g} changed by a relative {change:.3g} (from 10^{before.log10:.9g} "
+                f"to 10^{after[key].log10:.9g}), beyond the {tolerance:.2g} that rounding the stored tensors allows; "
+                "a rescaling leaves every path norm unchanged, so the written model is not a rescaling of the "
+                "original. Nothing was written."
+            )
+    return after
 
 
 def rescale(
@@ -341,7 +414,7 @@ def rescale(
     device = resolve_device(device)
     analysis = analysis or analyse(model, device=device)
     seconds = dict(analysis.seconds)
-    timed = _Stopwatch(seconds)
+    timed = Stopwatch(seconds)
 
     def run(bound: float | None) -> SolveResult:
         # Under the auto rule an unconstrained solver (lbfgs) leaves the bounded solve to the default one.
@@ -369,7 +442,10 @@ def rescale(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
-    return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings, choice)
+    norms_after = timed("path_norms_rescaled", lambda: check_path_norms(
+        analysis, model.graph, ChainMap(changed, model.params), model.source)) if verify else None
+    return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings, choice,
+                         norms_after)
 
 
 ZERO_FUNCTION_NOTE = (
@@ -420,6 +496,8 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
     model = module_model(module, input_shape)
     result = rescale(model, verify=False, **options)
     verification = compare_modules(module, result.changed, tuple(input_shape))
+    result.path_norms_after = check_path_norms(result.analysis, model.graph, ChainMap(result.changed, model.params),
+                                               model.source)
     if not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled module differs from the original by a relative "
@@ -517,43 +595,65 @@ def save(
     on ``result`` too. With ``self_contained`` an ONNX model read with external data is written
     as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB).
     """
-    from .fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
-    from .formats import replaced_companions, write_model
-
     model = result.analysis.model
     if input_shape is None and model.format == "onnx":
         # The written file is read back with the shapes the analysis used, which the model may leave open.
         input_shape = {node.name: tuple(node.shape) for node in model.graph.inputs}
-    destination = resolve_destination(Path(destination))
-    check_destination(destination, inputs=model.files, in_place=in_place)
     not_finite = sorted(k for k, t in result.changed.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
     if not_finite:
         raise VerificationError(
             f"{model.source}: the rescaling produced NaN or Inf in tensor(s) {', '.join(map(repr, not_finite))} "
             f"(solver '{result.solve.method}', max |u| = {result.solve.u_inf:.3g}); nothing was written."
         )
-    replaced, left = replaced_companions(destination) if destination.is_file() else ([], [])
     timings = seconds if seconds is not None else result.seconds
-    timed = _Stopwatch(timings)
+    timed = Stopwatch(timings)
+
+    def verify(target: Path, name: str) -> Verification:
+        verification, written = _verify_written(model, target, input_shape, name=name)
+        result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
+        return verification
+
+    result.verification = write_staged(model, result.changed, destination, run_metadata(result), verify,
+                                       in_place=in_place, self_contained=self_contained, warnings=result.warnings,
+                                       timed=timed)
+    return result.verification
+
+
+def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: str | Path,
+                 metadata: dict[str, str], verify: Callable[[Path, str], VerifiedT], *, in_place: bool = False,
+                 self_contained: bool = False, warnings: list[str] | None = None,
+                 timed: Callable | None = None) -> VerifiedT:
+    """Write ``model`` with ``changed`` tensors in its own format into a staging directory beside
+    ``destination``, run ``verify(staged_path, shown_name)`` on what was written, and only if it
+    returns rename the file onto ``destination`` (the rules of :func:`save`): a failed check
+    raises and leaves nothing behind. Returns what ``verify`` returned."""
+    from .fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
+    from .formats import replaced_companions, write_model
+
+    timed = timed or Stopwatch({})
+    destination = resolve_destination(Path(destination))
+    check_destination(destination, inputs=model.files, in_place=in_place)
+    replaced, left = replaced_companions(destination) if destination.is_file() else ([], [])
     with staged_output(destination) as stage:
-        timed("write", lambda: write_model(model, result.changed, stage.path, run_metadata(result),
+        timed("write", lambda: write_model(model, changed, stage.path, metadata,
                                            companion_name=stage.companion_name, self_contained=self_contained))
-        result.verification = timed(
-            "verify_written", lambda: _verify_written(model, stage.path, input_shape, name=str(destination))
-        )
+        verified = timed("verify_written", lambda: verify(stage.path, str(destination)))
         stage.obsolete = replaced
         if in_place:
             check_unchanged(model.file_states)
         else:
             stage.keep = list(model.files)
-    result.warnings += [f"'{describe(file)}', named as data by the replaced '{describe(destination)}', was left in "
-                        "place: pathcond deletes only data files provably that model's own" for file in left]
-    return result.verification
+    if warnings is not None:
+        warnings += [f"'{describe(file)}', named as data by the replaced '{describe(destination)}', was left in "
+                     "place: pathcond deletes only data files provably that model's own" for file in left]
+    return verified
 
 
-def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str | None = None) -> Verification:
-    """Reload what was written (its architecture is embedded) and compare it with the original.
-    ``name`` is how the file is called in messages (default: ``target``)."""
+def _verify_written(model: LoadedModel, target: Path, input_shape, *,
+                    name: str | None = None) -> tuple[Verification, LoadedModel]:
+    """Reload what was written (its architecture is embedded) and compare it with the original;
+    returns the verification and the model read back. ``name`` is how the file is called in
+    messages (default: ``target``)."""
     from .formats import load_model
     from .verify import independent_check
 
@@ -574,4 +674,4 @@ def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str 
             f"'{name}': the check by {verification.independent['runtime']} failed: "
             f"{verification.independent['detail']}; nothing was written."
         )
-    return verification
+    return verification, written

@@ -44,7 +44,8 @@ EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
     "4 unsupported architecture · 5 verification failed (output removed) · "
     "6 output not writable · 7 NaN/Inf weights · 8 rescaling not storable in the checkpoint's dtypes "
-    "(--max-log-scale none or a bound of yours) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM) · "
+    "(--max-log-scale none or a bound of yours) · 10 compare: the two models are not one architecture · "
+    "130 interrupted (Ctrl-C) · 143 terminated (SIGTERM) · "
     "1 internal error (a bug in pathcond: please report it). "
     "Several MODELs: 0 if every file succeeded, else the code their failures share, else 9."
 )
@@ -174,6 +175,10 @@ def _check_plot(name: str | None) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise typer.BadParameter("drawing a plot needs matplotlib, which is not installed: "
                                  "pip install 'pathcond[plot]'", param_hint="--plot")
+PathNormOpt = Annotated[Optional[list[float]], typer.Option(
+    "--path-norm", metavar="Q", help="Also report the ℓQ path norm ‖Φ(θ)‖_Q (Q ≥ 1; repeat for several). ℓ1 and ℓ2 "
+    "are always reported.",
+)]
 AllowUnusedOpt = Annotated[bool, typer.Option(
     "--allow-unused", help="Carry checkpoint tensors the architecture does not read through unchanged (a warning), "
     "instead of refusing the checkpoint (exit 3).",
@@ -216,6 +221,14 @@ def _parse_sizes(text: str) -> tuple[int, ...]:
         raise typer.BadParameter(f"'{text[:200]}': a size beyond {INT64_MAX} (int64) is no tensor size",
                                  param_hint="--input-shape")
     return shape
+
+
+def _parse_path_norms(values: list[float] | None) -> tuple[float, ...]:
+    """``--path-norm Q``: finite numbers ≥ 1 (below 1, ‖·‖_Q is no norm)."""
+    for q in values or ():
+        if not (math.isfinite(q) and q >= 1):
+            raise typer.BadParameter(f"{q:g} is not a finite Q ≥ 1", param_hint="--path-norm")
+    return tuple(values or ())
 
 
 def _parse_max_log_scale(text: str) -> float | str:
@@ -482,18 +495,22 @@ def _scratch_directory() -> Iterator[Path]:
         yield Path(name)
 
 
-def _default_output(path: Path) -> Path:
+def _default_output(path: Path, tag: str = "pathcond") -> Path:
+    """``<stem>.<tag><suffix>`` beside ``path`` (a shard index keeps its double suffix)."""
     from .formats import SHARD_INDEX_SUFFIX
 
     if path.name.endswith(SHARD_INDEX_SUFFIX):
-        return path.with_name(path.name[: -len(SHARD_INDEX_SUFFIX)] + ".pathcond" + SHARD_INDEX_SUFFIX)
-    return path.with_name(f"{path.stem}.pathcond{path.suffix}")
+        return path.with_name(path.name[: -len(SHARD_INDEX_SUFFIX)] + f".{tag}" + SHARD_INDEX_SUFFIX)
+    return path.with_name(f"{path.stem}.{tag}{path.suffix}")
 
 
-def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, quiet: bool) -> None:
-    """JSON on stdout (--json) or tables on stderr; warnings and the summary line close stderr."""
-    from .report import render, render_warnings, summary_line
+def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, quiet: bool,
+          render: Callable[[dict[str, Any], Console], None] | None = None) -> None:
+    """JSON on stdout (--json) or tables on stderr (``render``, the command's; by default
+    rescale's and inspect's); warnings and the summary line close stderr."""
+    from .report import render as render_analysis, render_warnings, summary_line
 
+    render = render or render_analysis
     text = json.dumps(report, indent=2, allow_nan=False)
     if report_file is not None:
         atomic_write(report_file, lambda tmp: tmp.write_text(text + "\n"))
@@ -556,6 +573,7 @@ def rescale(
                                                        help="Also write the JSON report to this file.")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
     plot: PlotOpt = None,
+    path_norm: PathNormOpt = None,
     allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -572,6 +590,7 @@ def rescale(
     if not math.isfinite(tol):
         raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
     bound = _parse_max_log_scale(max_log_scale)
+    orders = _parse_path_norms(path_norm)
     if isinstance(bound, float) and criterion == "enorm":
         raise typer.BadParameter("--max-log-scale bounds PathCond's solvers; --criterion enorm takes no bound",
                                  param_hint="--max-log-scale")
@@ -586,7 +605,7 @@ def rescale(
         solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": _parse_device(device),
                          "criterion": criterion, "max_log_scale": bound}
         _rescale_batch(models, output_dir, arch, _parse_shape(input_shape), in_place, as_json, quiet, allow_unused,
-                       solve_options)
+                       solve_options, orders)
         return
     (model,) = models
     if output == "-" and as_json:
@@ -605,14 +624,16 @@ def rescale(
         solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": device, "criterion": criterion,
                          "max_log_scale": bound}
         report, result, report_path, plot_path = _rescale_to(model, output, arch, shape, in_place, report_file, plot,
-                                                             quiet, allow_unused, solve_options)
+                                                             quiet, allow_unused, solve_options, orders)
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
         _draw(plot_path, report, result.analysis, result)
 
 
-def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, solve_options):
+def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, solve_options,
+                path_norms=()):
     """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
-    returns the JSON report, the result, and where the report and the plot go."""
+    ``path_norms`` are the orders q reported beside ℓ1 and ℓ2. Returns the JSON report, the
+    result, and where the report and the plot go."""
     from .api import analyse, rescale as rescale_model, save
     from .destinations import check_destinations, written
     from .formats import check_streamable, detect_format, files_read, load_model, output_format_mismatch
@@ -649,8 +670,8 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
         if destination is None:
             check_streamable(loaded)
         _report_so_far = loaded_report(loaded, "rescale")
-        stages.stage("analysing: groups, diag(G), path count")
-        analysis = analyse(loaded, device=solve_options["device"])
+        stages.stage("analysing: groups, diag(G), path count, path norms")
+        analysis = analyse(loaded, device=solve_options["device"], path_norms=path_norms)
         _report_so_far = {**analysis_report(analysis), "command": "rescale"}
         result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis, **solve_options)
         seconds = {"load": load_seconds, **result.seconds}
@@ -719,14 +740,15 @@ def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in
     return planned
 
 
-def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused, solve_options) -> None:
+def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused, solve_options,
+                   path_norms) -> None:
     """Several MODELs, one after another, each exactly as a single run writing to its planned output."""
     with _errors_to_exit_codes():
         planned = _batch_plan(models, output_dir, arch, in_place)
 
         def rescale_one(index: int) -> dict[str, Any]:
             report, *_ = _rescale_to(models[index], str(planned[index].destination), arch, shape, in_place, None,
-                                     None, quiet, allow_unused, solve_options)
+                                     None, quiet, allow_unused, solve_options, path_norms)
             return report
 
         _run_batch("rescale", models, rescale_one, as_json=as_json, quiet=quiet)
@@ -813,20 +835,22 @@ def inspect(
     device: DeviceOpt = "auto",
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
+    path_norm: PathNormOpt = None,
     allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Summarise MODEL: parameters, hidden units, rescaling groups, path count, diag(G) spread.
+    """Summarise MODEL: parameters, hidden units, rescaling groups, path count, path norms, diag(G) spread.
 
     Writes nothing. Example: pathcond inspect model.onnx --json
     """
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
+    orders = _parse_path_norms(path_norm)
     if len(models) > 1:
         _check_batch_options(models, as_json=as_json, plot=plot)
         with _errors_to_exit_codes():
             def inspect_one(index: int) -> dict[str, Any]:
-                return _inspect_one(models[index], arch, shape, device, allow_unused, quiet)[0]
+                return _inspect_one(models[index], arch, shape, device, allow_unused, quiet, orders=orders)[0]
 
             _run_batch("inspect", models, inspect_one, as_json=as_json, quiet=quiet)
         return
@@ -835,12 +859,12 @@ def inspect(
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
         _check_plot(plot)
-        report, analysis, plot_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot)
+        report, analysis, plot_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot, orders)
         _emit(report, as_json=as_json, report_file=None, quiet=quiet)
         _draw(plot_path, report, analysis)
 
 
-def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
+def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, orders=()):
     """Load and analyse one model; returns the JSON report, the analysis and where the plot goes."""
     from .api import analyse
     from .destinations import check_destinations, written
@@ -856,12 +880,161 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - started
         _report_so_far = loaded_report(loaded, "inspect")
-        stages.stage("analysing: groups, diag(G), path count")
-        analysis = analyse(loaded, device=device)
+        stages.stage("analysing: groups, diag(G), path count, path norms")
+        analysis = analyse(loaded, device=device, path_norms=orders)
         report = analysis_report(analysis)
     report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
                          "total": round(time.perf_counter() - started, 6)}
     return report, analysis, plot_path
+
+
+InputBoundOpt = Annotated[float, typer.Option(
+    "--input-bound", metavar="R", help="The bound is for inputs with ‖x‖∞ ≤ R (default 1): the output changes by at "
+    "most max(R, 1) times the ℓ1 path-metric (seed 004, Theorem 4.1).",
+)]
+
+
+def _parse_input_bound(radius: float) -> float:
+    if not (math.isfinite(radius) and radius > 0):
+        raise typer.BadParameter(f"{radius:g} is not a finite R > 0", param_hint="--input-bound")
+    return radius
+
+
+def _load_one(model: str, arch, shape, allow_unused):
+    """Read MODEL (a file, or - for stdin) as every command does."""
+    from .formats import load_model
+
+    source, _, name = _read_source(model)
+    return load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
+
+
+@app.command(cls=_Command, epilog=EXIT_HELP)
+def compare(
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="The first checkpoint (any format pathcond reads).")],
+    other: Annotated[str, typer.Argument(metavar="OTHER", help="The second checkpoint, of the same architecture: "
+                                         "its quantised, pruned, fine-tuned or rescaled copy.")],
+    arch: ArchOpt = None,
+    input_shape: ShapeOpt = None,
+    input_bound: InputBoundOpt = 1.0,
+    device: DeviceOpt = "auto",
+    path_norm: PathNormOpt = None,
+    as_json: JsonOpt = False,
+    allow_unused: AllowUnusedOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Compare two checkpoints of one architecture through the ℓ1 path-metric: sign flips, path norms,
+    the metric's bounds and the output-change bound for ‖x‖∞ ≤ R beside the change measured.
+
+    Writes nothing. Example: pathcond compare model.onnx model.fp16.onnx --json
+    """
+    shape = _parse_shape(input_shape)
+    device = _parse_device(device)
+    orders = _parse_path_norms(path_norm)
+    radius = _parse_input_bound(input_bound)
+    if model == "-" and other == "-":
+        raise typer.BadParameter("only one of MODEL and OTHER can be read from stdin", param_hint="OTHER")
+    if as_json and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
+    with _errors_to_exit_codes(as_json):
+        from .report import compare_report, render_compare
+        from .toolkit import compare_models
+
+        started = time.perf_counter()
+        with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
+            stages.stage("loading")
+            first = _load_one(model, arch, shape, allow_unused)
+            second = _load_one(other, arch, shape, allow_unused)
+            load_seconds = time.perf_counter() - started
+            stages.stage("path norms, path-metric, output change")
+            comparison = compare_models(first, second, input_bound=radius, device=device, path_norms=orders)
+        report = compare_report(comparison)
+        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
+                             "total": round(time.perf_counter() - started, 6)}
+        _emit(report, as_json=as_json, report_file=None, quiet=quiet, render=render_compare)
+
+
+@app.command(cls=_Command, epilog=EXIT_HELP)
+def prune(
+    model: Annotated[str, typer.Argument(metavar="MODEL", help="Checkpoint: .onnx, .safetensors, "
+                                         ".safetensors.index.json (sharded).")],
+    sparsity: Annotated[float, typer.Option("--sparsity", metavar="S", help="Share of the Linear/Conv weights to "
+                                            "zero, between 0 and 1 (already-zero weights count).")],
+    output: Annotated[Optional[str], typer.Option(
+        "-o", "--output", metavar="FILE", help="Where to write the pruned checkpoint (same format). Default: "
+        "<stem>.pruned<suffix> beside the input.",
+    )] = None,
+    criterion: Annotated[str, typer.Option(
+        "--criterion", metavar="[path-magnitude|magnitude]", help="path-magnitude (default): the smallest scores "
+        "Δ_i = ‖Φ(θ)‖₁ − ‖Φ(θ, θ_i = 0)‖₁, rescaling-invariant (seed 004 §5); magnitude: the smallest |W| as stored, "
+        "classical magnitude pruning, the control.",
+    )] = "path-magnitude",
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="The same share in every layer instead of one "
+                                            "global ranking.")] = False,
+    arch: ArchOpt = None,
+    input_shape: ShapeOpt = None,
+    input_bound: InputBoundOpt = 1.0,
+    device: DeviceOpt = "auto",
+    path_norm: PathNormOpt = None,
+    as_json: JsonOpt = False,
+    report_file: Annotated[Optional[str], typer.Option("--report", metavar="FILE",
+                                                       help="Also write the JSON report to this file.")] = None,
+    in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
+    allow_unused: AllowUnusedOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Prune MODEL by path magnitude: zero the weights whose removal changes ‖Φ‖₁ least, write the
+    result in MODEL's format, verify it, and report the exact path-metric and the output-change bound.
+
+    Biases, BatchNorm and per-channel scales are kept. Example: pathcond prune model.onnx --sparsity 0.5 -o pruned.onnx
+    """
+    from .pathlift import PRUNING_CRITERIA
+
+    if criterion not in PRUNING_CRITERIA:
+        raise typer.BadParameter(f"'{criterion}' is not one of {', '.join(PRUNING_CRITERIA)}", param_hint="--criterion")
+    if not (0 <= sparsity <= 1):
+        raise typer.BadParameter(f"{sparsity:g} is not a share between 0 and 1", param_hint="--sparsity")
+    if model == "-" or output == "-":
+        raise typer.BadParameter("prune reads a file and writes a file; - (stdin/stdout) is not supported",
+                                 param_hint="MODEL" if model == "-" else "-o")
+    shape = _parse_shape(input_shape)
+    device = _parse_device(device)
+    orders = _parse_path_norms(path_norm)
+    radius = _parse_input_bound(input_bound)
+    if as_json and _closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
+    with _errors_to_exit_codes(as_json):
+        from .destinations import check_destinations, written
+        from .formats import detect_format, files_read, output_format_mismatch
+        from .report import prune_report, render_prune
+        from .toolkit import prune as prune_model, save_pruned
+
+        global _report_so_far
+        started = time.perf_counter()
+        source, source_path, name = _read_source(model)
+        if output is not None:
+            mismatch = output_format_mismatch(source, Path(output))
+            if mismatch:
+                raise typer.BadParameter(mismatch, param_hint="-o")
+        if output is not None:
+            destination = Path(output)
+        else:
+            destination = source_path if in_place else _default_output(source_path, "pruned")
+        outputs = [written("-o", destination, detect_format(source)), written("--report", report_file)]
+        destination, report_path = check_destinations(outputs, files_read(source_path, arch), in_place=in_place)
+        with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
+            stages.stage("loading")
+            loaded = _load_one(model, arch, shape, allow_unused)
+            load_seconds = time.perf_counter() - started
+            stages.stage("scores, pruning, path-metric")
+            result = prune_model(loaded, sparsity, criterion=criterion, per_layer=per_layer, input_bound=radius,
+                                 device=device, path_norms=orders)
+            _report_so_far = prune_report(result, None)
+            stages.stage("writing and verifying the written file")
+            save_pruned(result, destination, in_place=in_place, input_shape=shape)
+        report = prune_report(result, str(destination))
+        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
+                             "total": round(time.perf_counter() - started, 6)}
+        _emit(report, as_json=as_json, report_file=report_path, quiet=quiet, render=render_prune)
 
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")

@@ -1,9 +1,9 @@
-"""diag(G) and the path count (SPEC §3), each from one pass of the "squared network".
+"""diag(G), the path count and the ℓq path norms (SPEC §3, §8), each from passes of the "squared network".
 
-The squared network replaces every parameter θ by ψ = θ², every fixed edge constant c by
-c^power, every ReLU by the identity and every max-pool by a sum over its window, and feeds
-ones. Its summed output is L = ‖Φ(θ)‖² (power 2) and ∂L/∂ψ = diag(G); with ψ = 1 and
-power 0 it counts paths.
+The squared network of power q replaces every parameter θ by ψ = |θ|^q, every fixed edge
+constant c by |c|^q, every ReLU by the identity and every max-pool by a sum over its window,
+and feeds ones. Its summed output is ‖Φ(θ)‖_q^q; for q = 2 that is L, and ∂L/∂ψ = diag(G);
+with ψ = 1 and q = 0 it counts paths.
 
 Overflow: deep networks with extreme weights overflow a naive float64 pass, so diag(G) is
 computed on a balanced copy Dθ (each layer's incoming squared norm set to 1, an admissible
@@ -126,6 +126,28 @@ class PathCount:
     exact: int | None
 
 
+@dataclass(frozen=True)
+class PathNorm:
+    """‖Φ(θ)‖_q as log10 (always finite for a network with a non-zero path; −inf when Φ = 0)
+    and as a float when it fits in float64 (None otherwise)."""
+
+    q: float
+    log10: float
+
+    @property
+    def value(self) -> float | None:
+        try:
+            value = 10.0**self.log10
+        except OverflowError:
+            return None
+        return value if math.isfinite(value) and (value > 0 or self.log10 == -math.inf) else None
+
+    @property
+    def key(self) -> str:
+        """The report's key: ``l1``, ``l2``, ``l4``, ``l1.5``."""
+        return f"l{self.q:g}"
+
+
 @dataclass
 class ScaledTensor:
     """A non-negative tensor stored as ``value · exp(log_scale)`` so that any magnitude fits."""
@@ -148,7 +170,7 @@ class SquaredPass:
         return mantissa, final
 
 
-def _renormalise(y: torch.Tensor, offset: float) -> tuple[torch.Tensor, float]:
+def renormalise(y: torch.Tensor, offset: float) -> tuple[torch.Tensor, float]:
     """Divide by the peak when it leaves [1e-100, 1e100], moving the factor into the log offset.
 
     Squared-network activations and cotangents are never negative, so the peak is the max.
@@ -159,7 +181,7 @@ def _renormalise(y: torch.Tensor, offset: float) -> tuple[torch.Tensor, float]:
     return y, offset
 
 
-def _rescaled(tensor: torch.Tensor, log_factor: float) -> torch.Tensor:
+def rescaled_by(tensor: torch.Tensor, log_factor: float) -> torch.Tensor:
     return tensor if log_factor == 0.0 else tensor * math.exp(log_factor)
 
 
@@ -167,7 +189,7 @@ def squared_network(
     graph: Graph,
     layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]],
     *,
-    power: int,
+    power: float,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str = "cpu",
 ) -> SquaredPass:
@@ -194,19 +216,20 @@ def squared_network(
                 # ψ is layer-sized: released before the next layer's is built, not when it is assigned.
                 del weight, bias
             else:
-                unit, log_gain = _unit_gain(node)
+                unit, log_gain = unit_gain(node)
                 offset = max(offsets[i] for i in node.inputs)
-                y = rule.squared(unit, [_rescaled(values[i], offsets[i] - offset) for i in node.inputs], power)
+                y = rule.squared(unit, [rescaled_by(values[i], offsets[i] - offset) for i in node.inputs], power)
                 offset += power * log_gain
-            values[node.name], offsets[node.name] = _renormalise(y, offset)
+            values[node.name], offsets[node.name] = renormalise(y, offset)
     return SquaredPass(values, offsets)
 
 
-def _unit_gain(node: Node) -> tuple[Node, float]:
-    """``node`` with a constant factor c ≠ 0 replaced by its sign, and ln|c|: the factor's power
-    is carried in the log offset, where c = 1e200 does not overflow as c² does."""
+def unit_gain(node: Node) -> tuple[Node, float]:
+    """``node`` with a constant factor c ≠ 0 replaced by 1, and ln|c|: the factor enters as |c|^q
+    (a path's weight in every norm is the absolute product), and its power is carried in the log
+    offset, where c = 1e200 does not overflow as c² does."""
     if isinstance(node, Scale) and node.factor != 0:
-        return dataclasses.replace(node, factor=math.copysign(1.0, node.factor)), math.log(abs(node.factor))
+        return dataclasses.replace(node, factor=1.0), math.log(abs(node.factor))
     return node, 0.0
 
 
@@ -223,7 +246,8 @@ def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple
 
 
 def log_gradients(
-    graph: Graph, layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *, power: int = 2
+    graph: Graph, layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *,
+    power: float = 2
 ) -> dict[str, tuple[LogG, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets.
 
@@ -240,13 +264,13 @@ def log_gradients(
             continue
         incoming = cotangents.pop(node.name)
         sigma = max(offset for _, offset in incoming)
-        cotangent = _rescaled(incoming[0][0], incoming[0][1] - sigma)
+        cotangent = rescaled_by(incoming[0][0], incoming[0][1] - sigma)
         for tensor, offset in incoming[1:]:
-            cotangent = cotangent + _rescaled(tensor, offset - sigma)
-        cotangent, sigma = _renormalise(cotangent, sigma)
+            cotangent = cotangent + rescaled_by(tensor, offset - sigma)
+        cotangent, sigma = renormalise(cotangent, sigma)
 
         def send(name: str, tensor: torch.Tensor, offset: float) -> None:
-            cotangents.setdefault(name, []).append(_renormalise(tensor, offset))
+            cotangents.setdefault(name, []).append(renormalise(tensor, offset))
 
         rule = rule_for(node)
         if node.name in layers:
@@ -270,7 +294,7 @@ def log_gradients(
             del weight, bias
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
-            unit, log_gain = _unit_gain(node)
+            unit, log_gain = unit_gain(node)
             grads = _vjp(lambda *xs: rule.squared(unit, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
             for source, grad in zip(node.inputs, grads):
                 send(source, grad, sigma + power * log_gain)
@@ -297,7 +321,7 @@ def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
     return by_layer
 
 
-class _Layers(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
+class LayerValues(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
     """Each layer's (weight, bias) for the squared network, built from its DAG parameters on
     every access and never kept: the passes hold one layer's ψ at a time, not a float64 copy
     of the whole network (the forward and backward sweeps build the same numbers twice)."""
@@ -310,6 +334,10 @@ class _Layers(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
         dps = self._tensors[layer]
         return self._make(dps[0]), self._make(dps[1]) if len(dps) > 1 else None
 
+    def __contains__(self, layer: object) -> bool:
+        # Mapping's default would build the layer's values to answer.
+        return layer in self._tensors
+
     def __iter__(self):
         return iter(self._tensors)
 
@@ -317,7 +345,7 @@ class _Layers(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
         return len(self._tensors)
 
 
-def _ones(dp: DagParam, device) -> ScaledTensor:
+def unit_values(dp: DagParam, device) -> ScaledTensor:
     return ScaledTensor(torch.ones(dp.shape, dtype=torch.float64, device=device))
 
 
@@ -362,13 +390,13 @@ def _log_row_norms(w4: torch.Tensor, source_scale: torch.Tensor) -> torch.Tensor
     return torch.log(torch.bmm(squares, source_scale).squeeze(2)) + 2 * torch.log(row_max[:, :, 0, 0])
 
 
-def _balanced_psi(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
-    """ψ = (Dθ)² for one tensor with its scale as a logarithm.
+def balanced_value(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
+    """Dθ for one tensor (D the rescaling ``u_ext``), signed, with its scale as a logarithm.
 
     (Dθ)_{oi} = θ_{oi} · e^{a_o} · e^{b_i} with a = u_dst, b = −u_src: each factor is divided
-    by its maximum, so ψ's mantissa is at most 1 and no intermediate overflows.
+    by its maximum, so the mantissa is at most 1 in magnitude and no intermediate overflows.
     """
-    # A copy even of a float64 value (it may be a view of the mapped checkpoint), made ψ in place.
+    # A copy even of a float64 value (it may be a view of the mapped checkpoint), scaled in place.
     value = dp.value.to(device, torch.float64, copy=True).reshape(dp.view)
     a, b = u_ext[dp.dst], -u_ext[dp.src]
     a_max, b_max = float(a.max()), float(b.max())
@@ -376,25 +404,28 @@ def _balanced_psi(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
     peak = max(-float(low), float(high))
     if peak == 0.0:
         return ScaledTensor(torch.zeros(dp.shape, dtype=torch.float64, device=device))
-    psi = value.mul_((torch.exp(a - a_max) / peak)[:, :, None, None])
-    psi.mul_(torch.exp(b - b_max)[:, None, :, None]).square_()
-    return ScaledTensor(psi.reshape(dp.shape), 2 * (math.log(peak) + a_max + b_max))
+    value.mul_((torch.exp(a - a_max) / peak)[:, :, None, None]).mul_(torch.exp(b - b_max)[:, None, :, None])
+    return ScaledTensor(value.reshape(dp.shape), math.log(peak) + a_max + b_max)
 
 
-def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> DiagG:
+def balanced_power(dp: DagParam, u_ext: torch.Tensor, device, power: float) -> ScaledTensor:
+    """ψ = |Dθ|^power for one tensor, its scale as a logarithm (mantissa at most 1)."""
+    signed = balanced_value(dp, u_ext, device)
+    psi = signed.value.square_() if power == 2 else signed.value.abs_().pow_(power)
+    return ScaledTensor(psi, power * signed.log_scale)
+
+
+def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext: torch.Tensor | None = None) -> DiagG:
     """log diag(G) for every DAG parameter: one forward and one backward pass (SPEC §3).
 
-    ψ = (Dθ)² is built per tensor with a log scale (D an admissible balancing), and
-    log g(θ) = log ∂L/∂Ψ(Dθ) + 2(B u_D) since g(Dθ) = g(θ) / d².
+    ψ = (Dθ)² is built per tensor with a log scale (D an admissible balancing: ``u_ext``,
+    computed here when not given), and log g(θ) = log ∂L/∂Ψ(Dθ) + 2(B u_D) since g(Dθ) = g(θ) / d².
     """
     groups = groups.to(device)
-    u_ext = groups.extend(balancing_exponents(groups))
-    layers = _Layers(groups, lambda dp: _balanced_psi(dp, u_ext, device))
-    gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=2, device=device))
+    if u_ext is None:
+        u_ext = groups.extend(balancing_exponents(groups))
     log_g: list[LogG] = []
-    for dp, position in zip(groups.dag_params, _position_in_layer(groups)):
-        weight_log, bias_log = gradients[dp.layer]
-        lg = bias_log if position else weight_log
+    for dp, lg in _balanced_log_gradients(groups, u_ext, 2, device):
         if isinstance(lg, OuterLog):
             lg = OuterLog(*lg.shifted(2 * u_ext[dp.dst].reshape(-1), -2 * u_ext[dp.src].reshape(-1)))
             checked = [lg.rows, lg.cols]
@@ -410,7 +441,35 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> Di
     return DiagG(log_g)
 
 
-def _position_in_layer(groups: RescalingGroups) -> list[int]:
+def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power: float, device):
+    """(dp, log ∂S/∂ψ) per DAG parameter, S = Σ_P Π ψ the squared network of ``power`` on the
+    balanced ψ = |Dθ|^power: one forward and one backward pass."""
+    layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power))
+    gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=power, device=device),
+                              power=power)
+    for dp, position in zip(groups.dag_params, position_in_layer(groups)):
+        weight_log, bias_log = gradients[dp.layer]
+        yield dp, bias_log if position else weight_log
+
+
+def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """ln Δ_i per DAG parameter (shaped like it; −inf where Δ_i = 0): seed 004's path-magnitude
+    score Δ_i = ‖Φ(θ)‖₁ − ‖Φ(θ with θ_i = 0)‖₁ (SPEC §8).
+
+    ‖Φ‖₁ is linear in each |θ_i| (a parameter appears at most once on a path), so
+    Δ_i = |θ_i| · ∂‖Φ‖₁/∂|θ_i|: every score from one backward pass of the ℓ1 network. Δ is
+    rescaling-invariant, so the pass runs on the balanced copy Dθ and needs no mapping back.
+    """
+    groups = groups.to(device)
+    u_ext = groups.extend(balancing_exponents(groups))
+    scores = []
+    for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device):
+        balanced = balanced_value(dp, u_ext, device)
+        scores.append(dense(lg).reshape(dp.shape) + balanced.value.abs_().log_().add_(balanced.log_scale))
+    return scores
+
+
+def position_in_layer(groups: RescalingGroups) -> list[int]:
     """0 for a layer's weight, 1 for its bias, per DAG parameter."""
     seen: dict[str, int] = {}
     positions = []
@@ -420,13 +479,38 @@ def _position_in_layer(groups: RescalingGroups) -> list[int]:
     return positions
 
 
+def path_sum(groups: RescalingGroups, power: float, make: Callable[[DagParam], ScaledTensor], *,
+             device: torch.device | str = "cpu") -> tuple[float, float]:
+    """Σ_P Π_{e∈P} ψ_e·|c_e|^power of the squared network of ``power`` whose layers are
+    ``make(dp)``, as (mantissa, ln offset): ‖Φ‖_q^q with ψ = |θ|^q and power q; the path count
+    with ψ = 1 and power 0 (then an exact integer mantissa while the offset is 0)."""
+    return squared_network(groups.graph, LayerValues(groups, make), power=power, device=device).total(groups.graph)
+
+
 def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> PathCount:
     """Number of paths (input or bias to output) as log10, and exactly when below 2**53."""
-    ones = _Layers(groups, lambda dp: _ones(dp, device))
-    mantissa, offset = squared_network(groups.graph, ones, power=0, device=device).total(groups.graph)
+    groups = groups.to(device)
+    mantissa, offset = path_sum(groups, 0, lambda dp: unit_values(dp, device), device=device)
     log10 = (math.log(mantissa) + offset) / math.log(10)
     exact = int(round(mantissa)) if offset == 0.0 and mantissa < EXACT_LIMIT else None
     return PathCount(log10, exact)
+
+
+def path_norm(groups: RescalingGroups, q: float, *, device: torch.device | str = "cpu",
+              u_ext: torch.Tensor | None = None) -> PathNorm:
+    """‖Φ(θ)‖_q (SPEC §8): one forward pass of the squared network of power q on ψ = |Dθ|^q.
+
+    Φ is rescaling-invariant, so the pass runs on the balanced copy Dθ (``u_ext``: the
+    balancing, computed here when not given), whose values stay in range on deep networks.
+    """
+    if not q >= 1 or not math.isfinite(q):
+        raise ValueError(f"a path norm needs a finite q ≥ 1, not {q}")
+    groups = groups.to(device)
+    if u_ext is None:
+        u_ext = groups.extend(balancing_exponents(groups))
+    mantissa, offset = path_sum(groups, q, lambda dp: balanced_power(dp, u_ext, device, q), device=device)
+    ln_total = math.log(mantissa) + offset if mantissa > 0 else -math.inf
+    return PathNorm(float(q), ln_total / q / math.log(10))
 
 
 def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> dict[str, int]:
@@ -437,7 +521,7 @@ def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "
     Such parameters have g = 0 whatever the weights, so diag(G) and the rescaling know nothing
     of them: the input shape should be the one the network is trained at.
     """
-    layers = _Layers(groups, lambda dp: _ones(dp, device))
+    layers = LayerValues(groups, lambda dp: unit_values(dp, device))
     counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
     unused: dict[str, int] = {}
     for layer, (weight_log, bias_log) in counts.items():

@@ -68,6 +68,13 @@ class StorageError(PathcondError):
     exit_code = 8
 
 
+class MismatchError(PathcondError):
+    """Two models that must share one architecture (``compare``) do not: another DAG, other
+    tensor names or shapes."""
+
+    exit_code = 10
+
+
 EXIT_CODES = {
     "success": 0,
     "usage": UsageError.exit_code,
@@ -77,6 +84,7 @@ EXIT_CODES = {
     "output_not_written": OutputError.exit_code,
     "invalid_weights": InvalidWeightsError.exit_code,
     "not_storable": StorageError.exit_code,
+    "models_differ": MismatchError.exit_code,
     "interrupted": 130,
     "terminated": 143,
     "several_failures": 9,

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from . import __version__
 from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
-from .diag import LogG, unused_parameters
+from .diag import LogG, PathNorm, unused_parameters
 from .fileio import printable
 from .model import LoadedModel
 from .objective import degenerate_mask
@@ -77,6 +77,14 @@ def _conditioning(measure: Conditioning) -> dict[str, Any]:
     }
 
 
+def path_norms_section(norms: dict[str, PathNorm] | None) -> dict[str, Any] | None:
+    """``path_norms``: ‖Φ‖_q by key (``l1``, ``l2``, ``l<Q>``), each as log10 and value (null
+    outside float64)."""
+    if norms is None:
+        return None
+    return {key: {"q": norm.q, "log10": _finite(norm.log10), "value": norm.value} for key, norm in norms.items()}
+
+
 def loaded_report(model: LoadedModel, command: str) -> dict[str, Any]:
     """The keys known once the model is read, before any analysis: the report so far of a
     command that fails later (see :func:`error_document`)."""
@@ -118,6 +126,7 @@ def analysis_report(
             "colours": groups.num_colours,
         },
         "paths": {"log10": _finite(analysis.paths.log10), "exact": analysis.paths.exact},
+        "path_norms": path_norms_section(analysis.path_norms),
         "conditioning": {"before": _conditioning(analysis.conditioning)},
         "diag_g": _diag_section(summary, analysis.diag.parts, ln_bounds or (summary.ln_low, summary.ln_high)),
         "unused_parameters": unused,
@@ -180,6 +189,7 @@ def rescale_report(result: RescaleResult, output: str | None, seconds: dict[str,
         "fraction_of_gap_closed": _finite(decrease / before.conditioning.value) if before.conditioning.value > 0 else None,
     }
     report["diag_g_after"] = _diag_section(after, result.diag_after.parts, ln_bounds)
+    report["path_norms_after"] = path_norms_section(result.path_norms_after)
     if not solve.converged:
         report["warnings"].append(
             f"not converged: the solver stopped after {solve.iterations} iterations (--max-iter {solve.max_iter}) "
@@ -240,6 +250,12 @@ def _safe(text: str, *, keep: str = "") -> str:
     return rich.markup.escape(printable(text, keep=keep))
 
 
+def path_norms_text(norms: dict[str, Any]) -> str:
+    """``ℓ1 4.331e+08 · ℓ2 0.2859``: each norm's value, or 10^log10 beyond float64."""
+    return " · ".join(f"ℓ{norm['q']:g} " + (_fmt(norm["value"], 7) if norm["value"] is not None
+                                             else f"10^{_fmt(norm['log10'], 7)}") for norm in norms.values())
+
+
 def _conditioning_text(measure: dict[str, Any]) -> str:
     return f"D {_fmt(measure['D'], 6)} (ln mean/geomean g {_fmt(measure['D_per_parameter'])})"
 
@@ -274,6 +290,9 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
                     f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours")
     exact = f" ({_fmt(paths['exact'])})" if paths["exact"] is not None else ""
     summary.add_row("paths", f"10^{_fmt(paths['log10'], 6)}{exact}")
+    summary.add_row("path norms" + (" before" if after is not None else ""), path_norms_text(report["path_norms"]))
+    if report.get("path_norms_after"):
+        summary.add_row("path norms after", path_norms_text(report["path_norms_after"]))
     if after is None:
         summary.add_row("conditioning", _conditioning_text(conditioning["before"]))
         summary.add_row("diag(G)", _spread_text(diag))
@@ -384,6 +403,21 @@ def histogram_text(bins: list[dict[str, Any]], bins_after: list[dict[str, Any]] 
 def summary_line(report: dict[str, Any]) -> str:
     """One line closing the run, printed last on stderr."""
     parts = [f"pathcond {report['command']}: {printable(report['model'])}"]
+    if report["command"] == "compare":
+        parts[0] += f" · {printable(report['other'])}"
+        parts.append(f"{report['sign_flips']['total']:,} sign flips")
+        metric = report["path_metric"]
+        parts.append(f"path-metric {_fmt(metric['lower'], 4)}" + ("" if metric["exact"] else f"..{_fmt(metric['upper'], 4)}"))
+        parts.append(f"output change ≤ {_fmt(report['output_change_bound'], 4)}" if report["bound_applies"] else "no bound")
+        parts.append(f"{report['seconds']['total']:.2f} s")
+        return " · ".join(parts)
+    if report["command"] == "prune":
+        parts[0] += f" → {printable(report['output'])}"
+        parts.append(f"{100 * report['sparsity_achieved']:.1f}% zero")
+        parts.append(f"path-metric {_fmt(report['path_metric']['lower'], 4)}")
+        parts.append(f"output change ≤ {_fmt(report['output_change_bound'], 4)}")
+        parts.append(f"{report['seconds']['total']:.2f} s")
+        return " · ".join(parts)
     conditioning = report["conditioning"]
     if report["command"] == "rescale":
         verification, solver = report["verification"], report["solver"]
@@ -398,3 +432,148 @@ def summary_line(report: dict[str, Any]) -> str:
         parts.append(f"D {_fmt(conditioning['before']['D'], 5)}")
     parts.append(f"{report['seconds']['total']:.2f} s")
     return " · ".join(parts)
+
+
+def _metric_section(metric) -> dict[str, Any]:
+    return {
+        "lower": _finite(metric.lower) if metric.lower is not None else None,
+        "upper": _finite(metric.upper) if metric.upper is not None else None,
+        "exact": metric.exact,
+        "log10_lower": _finite(metric.ln_lower * LOG10_E),
+        "log10_upper": _finite(metric.ln_upper * LOG10_E),
+    }
+
+
+def compare_report(comparison) -> dict[str, Any]:
+    """The ``compare`` report (a :class:`~.toolkit.Comparison`)."""
+    a, b, signs = comparison.a, comparison.b, comparison.signs
+    return {
+        "schema": SCHEMA_VERSION,
+        "pathcond_version": __version__,
+        "command": "compare",
+        "model": a.source,
+        "other": b.source,
+        "format": a.format,
+        "other_format": b.format,
+        "device": comparison.device,
+        "input_shape": [list(node.shape) for node in a.graph.inputs],
+        "parameters": a.parameter_count,
+        "path_norms": path_norms_section(comparison.path_norms_a),
+        "other_path_norms": path_norms_section(comparison.path_norms_b),
+        "sign_flips": {
+            "total": signs.flips,
+            "per_layer": [{"layer": layer.layer, "parameters": layer.parameters, "flips": layer.flips}
+                          for layer in signs.layers],
+        },
+        "path_metric": _metric_section(comparison.metric),
+        "input_bound": comparison.input_bound,
+        "bound_applies": comparison.bound_applies,
+        "bound_note": comparison.bound_note,
+        "output_change_bound": _finite(comparison.output_change_bound),
+        "measured_output_change": _finite(comparison.measured_output_change),
+        "warnings": [*a.warnings, *b.warnings],
+        "seconds": {stage: round(value, 6) for stage, value in comparison.seconds.items()},
+    }
+
+
+def prune_report(result, output: str | None) -> dict[str, Any]:
+    """The ``prune`` report (a :class:`~.toolkit.PruneResult`); ``output`` and ``verification``
+    are null before the file is written."""
+    model = result.model
+    return {
+        "schema": SCHEMA_VERSION,
+        "pathcond_version": __version__,
+        "command": "prune",
+        "model": model.source,
+        "format": model.format,
+        "device": result.device,
+        "input_shape": [list(node.shape) for node in model.graph.inputs],
+        "parameters": model.parameter_count,
+        "criterion": result.criterion,
+        "per_layer": result.per_layer,
+        "sparsity_requested": result.sparsity,
+        "sparsity_achieved": result.achieved_sparsity,
+        "layers": [{"layer": layer.layer, "weight": layer.weight, "parameters": layer.parameters,
+                    "zeros_before": layer.zeros_before, "zeros_after": layer.zeros_after,
+                    "sparsity": layer.zeros_after / layer.parameters if layer.parameters else 0.0}
+                   for layer in result.layers],
+        "path_norms": path_norms_section(result.path_norms_before),
+        "path_norms_after": path_norms_section(result.path_norms_after),
+        "path_metric": _metric_section(result.metric),
+        "input_bound": result.input_bound,
+        "score_bound": _finite(result.score_bound),
+        "output_change_bound": _finite(result.output_change_bound),
+        "measured_output_change": _finite(result.measured_output_change),
+        "verification": result.written,
+        "output": output,
+        "warnings": list(model.warnings),
+        "seconds": {stage: round(value, 6) for stage, value in result.seconds.items()},
+    }
+
+
+def _metric_text(metric: dict[str, Any]) -> str:
+    if metric["exact"]:
+        return f"{_fmt(metric['lower'], 7)} (exact: one parameter vector dominates the other)"
+    return f"between {_fmt(metric['lower'], 7)} and {_fmt(metric['upper'], 7)}"
+
+
+def render_compare(report: dict[str, Any], console: Console) -> None:
+    console.print(f"pathcond compare · {printable(report['model'])} · {printable(report['other'])}", style="bold",
+                  highlight=False, markup=False, soft_wrap=True)
+    summary = Table(show_header=False)
+    summary.add_column("", style="bold")
+    summary.add_column("")
+    summary.add_row("path norms (first)", path_norms_text(report["path_norms"]))
+    summary.add_row("path norms (second)", path_norms_text(report["other_path_norms"]))
+    summary.add_row("sign flips", _fmt(report["sign_flips"]["total"]))
+    summary.add_row("ℓ1 path-metric", _metric_text(report["path_metric"]))
+    radius = report["input_bound"]
+    if report["bound_applies"]:
+        summary.add_row(f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} "
+                        f"(ℓ1) · measured {_fmt(report['measured_output_change'], 6)}")
+    else:
+        summary.add_row(f"output change, ‖x‖∞ ≤ {radius:g}", f"no bound: {_safe(report['bound_note'])} · measured "
+                        f"{_fmt(report['measured_output_change'], 6)}")
+    summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
+    _print_table(console, summary)
+    flipped = [row for row in report["sign_flips"]["per_layer"] if row["flips"]]
+    if flipped:
+        layers = Table(title="sign flips per layer (BatchNorm folded)", title_justify="left")
+        for column in ("layer", "parameters", "flips"):
+            layers.add_column(column, justify="left" if column == "layer" else "right")
+        for row in flipped:
+            layers.add_row(_safe(row["layer"]), _fmt(row["parameters"]), _fmt(row["flips"]))
+        _print_table(console, layers)
+    render_warnings(report, console)
+
+
+def render_prune(report: dict[str, Any], console: Console) -> None:
+    console.print(f"pathcond prune · {printable(report['model'])}", style="bold", highlight=False, markup=False,
+                  soft_wrap=True)
+    summary = Table(show_header=False)
+    summary.add_column("", style="bold")
+    summary.add_column("")
+    summary.add_row("criterion", report["criterion"] + (" · per layer" if report["per_layer"] else " · global"))
+    summary.add_row("sparsity", f"{100 * report['sparsity_achieved']:.2f}% of Linear/Conv weights are zero "
+                    f"(asked {100 * report['sparsity_requested']:g}%)")
+    summary.add_row("path norms before", path_norms_text(report["path_norms"]))
+    summary.add_row("path norms after", path_norms_text(report["path_norms_after"]))
+    summary.add_row("ℓ1 path-metric", _metric_text(report["path_metric"]))
+    radius = report["input_bound"]
+    summary.add_row(f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} (ℓ1; "
+                    f"scores' sum {_fmt(report['score_bound'], 6)}) · measured {_fmt(report['measured_output_change'], 6)}")
+    verification = report["verification"]
+    if verification is not None:
+        summary.add_row("verification", f"reloaded θ ⊙ m {verification['reloaded']} · independent runtime "
+                        f"{verification['runtime'] or '–'}: {verification['independent']}")
+    summary.add_row("output", _safe(report["output"] or "–"))
+    summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
+    _print_table(console, summary)
+    layers = Table(title="pruned weights per layer", title_justify="left")
+    for column in ("layer", "weight", "parameters", "zeros before", "zeros after", "sparsity"):
+        layers.add_column(column, justify="left" if column in ("layer", "weight") else "right")
+    for row in report["layers"]:
+        layers.add_row(_safe(row["layer"]), _safe(row["weight"]), _fmt(row["parameters"]), _fmt(row["zeros_before"]),
+                       _fmt(row["zeros_after"]), f"{100 * row['sparsity']:.1f}%")
+    _print_table(console, layers)
+    render_warnings(report, console)

@@ -299,6 +299,52 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
 
 
+def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) -> dict[str, Any]:
+    """Run the written ONNX file in a runtime that is not pathcond's and compare its outputs with
+    pathcond's own evaluation of the model read back from it (a changed function has no original
+    to compare with: this checks that the file loads and means what pathcond reads in it).
+    Returns ``{"runtime", "status", "detail"}`` as :func:`independent_check` does."""
+    if written.format != "onnx":
+        return {"runtime": None, "status": "unavailable",
+                "detail": f"no independent runtime reads {written.format} checkpoints; the reloaded file was "
+                          "checked by pathcond's own evaluator"}
+    import numpy as np
+    import onnx
+
+    from .formats.onnx_format import declared_batch, fed_inputs
+
+    runners, why_not = _onnx_runners(written)
+    graph_inputs = fed_inputs(written.payload, written.source)
+    batch = declared_batch(graph_inputs) or 1
+    generator = np.random.default_rng(seed)
+    feeds = {i.name: generator.standard_normal((batch, *written.graph[i.name].shape)).astype(
+        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph_inputs}
+    with torch.no_grad():
+        ours = forward(written.graph, written.params,
+                       {name: torch.from_numpy(value.astype(np.float64)) for name, value in feeds.items()})
+    expected = [ours[name] for name in written.graph.outputs]
+    tolerance = max(tolerance_for(written.params, written.graph.parameter_keys()), INDEPENDENT_MIN_TOLERANCE)
+    reasons = []
+    for runtime, runner in runners:
+        try:
+            theirs = runner(None, path, feeds)
+        except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
+            reasons.append(f"{runtime} cannot evaluate the written model ({exception_line(exc)})")
+            continue
+        theirs = [torch.from_numpy(np.asarray(t, dtype=np.float64)) for t in theirs]
+        if [tuple(t.shape) for t in theirs] != [tuple(t.shape) for t in expected]:
+            return {"runtime": runtime, "status": "failed",
+                    "detail": f"its outputs have shapes {[list(t.shape) for t in theirs]}, pathcond's "
+                              f"{[list(t.shape) for t in expected]}"}
+        _, max_rel = _max_errors(expected, theirs)
+        status = "passed" if max_rel <= tolerance else "failed"
+        return {"runtime": runtime, "status": status,
+                "detail": f"max relative difference {max_rel:.3g} between {runtime} and pathcond on the written "
+                          f"model (tolerance {tolerance:g})" + "".join(f"; {reason}" for reason in reasons)}
+    reasons += [why_not] if why_not else []
+    return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
+
+
 def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
     """The runtimes to try, in order, as (name, run(model_bytes, model_path, feeds) -> outputs),
     ``feeds`` an array by input name, and why one is missing ("" when none is)."""

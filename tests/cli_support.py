@@ -233,6 +233,7 @@ def check_report(report: dict, *, rescale: bool) -> None:
         assert paths["exact"] < 2**53
         assert abs(np.log10(paths["exact"]) - paths["log10"]) < 1e-6
     _check_diag(report["diag_g"], report["dag_parameters"])
+    check_path_norms(report["path_norms"])
     histogram_total = sum(b["count"] for b in report["diag_g"]["histogram"])
     assert histogram_total == report["conditioning"]["before"]["parameters_counted"], "every g > 0 is in one bin"
     assert isinstance(report["warnings"], list) and all(isinstance(w, str) for w in report["warnings"])
@@ -242,6 +243,11 @@ def check_report(report: dict, *, rescale: bool) -> None:
     if not rescale:
         assert "diag_g_after" not in report and set(report["conditioning"]) == {"before"}
         return
+    check_path_norms(report["path_norms_after"])
+    assert list(report["path_norms_after"]) == list(report["path_norms"])
+    for key, before in report["path_norms"].items():
+        assert math.isclose(report["path_norms_after"][key]["log10"], before["log10"], rel_tol=1e-6, abs_tol=1e-6), \
+            "rescaling leaves every path norm unchanged"
     conditioning = report["conditioning"]
     _check_conditioning(conditioning["after"], report["dag_parameters"])
     assert conditioning["after"]["zeros"] == conditioning["before"]["zeros"], "rescaling never changes which g are 0"
@@ -257,6 +263,16 @@ def check_report(report: dict, *, rescale: bool) -> None:
         [(b["log10_low"], b["log10_high"]) for b in report["diag_g"]["histogram"]], "before and after share the bins"
     assert sum(b["count"] for b in after["histogram"]) == sum(b["count"] for b in report["diag_g"]["histogram"])
     _check_rescale(report, seconds)
+
+
+def check_path_norms(norms: dict) -> None:
+    """``path_norms``: l1 and l2 first, each {q, log10, value} with value = 10^log10 where it fits."""
+    assert list(norms)[:2] == ["l1", "l2"]
+    for key, norm in norms.items():
+        assert key == f"l{norm['q']:g}" and norm["q"] >= 1
+        assert isinstance(norm["log10"], float)
+        if norm["value"] is not None:
+            assert math.isclose(norm["value"], 10 ** norm["log10"], rel_tol=1e-9)
 
 
 def _check_conditioning(measure: dict, p: int) -> None:
@@ -321,7 +337,8 @@ def _check_rescale(report: dict, seconds: dict) -> None:
     for mode in verification["by_mode"].values():
         assert mode["max_rel_error"] <= mode["tolerance"] <= verification["tolerance"]
     assert isinstance(report["output"], str)
-    for stage in ("load", "groups", "diag_g", "path_count", "solve", "apply", "write", "verify_written", "total"):
+    for stage in ("load", "groups", "diag_g", "path_count", "path_norms", "solve", "apply", "write", "verify_written",
+                  "total"):
         assert stage in seconds, stage
 
 

@@ -225,7 +225,7 @@ def test_spec_output_is_checked_before_any_work_and_never_replaces_the_input(tmp
 # -- 2. choices that complete -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["rescale", "inspect", "spec"])
+@pytest.mark.parametrize("command", ["rescale", "inspect", "spec", "compare", "prune"])
 def test_help_shows_choices_and_every_exit_code_without_typer_placeholders(command):
     result = invoke(command, "--help")
     assert result.exit_code == 0

@@ -1,0 +1,253 @@
+"""Two parameter vectors of one ReLU DAG through the path-lifting (SPEC §8, seeds 002 and 004):
+their signs, their ℓ1 path-metric (a lower and an upper bound, exact in the dominated case),
+and the choice of weights to prune by path magnitude.
+
+Everything runs on :class:`~.groups.RescalingGroups` (the DAG parameters, BatchNorm folded);
+reading files and writing them is the API's job (:mod:`.toolkit`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .diag import (
+    LayerValues, PathNorm, ScaledTensor, SquaredPass, renormalise, rescaled_by, unit_gain, balanced_power,
+    balanced_value, balancing_exponents, position_in_layer, squared_network,
+)
+from .graph import Graph, Input, LeakyReLU, PReLU, WeightedNode
+from .groups import DagParam, RescalingGroups
+from .rules import per_channel, rule_for, swap_group_axes
+
+
+@dataclass(frozen=True)
+class LayerSigns:
+    """One DAG layer's parameters (weight and bias, BatchNorm folded) whose signs differ."""
+
+    layer: str
+    parameters: int
+    flips: int
+
+
+@dataclass(frozen=True)
+class SignComparison:
+    """Signs of two parameter vectors θ (``a``) and θ' (``b``), entry by entry.
+
+    ``a_dominates``: |θ'_i| ≤ |θ_i| with θ_i θ'_i ≥ 0 for every i (θ' is θ pruned or rounded
+    toward zero); ``b_dominates`` the reverse. Either makes the ℓ1 path-metric equal to
+    |‖Φ(θ)‖₁ − ‖Φ(θ')‖₁| (004 Lemma 4.2).
+    """
+
+    layers: list[LayerSigns]
+    a_dominates: bool
+    b_dominates: bool
+
+    @property
+    def flips(self) -> int:
+        return sum(layer.flips for layer in self.layers)
+
+
+def compare_signs(groups_a: RescalingGroups, groups_b: RescalingGroups) -> SignComparison:
+    """Sign flips (θ_i θ'_i < 0) per layer, and whether one vector dominates the other."""
+    per_layer: dict[str, list[int]] = {}
+    a_dominates = b_dominates = True
+    for dp_a, dp_b in zip(groups_a.dag_params, groups_b.dag_params):
+        a = dp_a.value.to(torch.float64).reshape(-1)
+        b = dp_b.value.to(torch.float64).reshape(-1).to(a.device)
+        counts = per_layer.setdefault(dp_a.layer, [0, 0])
+        counts[0] += a.numel()
+        counts[1] += int((a * b < 0).sum())
+        same_side = (a * b >= 0)
+        a_dominates = a_dominates and bool((same_side & (b.abs() <= a.abs())).all())
+        b_dominates = b_dominates and bool((same_side & (a.abs() <= b.abs())).all())
+    layers = [LayerSigns(layer, parameters, flips) for layer, (parameters, flips) in per_layer.items()]
+    return SignComparison(layers, a_dominates, b_dominates)
+
+
+@dataclass(frozen=True)
+class PathMetric:
+    """Bounds on the ℓ1 path-metric d = ‖Φ(θ) − Φ(θ')‖₁, as natural logarithms (−inf for 0).
+
+    ``exact``: one vector dominates the other, and ``lower`` = ``upper`` = d.
+    """
+
+    ln_lower: float
+    ln_upper: float
+    exact: bool
+
+    @property
+    def lower(self) -> float | None:
+        return _float(self.ln_lower)
+
+    @property
+    def upper(self) -> float | None:
+        return _float(self.ln_upper)
+
+
+def _float(ln: float) -> float | None:
+    """exp(ln), or None beyond float64."""
+    try:
+        return math.exp(ln)
+    except OverflowError:
+        return None
+
+
+def ln_difference(ln_x: float, ln_y: float) -> float:
+    """ln |x − y| from ln x and ln y (x, y ≥ 0), without leaving the log domain."""
+    high, low = max(ln_x, ln_y), min(ln_x, ln_y)
+    if high == -math.inf or low == high:
+        return -math.inf
+    return high + math.log(-math.expm1(low - high))
+
+
+def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: PathNorm, l1_b: PathNorm,
+                signs: SignComparison, *, device: torch.device | str = "cpu") -> PathMetric:
+    """The ℓ1 path-metric's bounds (SPEC §8).
+
+    ``lower`` = |‖Φ(θ)‖₁ − ‖Φ(θ')‖₁| (exact when one vector dominates). ``upper`` sums the
+    telescoped bound |Π a_e − Π b_e| ≤ Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over
+    every path, in one pass carrying two streams per neuron (:func:`telescoped_sum`), on the
+    balanced representatives of both vectors: the balancing depends only on the rescaling
+    orbit, so the bound is rescaling-invariant, and 0 up to rounding for equivalent vectors.
+    It is never reported below ``lower`` (they differ by rounding only when that happens).
+    """
+    ln_a, ln_b = (norm.log10 * math.log(10) for norm in (l1_a, l1_b))
+    lower = ln_difference(ln_a, ln_b)
+    if signs.a_dominates or signs.b_dominates:
+        return PathMetric(lower, lower, True)
+    return PathMetric(lower, max(lower, telescoped_sum(groups_a, groups_b, device=device)), False)
+
+
+def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str = "cpu") -> float:
+    """ln Σ_P Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over every path P, on balanced
+    representatives a = D_a θ, b = D_b θ' (an upper bound on ‖Φ(θ) − Φ(θ')‖₁).
+
+    Stream B(v) = Σ_u |b_uv| B(u) + |b_v| is the ℓ1 network of b; stream
+    T(v) = Σ_u (|a_uv| T(u) + |a_uv − b_uv| B(u)) + |a_v − b_v| carries the telescoped sums.
+    Fixed edges (pooling, skips, constants) are the same in both vectors, so they enter T as
+    they enter B. Both streams keep a log offset per node, as the squared network does.
+    """
+    groups_a, groups_b = groups_a.to(device), groups_b.to(device)
+    u_a = groups_a.extend(balancing_exponents(groups_a))
+    u_b = groups_b.extend(balancing_exponents(groups_b))
+    graph = groups_a.graph
+    layers_b = LayerValues(groups_b, lambda dp: balanced_power(dp, u_b, device, 1))
+    stream_b = squared_network(graph, layers_b, power=1, device=device)
+    pairs = {dp.layer: [] for dp in groups_a.dag_params}
+    for dp_a, dp_b in zip(groups_a.dag_params, groups_b.dag_params):
+        pairs[dp_a.layer].append((dp_a, dp_b))
+    values: dict[str, torch.Tensor] = {}
+    offsets: dict[str, float] = {}
+    with torch.no_grad():
+        for node in graph.nodes:
+            rule = rule_for(node)
+            if isinstance(node, Input):
+                y, offset = torch.zeros((1, *node.shape), dtype=torch.float64, device=device), 0.0
+            elif node.name in pairs:
+                source = node.inputs[0]
+                terms = []
+                for position, (dp_a, dp_b) in enumerate(pairs[node.name]):
+                    a = balanced_value(dp_a, u_a, device)
+                    difference = _absolute_difference(a, balanced_value(dp_b, u_b, device))
+                    if position == 0:
+                        magnitude = ScaledTensor(a.value.abs_(), a.log_scale)
+                        terms.append((rule.weighted(node, values[source], magnitude.value),
+                                      offsets[source] + magnitude.log_scale))
+                        terms.append((rule.weighted(node, stream_b.values[source], difference.value),
+                                      stream_b.offsets[source] + difference.log_scale))
+                    else:
+                        terms.append((None, difference))
+                y, offset = _combine(terms)
+            else:
+                unit, log_gain = unit_gain(node)
+                offset = max(offsets[i] for i in node.inputs)
+                y = rule.squared(unit, [rescaled_by(values[i], offsets[i] - offset) for i in node.inputs], 1)
+                offset += log_gain
+            values[node.name], offsets[node.name] = renormalise(y, offset)
+    total, ln_offset = SquaredPass(values, offsets).total(graph)
+    return math.log(total) + ln_offset if total > 0 else -math.inf
+
+
+def _absolute_difference(a: ScaledTensor, b: ScaledTensor) -> ScaledTensor:
+    """|a − b| with a log scale; an all-zero tensor (whose log scale means nothing) takes the other's."""
+    scales = [t.log_scale for t in (a, b) if bool(t.value.any())]
+    if not scales:
+        return ScaledTensor(torch.zeros_like(a.value))
+    scale = max(scales)
+    difference = (a.value * math.exp(a.log_scale - scale) if a.log_scale in scales else torch.zeros_like(a.value))
+    if b.log_scale in scales:
+        difference = difference - b.value * math.exp(b.log_scale - scale)
+    return ScaledTensor(difference.abs_(), scale)
+
+
+def _combine(terms: list) -> tuple[torch.Tensor, float]:
+    """Σ of (tensor, ln scale) terms (a bias term is ``(None, ScaledTensor)``, added per channel)."""
+    dense = [(t, s) for t, s in terms if t is not None]
+    biases = [b for t, b in terms if t is None]
+    offset = max([s for _, s in dense] + [b.log_scale for b in biases if bool(b.value.any())])
+    y = sum(t * math.exp(s - offset) for t, s in dense)
+    for bias in biases:
+        if bool(bias.value.any()):
+            y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
+    return y, offset
+
+
+# --------------------------------------------------------------------------- pruning
+
+PRUNING_CRITERIA = ("path-magnitude", "magnitude")
+
+
+def prunable(graph: Graph, groups: RescalingGroups) -> list[tuple[int, DagParam]]:
+    """(index, DAG weight) of every Linear, Conv and ConvTranspose layer: the weights pruning may
+    zero. Biases, BatchNorm and per-channel affine layers are kept (normalisation, not weights)."""
+    return [(index, dp) for index, (dp, position) in enumerate(zip(groups.dag_params, position_in_layer(groups)))
+            if position == 0 and isinstance(graph[dp.layer], WeightedNode)]
+
+
+def stored_weight_mask(graph: Graph, layer: str, canonical_mask: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """The checkpoint key of ``layer``'s weight and the mask laid out as that tensor is stored."""
+    node = graph[layer]
+    rule = rule_for(node)
+    layout = rule.weight_layout(node)
+    if layout == "weight_t":
+        return node.weight, canonical_mask.t()
+    if layout == "conv_transpose":
+        return node.weight, swap_group_axes(canonical_mask, node.groups)
+    return node.weight, canonical_mask
+
+
+def magnitude_keys(graph: Graph, params: Mapping[str, torch.Tensor], layer: str) -> torch.Tensor:
+    """|W| of ``layer``'s weight as stored in the checkpoint, in canonical layout (magnitude
+    pruning ranks what the user holds, BatchNorm not folded in: it is not rescaling-invariant)."""
+    node = graph[layer]
+    return rule_for(node).canonical_weight(node, params[node.weight]).to(torch.float64).abs()
+
+
+def select_pruned(keys: Sequence[torch.Tensor], sparsity: float, *, per_layer: bool) -> list[torch.Tensor]:
+    """A boolean mask per tensor, True where the weight is pruned: the ``sparsity`` share of the
+    entries with the smallest keys, over all tensors (or in each, ``per_layer``). Ties go to
+    the entry that comes first, tensor by tensor, so the choice is deterministic."""
+    if not 0 <= sparsity <= 1:
+        raise ValueError(f"sparsity {sparsity} is not a share between 0 and 1")
+    if per_layer:
+        return [select_pruned([key], sparsity, per_layer=False)[0] for key in keys]
+    flat = torch.cat([key.reshape(-1).to(torch.float64) for key in keys]) if keys else torch.zeros(0)
+    chosen = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    count = round(sparsity * flat.numel())
+    if count:
+        chosen[torch.sort(flat, stable=True).indices[:count]] = True
+    masks, start = [], 0
+    for key in keys:
+        masks.append(chosen[start:start + key.numel()].reshape(key.shape))
+        start += key.numel()
+    return masks
+
+
+def non_relu_activations(graph: Graph) -> list[str]:
+    """Nodes whose activation is not a ReLU, identity or max-pool (LeakyReLU, PReLU): seed
+    004's Theorem 4.1 is proved for ReLU DAGs with max-pooling, and says nothing of them."""
+    return [node.name for node in graph.nodes if isinstance(node, (LeakyReLU, PReLU))]
+
