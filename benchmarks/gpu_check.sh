@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Check a machine with a CUDA GPU in one command (issue 17):
-#   1. the whole default test suite, where `--device auto` and the API's default pick the GPU
-#      and the CUDA-only tests run;
-#   2. the solver benchmark (Newton) and the end-to-end benchmark, on the GPU and on the CPU;
-#   3. one table of the figures, headed by the GPU's name;
-#   4. issue 20's memory bound on the GPU: peak GPU and host memory of a rescale of a 1.03 GiB
+#   1. the solver benchmark (Newton) and the end-to-end benchmark, on the GPU and on the CPU;
+#   2. issue 20's memory bound on the GPU: peak GPU and host memory of a rescale of a 1.03 GiB
 #      sharded MLP (benchmarks/bench_memory.py --device cuda), against 1.5 x + 1 GiB (GPU) and
-#      1.5 x + 2 GiB (host).
+#      1.5 x + 2 GiB (host);
+#   3. one table of those figures, headed by the GPU's name, printed before the suite starts;
+#   4. the whole default test suite, where `--device auto` and the API's default pick the GPU
+#      and the CUDA-only tests run, within SUITE_SECONDS (default 420), on pytest-xdist's
+#      workers when it is installed (WORKERS, default 8), each test's outcome streamed to the
+#      log as it ends, so that a suite cut by the time limit still names every failure so far.
+# Figures first, suite last: on 2026-11-26 the suite alone did not finish in 570 s on an H200
+# run serially, and a lease of 15 minutes left nothing for the table. LOG_DIR (default: a
+# temporary folder, removed) keeps suite.log and the benchmarks' JSON Lines.
 # It installs nothing but pathcond itself: torch (a CUDA build) and the test extra must be
 # there already. Usage: benchmarks/gpu_check.sh [MODEL ...]   (default: resnet50 mlp3)
 # MODELs are names both benchmarks know (resnet18, resnet50, cifar_nv, mlp1, mlp3, inception_v3);
@@ -20,12 +25,11 @@ python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
             'torch ' + torch.__version__ + ' sees no CUDA device: this script is for a GPU machine')" || exit 2
 
 if [ $# -gt 0 ]; then models=("$@"); else models=(resnet50 mlp3); fi
-scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
-
-python3 -m pytest -p no:cacheprovider --junitxml="$scratch/suite.xml" > "$scratch/suite.log" 2>&1
-suite_status=$?
-tail -n 30 "$scratch/suite.log"
+if [ -n "${LOG_DIR:-}" ]; then
+    scratch="$LOG_DIR"; mkdir -p "$scratch"
+else
+    scratch=$(mktemp -d); trap 'rm -rf "$scratch"' EXIT
+fi
 
 for device in cuda cpu; do
     python3 benchmarks/bench_solvers.py --models "${models[@]}" mnasnet --solvers newton --device "$device" \
@@ -39,26 +43,18 @@ done
 python3 benchmarks/bench_memory.py --inputs 8192 --width 8192 --depth 4 --outputs 1000 --shards 2 --device cuda \
     > "$scratch/memory.txt" 2>&1 || true
 
-python3 - "$scratch" "$suite_status" <<'PY'
-import json, sys, xml.etree.ElementTree as ET
+python3 - "$scratch" <<'PY'
+import json, sys
 from pathlib import Path
 
 import torch
 
-scratch, status = Path(sys.argv[1]), int(sys.argv[2])
+scratch = Path(sys.argv[1])
 def rows(name):
     path = scratch / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 print(f"\n## {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n")
-suite = ET.parse(scratch / "suite.xml").getroot() if (scratch / "suite.xml").exists() else None
-if suite is not None:
-    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    print(f"suite: exit {status}, {counts['tests']} tests, {counts['failures']} failed, "
-          f"{counts['errors']} errors, {counts['skipped']} skipped, {float(suite.get('time', 0)):.0f} s\n")
-else:
-    print(f"suite: exit {status}, no report\n")
 print("| model | device | Newton solve | passes | s / pass | diag(G) | whole run (wall) | in-process stages | peak RSS |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 end_to_end = {(r["model"], r["device"].split(":")[0]): r for r in rows("end_to_end.jsonl")}
@@ -73,5 +69,16 @@ for r in rows("solvers.jsonl"):
 memory = scratch / "memory.txt"
 print("\nissue 20's bound on the GPU (bench_memory.py --device cuda, 1.03 GiB MLP):\n")
 print(memory.read_text() if memory.exists() else "not run")
-sys.exit(status)
 PY
+
+workers=()
+if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${WORKERS:-8}"); fi
+timeout "${SUITE_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -v -rfE "${workers[@]}" > "$scratch/suite.log" 2>&1
+suite_status=$?
+echo
+echo "suite: exit $suite_status$([ "$suite_status" -eq 124 ] && echo " (cut at ${SUITE_SECONDS:-420} s)"), $(grep -cE ' PASSED' "$scratch/suite.log") passed, \
+$(grep -cE ' (FAILED|ERROR)' "$scratch/suite.log") failed or errors, $(grep -cE ' SKIPPED' "$scratch/suite.log") skipped"
+grep -E '(^|\] )(FAILED|ERROR) [^ ]+::|::[^ ]+ (FAILED|ERROR)' "$scratch/suite.log" \
+    | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //; s/ +\[ *[0-9]+%\]$//' | sort -u | head -n 60
+tail -n 5 "$scratch/suite.log"
+exit "$suite_status"
