@@ -184,14 +184,20 @@ def _absolute_difference(a: ScaledTensor, b: ScaledTensor) -> ScaledTensor:
 
 
 def _combine(terms: list) -> tuple[torch.Tensor, float]:
-    """Σ of (tensor, ln scale) terms (a bias term is ``(None, ScaledTensor)``, added per channel)."""
+    """Σ of (tensor, ln scale) terms (a bias term is ``(None, ScaledTensor)``, added per channel).
+
+    The sum takes the largest scale among the terms that are not all zero: a zero term's scale
+    means nothing, and letting it set the offset could flush the others to 0.
+    """
     dense = [(t, s) for t, s in terms if t is not None]
-    biases = [b for t, b in terms if t is None]
-    offset = max([s for _, s in dense] + [b.log_scale for b in biases if bool(b.value.any())])
-    y = sum(t * math.exp(s - offset) for t, s in dense)
+    biases = [b for t, b in terms if t is None and bool(b.value.any())]
+    live = [(t, s) for t, s in dense if bool(t.any())]
+    if not live and not biases:
+        return torch.zeros_like(dense[0][0]), 0.0
+    offset = max([s for _, s in live] + [b.log_scale for b in biases])
+    y = sum(t * math.exp(s - offset) for t, s in live) if live else torch.zeros_like(dense[0][0])
     for bias in biases:
-        if bool(bias.value.any()):
-            y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
+        y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
     return y, offset
 
 
