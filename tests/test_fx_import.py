@@ -384,7 +384,7 @@ class UnusedInPlace(nn.Module):
     def forward(self, x):
         y = self.fc(x)
         self.act(y)  # its result is unused, but it writes into y, which is read next
-        return y.relu_().neg() if False else y * 2
+        return y * 2
 
 
 def test_an_unused_operation_that_may_write_its_input_is_not_dropped():
