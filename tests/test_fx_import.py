@@ -427,3 +427,17 @@ def test_a_root_cause_is_listed_once_per_module_type():
     roots = info.value.problems[:len(info.value.problems) - len(info.value.follow_on)]
     assert roots == ["fx node 'abs_1' (method Tensor.abs): not supported (and the same in 2 more Odd module(s): "
                      "'b', 'c')"]
+
+
+def test_a_factory_whose_unused_branch_was_dropped_says_so_for_its_checkpoint(tmp_path):
+    """`--arch module:factory` with the module's state_dict: the dropped projection's tensors are
+    unused, which the error explains; --allow-unused carries them with the note as a warning."""
+    import safetensors.torch
+    from cli_support import assert_clean_exit, invoke
+
+    state = tmp_path / "dla.safetensors"
+    safetensors.torch.save_file(timm_like.randomized(timm_like.DlaLikeNet()).state_dict(), str(state))
+    arguments = ("rescale", state, "--arch", "timm_like:DlaLikeNet", "--input-shape", "3,8,8",
+                 "-o", tmp_path / "out.safetensors")
+    assert_clean_exit(invoke(*arguments), 3, "project.0.weight", "reaches no output were dropped", "--allow-unused")
+    assert_clean_exit(invoke(*arguments, "--allow-unused"), 0, "reaches no output were dropped")
