@@ -471,11 +471,11 @@ def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str, tol
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
     """Wrap an ``nn.Module`` (traced with torch.fx) as a :class:`LoadedModel`."""
-    from .formats.fx_import import graph_from_module
+    from .formats.fx_import import module_import
 
     source = name or type(module).__name__
-    graph, params = graph_from_module(module, tuple(input_shape), source=source)
-    return LoadedModel(graph, params, "module", source, payload=module, arch_source="module")
+    graph, params, notes = module_import(module, tuple(input_shape), source=source)
+    return LoadedModel(graph, params, "module", source, payload=module, warnings=notes, arch_source="module")
 
 
 def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **options) -> RescaleResult:

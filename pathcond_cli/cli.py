@@ -1066,6 +1066,7 @@ def spec_command(
     with _errors_to_exit_codes():
         from .destinations import check_destinations, written
         from .formats import files_read, load_model
+        from .formats.onnx_format import batchnorm_folded_tensors
         from .formats.spec import spec_from_graph, spec_text, spec_warnings
         from .report import print_warnings
 
@@ -1073,7 +1074,8 @@ def spec_command(
         destination, = check_destinations([written("-o", output)], files_read(source_path, arch), offers_in_place=False)
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.lower().endswith(".json"))
-        print_warnings([*loaded.warnings, *spec_warnings(loaded.graph, loaded.format, name)], stderr)
+        folded = batchnorm_folded_tensors(loaded.payload) if loaded.format == "onnx" else []
+        print_warnings([*loaded.warnings, *spec_warnings(loaded.graph, loaded.format, name, folded)], stderr)
         if destination is None:
             with _writing_stdout("the spec"):
                 sys.stdout.write(text)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pathcond_cli.api import module_model, rescale_module
 from pathcond_cli.errors import InputError, UnsupportedModelError
 from pathcond_cli.evaluate import forward
 from pathcond_cli.formats.fx_import import graph_from_module, load_factory
@@ -319,3 +322,122 @@ def test_cat_along_another_dim_is_refused():
 
     with pytest.raises(UnsupportedModelError, match="only concatenation along dim 1"):
         graph_from_module(Batched(), (2, 3, 3), source="cat")
+
+
+# -- modules written as timm writes them (issue 27.2) ------------------------------------------
+
+sys.path.insert(0, str(Path(__file__).parent))
+import timm_like  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(timm_like.TIMM_LIKE))
+def test_timm_like_modules_are_rescaled_and_verified(name):
+    module, shape = timm_like.TIMM_LIKE[name]()
+    module = module.double()
+    x = torch.randn(3, *shape, dtype=torch.float64)
+    expected = module(x)
+    graph, params = graph_from_module(module, shape, source=name)
+    got = forward(graph, params, x)[graph.outputs[0]]
+    assert (got - expected).abs().max() / expected.abs().max() <= 1e-9
+    before = {key: tensor.clone() for key, tensor in module.state_dict().items()}
+    result = rescale_module(module, shape)
+    assert result.verification.passed
+    assert any(not torch.equal(before[key], tensor) for key, tensor in module.state_dict().items())
+    assert torch.allclose(module(x), expected, rtol=1e-9, atol=1e-9)
+
+
+def test_batchnorm_act_reads_its_own_tensors_and_asserts_are_skipped():
+    module, shape = timm_like.TIMM_LIKE["timm_bn_act"]()
+    graph, _ = graph_from_module(module, shape, source="bnact")
+    norms = [node for node in graph.nodes if type(node).__name__ == "BatchNorm"]
+    assert [(n.weight, n.bias, n.running_mean, n.running_var) for n in norms] == [
+        (f"{bn}.weight", f"{bn}.bias", f"{bn}.running_mean", f"{bn}.running_var") for bn in ("bn1", "bn2")]
+    convs = [node for node in graph.nodes if type(node).__name__ == "Conv"]
+    assert convs[0].weight == "conv1.weight"  # StdConv2d's F.conv2d on its own weight
+    assert not any("assert" in node.name for node in graph.nodes)
+
+
+def test_a_persistent_filter_buffer_is_a_stored_weight_and_a_non_persistent_one_is_refused():
+    graph, params = graph_from_module(timm_like.BlurNet(persistent=True), (3, 8, 8), source="blur")
+    (blur,) = [node for node in graph.nodes if getattr(node, "weight", None) == "aa.filt"]
+    assert blur.groups == 4 and blur.stride == (2, 2) and "aa.filt" in params
+    with pytest.raises(UnsupportedModelError) as info:
+        graph_from_module(timm_like.BlurNet(persistent=False), (3, 8, 8), source="blur")
+    message = str(info.value)
+    assert "'aa.filt' is a buffer registered with persistent=False" in message
+    assert "ONNX export" in message and len(info.value.problems) == 1
+
+
+def test_operations_reaching_no_output_are_dropped_and_counted():
+    model = module_model(timm_like.randomized(timm_like.DlaLikeNet()), (3, 8, 8))
+    assert not any(node.name.startswith("project") for node in model.graph.nodes)
+    assert model.warnings == ["DlaLikeNet: 2 operation(s) whose result reaches no output were dropped, as the ONNX "
+                              "exporters drop them: 'project.0', 'project.1'"]
+
+
+class UnusedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.act(y)  # its result is unused, but it writes into y, which is read next
+        return y * 2
+
+
+def test_an_unused_operation_that_may_write_its_input_is_not_dropped():
+    with pytest.raises(UnsupportedModelError, match="act"):
+        graph_from_module(UnusedInPlace(), (4,), source="inplace")
+
+
+def test_a_forward_branching_on_its_input_shape_is_read_through_torch_export():
+    module = timm_like.ShapeBranchNet()
+    big, _ = graph_from_module(module, (3, 16, 16), source="branch")
+    small, _ = graph_from_module(module, (3, 8, 8), source="branch")
+    assert any(type(node).__name__ == "MaxPool" for node in big.nodes)
+    assert not any(type(node).__name__ == "MaxPool" for node in small.nodes)
+    assert big["conv"].weight == "conv.weight"
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.conv(x).abs()
+
+
+class ThreeOdd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 1)
+        self.a, self.b, self.c = Odd(), Odd(), Odd()
+
+    def forward(self, x):
+        x = self.stem(x)
+        return torch.cat([self.a(x), self.b(x), self.c(x)], 1)
+
+
+def test_a_root_cause_is_listed_once_per_module_type():
+    with pytest.raises(UnsupportedModelError) as info:
+        graph_from_module(ThreeOdd(), (3, 4, 4), source="odd")
+    roots = info.value.problems[:len(info.value.problems) - len(info.value.follow_on)]
+    assert roots == ["fx node 'abs_1' (method Tensor.abs): not supported (and the same in 2 more Odd module(s): "
+                     "'b', 'c')"]
+
+
+def test_a_factory_whose_unused_branch_was_dropped_says_so_for_its_checkpoint(tmp_path):
+    """`--arch module:factory` with the module's state_dict: the dropped projection's tensors are
+    unused, which the error explains; --allow-unused carries them with the note as a warning."""
+    import safetensors.torch
+    from cli_support import assert_clean_exit, invoke
+
+    state = tmp_path / "dla.safetensors"
+    safetensors.torch.save_file(timm_like.randomized(timm_like.DlaLikeNet()).state_dict(), str(state))
+    arguments = ("rescale", state, "--arch", "timm_like:DlaLikeNet", "--input-shape", "3,8,8",
+                 "-o", tmp_path / "out.safetensors")
+    assert_clean_exit(invoke(*arguments), 3, "project.0.weight", "reaches no output were dropped", "--allow-unused")
+    assert_clean_exit(invoke(*arguments, "--allow-unused"), 0, "reaches no output were dropped")

@@ -113,21 +113,27 @@ def test_spec_command_from_a_factory_gives_a_spec_for_the_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_spec_of_an_onnx_export_reads_a_safetensors_export_of_its_weights(tmp_path, exporter):
-    """The ONNX route against a safetensors file of the same weights and the spec `pathcond spec` wrote."""
+    """The ONNX route against a safetensors file of the same weights and the spec `pathcond spec` wrote.
+
+    torch.export's optimiser folds the BatchNorms into convs that keep their state_dict names:
+    no spec is written for its export (a state_dict would match it by name, not by meaning)."""
     torch.manual_seed(0)
     module = FAMILIES["resnet"].small().float().eval()
     onnx_path = tmp_path / "resnet.onnx"
     onnx_path.write_bytes(onnx_models.export(module, torch.randn(2, 3, 32, 32), exporter))
     spec_path = tmp_path / "resnet.json"
+    original = load_onnx(onnx_path)
+    if exporter == "dynamo":
+        assert_clean_exit(invoke("spec", onnx_path, "-o", spec_path), 3, "'conv1.weight'", "by name but not by meaning")
+        assert leftovers(tmp_path) == [] and not spec_path.exists()
+        names = {node.name for node in original.graph.nodes}
+        assert {"conv1", "layer1.0.conv1", "fc"} <= names, names
+        return
     assert_clean_exit(invoke("spec", onnx_path, "-o", spec_path), 0)
     assert leftovers(tmp_path) == []
-    original = load_onnx(onnx_path)
     checkpoint = _save_tensors(original, tmp_path / "resnet.safetensors")
     reloaded = load_model(checkpoint, arch=str(spec_path))
     _assert_same(_signature(original), _signature(reloaded))
-    if exporter == "dynamo":
-        names = {node.name for node in original.graph.nodes}
-        assert {"conv1", "layer1.0.conv1", "fc"} <= names, names
 
 
 def test_spec_of_a_dynamo_export_reads_the_modules_own_state_dict(tmp_path):
@@ -556,7 +562,7 @@ class _ConvBatchNorm(nn.Module):
         return self.fc(torch.relu(self.bn1(self.conv1(x))).flatten(1))
 
 
-@pytest.mark.parametrize(("exporter", "made_key"), [("torchscript", "onnx::Conv_"), ("dynamo", "conv1.weight_bias")])
+@pytest.mark.parametrize(("exporter", "made_key"), [("torchscript", "onnx::Conv_")])
 def test_spec_of_an_export_with_folded_batchnorm_warns_that_it_is_not_the_state_dicts(tmp_path, exporter, made_key):
     """The spec of such an export reads tensors the module's checkpoint lacks: `spec` says so,
     names them and the two ways to a spec of the checkpoint, before `rescale` refuses it."""
@@ -572,6 +578,30 @@ def test_spec_of_an_export_with_folded_batchnorm_warns_that_it_is_not_the_state_
     safetensors.torch.save_file({k: v.contiguous() for k, v in module.state_dict().items()
                                  if not k.endswith("num_batches_tracked")}, str(state))
     assert_clean_exit(invoke("rescale", state, "--arch", spec_path, "-q"), 3, made_key)
+
+
+class _BiasedConvBatchNorm(_ConvBatchNorm):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, bias=True)
+
+
+@pytest.mark.parametrize(("factory", "folded"), [
+    (_ConvBatchNorm, ("conv1.weight", "conv1.weight_bias")),
+    (_BiasedConvBatchNorm, ("conv1.weight", "conv1.bias")),  # both keep their names: no warning before
+])
+def test_spec_of_an_export_that_kept_state_dict_names_for_folded_tensors_is_refused(tmp_path, factory, folded):
+    """torch.export's optimiser folds BatchNorm into the conv and keeps ``conv1.weight`` (and a
+    conv's own ``conv1.bias``) for the folded values: a state_dict would match such a spec by
+    name but not by meaning, so `spec` writes none, names every folded tensor and the module route."""
+    torch.manual_seed(0)
+    module = factory().eval()
+    onnx_path = tmp_path / "net.onnx"
+    onnx_path.write_bytes(onnx_models.export(module, torch.randn(2, 3, 8, 8), "dynamo"))
+    spec_path = tmp_path / "net.yaml"
+    assert_clean_exit(invoke("spec", onnx_path, "-o", spec_path), 3, *folded, "by name but not by meaning",
+                      "--arch module:factory")
+    assert not spec_path.exists()
 
 
 def test_spec_of_an_export_of_the_state_dicts_tensors_does_not_warn(tmp_path):

@@ -16,12 +16,14 @@ import torch
 import onnx_models
 import ops_models
 from pathcond_cli.api import analyse, module_model, rescale
+from pathcond_cli.errors import UnsupportedModelError
 from pathcond_cli.formats.onnx_format import load_onnx
 from pathcond_cli.formats.spec import graph_from_spec, spec_from_graph
 from pathcond_cli.model import LoadedModel
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_models  # noqa: E402
+import timm_like  # noqa: E402
 
 ARCHITECTURES = {
     **{name: (lambda name=name: ops_models.build(name)) for name in ops_models.OPS_MODELS},
@@ -29,6 +31,11 @@ ARCHITECTURES = {
     "small_densenet": lambda: (reference_models.small_densenet(), (3, 16, 16)),
     "small_inception": lambda: (reference_models.small_inception(), (3, 16, 16)),
     "small_mnasnet": lambda: (reference_models.small_mnasnet(), (3, 32, 32)),
+    # Written as timm writes them (issue 27.2): each reads the same through fx (torch.export for
+    # the shape branch) as through both ONNX exporters. BatchNormAct2d's F.batch_norm is folded
+    # by the TorchScript exporter like a BatchNorm2d; BlurPool's persistent filter buffer is a
+    # stored conv weight on both routes; the unused projection is dropped on both.
+    **timm_like.TIMM_LIKE,
 }
 
 
@@ -81,3 +88,15 @@ def test_every_importer_gives_the_same_analysis(name, how):
     assert torch.allclose(other_log_g, log_g, rtol=0, atol=1e-5)
     assert other_paths == pytest.approx(paths, rel=1e-12)
     assert other_optimum == pytest.approx(optimum, rel=1e-6, abs=1e-6)
+
+
+def test_a_non_persistent_filter_buffer_is_read_from_onnx_and_refused_by_fx_with_the_onnx_route_named():
+    """timm registers BlurPool2d's filter with persistent=False. Its ONNX export stores the filter,
+    which the ONNX route rescales like any conv weight; the fx route refuses, since the module's
+    state_dict would not carry the rescaled filter, and its message names the ONNX route."""
+    module = timm_like.randomized(timm_like.BlurNet(persistent=False))
+    example = torch.randn((2, 3, 8, 8), generator=torch.Generator().manual_seed(0))
+    onnx_model = load_onnx(onnx_models.export(module, example, "dynamo"), name="blur.onnx")
+    assert analyse(onnx_model, device="cpu").groups.num_free > 0
+    with pytest.raises(UnsupportedModelError, match="persistent=False.*rescale the module's ONNX export"):
+        module_model(module, (3, 8, 8))

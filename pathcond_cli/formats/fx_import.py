@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError, UnsupportedModelError, UsageError
 from ..graph import Graph
+from .export_graph import exported_graph
 from .movement import UnsupportedMovement, movement_layer
 from . import shown
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
@@ -57,17 +58,28 @@ class _NotHomogeneous(_Unsupported):
 def graph_from_module(
     module: nn.Module, input_shape: Sequence[int], *, source: str
 ) -> tuple[Graph, dict[str, torch.Tensor]]:
-    """The module's ReLU DAG for batch-free ``input_shape`` and its ``state_dict`` tensors.
+    """The module's ReLU DAG for batch-free ``input_shape`` and its ``state_dict`` tensors
+    (:func:`module_import` without its notes)."""
+    graph, params, _ = module_import(module, input_shape, source=source)
+    return graph, params
+
+
+def module_import(
+    module: nn.Module, input_shape: Sequence[int], *, source: str
+) -> tuple[Graph, dict[str, torch.Tensor], list[str]]:
+    """The module's ReLU DAG for batch-free ``input_shape``, its ``state_dict`` tensors, and
+    notes for the user (operations dropped because their result reaches no output).
 
     The module is traced in eval mode (its mode is restored afterwards), since pathcond
     rescales the inference function, and run once on a zero input so that view, reshape,
     transpose, split and slicing chains are resolved on concrete shapes. The returned tensors
     share memory with the module.
     """
-    traced = _trace(module, source)
+    traced = _trace(module, tuple(input_shape), source)
     _check_one_input(traced, source)
     values, failure = _run_on_zeros(module, traced, tuple(input_shape))
-    spec, problems, follow_on = _spec_from_trace(traced, values)
+    state = module.state_dict()
+    spec, problems, follow_on, dropped = _spec_from_trace(traced, values, frozenset(state))
     if failure is not None and (problems or follow_on):
         reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]  # fx appends its own context
         raise UsageError(
@@ -80,7 +92,14 @@ def graph_from_module(
             f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on
         )
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
-    return graph, {key: tensor.detach() for key, tensor in module.state_dict().items()}
+    return graph, {key: tensor.detach() for key, tensor in state.items()}, _dropped_note(dropped, source)
+
+
+def _dropped_note(dropped: Sequence[str], source: str) -> list[str]:
+    if not dropped:
+        return []
+    return [f"{source}: {len(dropped)} operation(s) whose result reaches no output were dropped, as the ONNX "
+            f"exporters drop them: {shown(', '.join(repr(name) for name in dropped), 400)}"]
 
 
 def _check_one_input(traced: torch.fx.GraphModule, source: str) -> None:
@@ -109,12 +128,11 @@ def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
             values[node] = super().run_node(node)
             return values[node]
 
-    floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
-            Recorder(traced).run(torch.zeros((1, *input_shape), dtype=floats[0] if floats else torch.float32))
+            Recorder(traced).run(torch.zeros((1, *input_shape), dtype=_input_dtype(module)))
     except Exception as exc:  # noqa: BLE001 - user code; the nodes it did not reach are reported where used
         failure = exc
     finally:
@@ -195,35 +213,59 @@ def _raised(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _trace(module: nn.Module, source: str) -> torch.fx.GraphModule:
+def _trace(module: nn.Module, input_shape: tuple[int, ...], source: str) -> torch.fx.GraphModule:
+    """The module's graph from torch.fx; where fx cannot trace it (a forward that branches on
+    its input's shape), from torch.export, which takes the branches the given shape takes."""
     was_training = module.training
     module.eval()  # training-only branches and dropout flags are resolved for inference
     try:
         return torch.fx.symbolic_trace(module)
     except Exception as exc:  # fx reports untraceable code with many exception types
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnsupportedModelError(
-            f"{source}: torch.fx cannot trace the module ({type(exc).__name__}: {reason}); pathcond needs a "
-            "forward without data-dependent control flow"
-        ) from None
+        fx_failure = exc
     finally:
         module.train(was_training)
+    try:
+        return exported_graph(module, torch.zeros((1, *input_shape), dtype=_input_dtype(module)))
+    except Exception as exc:  # noqa: BLE001 - torch.export runs user code and raises many types
+        raise UnsupportedModelError(
+            f"{source}: torch.fx cannot trace the module ({_first_line(fx_failure)}), and torch.export, which "
+            f"takes the branches of the input shape {tuple(input_shape)}, cannot export it either "
+            f"({_first_line(exc)}); pathcond needs a forward without data-dependent control flow. If "
+            "torch.onnx.export can export it, pathcond may read the .onnx file"
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {shown(lines[0], 300)}" if lines else type(exc).__name__
+
+
+def _input_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of the zero input a module is run on: its first floating-point parameter's."""
+    floats = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    return floats[0] if floats else torch.float32
 
 
 def _spec_from_trace(
-    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any]
-) -> tuple[dict[str, Any], list[str], list[str]]:
-    """The architecture spec of a traced module, every reason it is not a ReLU DAG, and the
-    problems of nodes that read (directly or not) the output of a node already refused."""
+    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]
+) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+    """The architecture spec of a traced module, every reason it is not a ReLU DAG (each
+    root cause once per module type), the problems of nodes that read (directly or not) the
+    output of a node already refused, and the names of the operations dropped because their
+    result reaches no output. ``state_keys`` are the module's ``state_dict`` keys: the stored
+    tensors a layer may read through ``get_attr``."""
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
     moves = _Movements(values, names)
     offenders: list[tuple[str, str]] = []
+    refused: list[tuple[torch.fx.Node, str]] = []
     follow_on: list[str] = []
     after_refusal: set[torch.fx.Node] = set()
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
+    dead = _reaching_no_output(traced.graph, modules)
+    dropped: list[str] = []
     for node in traced.graph.nodes:
         follows_refusal = any(arg in after_refusal for arg in node.all_input_nodes)
         if follows_refusal:
@@ -232,15 +274,18 @@ def _spec_from_trace(
             outputs, output_problems = _outputs(node, names, moves, layers)
             problems += output_problems
             continue
-        if _is_shape_query(node) or isinstance(values.get(node), (int, float, torch.Size)):
-            continue  # size arithmetic for view/reshape, checked where it is consumed
-        if node.op == "get_attr" and node.users and all(_is_product(u) or _is_sum(u) for u in node.users):
-            continue  # a per-channel scale or shift, translated with its product or sum
+        if _is_shape_check(node) or _is_shape_query(node) or isinstance(values.get(node), (int, float, torch.Size)):
+            continue  # size arithmetic for view/reshape and asserts on it: checked where consumed, or no value
+        if node.op == "get_attr":
+            continue  # a stored tensor, read by the layer that uses it (refused there if used otherwise)
+        if node in dead:
+            dropped.append(names[node])
+            continue
         try:
             if _is_movement(node):
                 moves.record(node)
                 continue
-            steps = _translate(node, modules, traced, values)
+            steps = _translate(node, modules, traced, values, state_keys)
             for index, layer in enumerate(steps):
                 name = names[node] if index == len(steps) - 1 else f"{names[node]}/{layer['type']}"
                 inputs = ([layers[-1]["name"]] if index else
@@ -252,16 +297,91 @@ def _spec_from_trace(
             moves.offenders.add(node)
             after_refusal.add(node)
         except _Unsupported as exc:
-            (follow_on if follows_refusal else problems).append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
+            if follows_refusal:
+                follow_on.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
+            else:
+                refused.append((node, str(exc)))
             after_refusal.add(node)
     problems[:0] = grouped(offenders)
     for node in moves.unresolved():
         try:
             moves.layer_input(node, layers)
         except _Unsupported as exc:
-            (follow_on if node in after_refusal else problems).append(
-                f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
-    return {"layers": layers, "outputs": outputs}, problems, follow_on
+            if node in after_refusal:
+                follow_on.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
+            else:
+                refused.append((node, str(exc)))
+    problems += _once_per_module_type(refused, modules)
+    return {"layers": layers, "outputs": outputs}, problems, follow_on, dropped
+
+
+def _reaching_no_output(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> set[torch.fx.Node]:
+    """The operations whose result reaches no output (DLA's unused ``project`` branches): the
+    ONNX exporters drop them, and so does the import. An operation that may write into its
+    input (``relu_``, ``inplace=True``, ``+=``) is kept, and refused where the graph is built,
+    since what it writes may be read later."""
+    live: set[torch.fx.Node] = set()
+    stack = [node for node in graph.nodes if node.op == "output"]
+    while stack:
+        node = stack.pop()
+        if node not in live:
+            live.add(node)
+            stack.extend(node.all_input_nodes)
+    return {node for node in graph.nodes if node not in live and node.op.startswith("call_")
+            and not _is_shape_check(node) and not _may_write_its_input(node, modules)}
+
+
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
+
+
+def _may_write_its_input(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        return bool(getattr(modules[node.target], "inplace", False))
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    in_place_name = isinstance(name, str) and name.endswith("_") and not name.endswith("__")
+    return in_place_name or node.target in _IN_PLACE_OPERATORS or bool(node.kwargs.get("inplace"))
+
+
+def _is_shape_check(node: torch.fx.Node) -> bool:
+    """``torch._assert(...)`` (timm asserts on shapes): it computes no value, and the module
+    ran on the traced input shape without raising."""
+    return node.op == "call_function" and node.target in (torch._assert, torch._assert_async)
+
+
+def _once_per_module_type(refused: Sequence[tuple[torch.fx.Node, str]], modules: Mapping[str, nn.Module]) -> list[str]:
+    """One line per root cause: the same operation refused for the same reason inside every
+    instance of one module type (each of densenet121's BatchNorms) is listed once, with the
+    instances it occurs in."""
+    by_cause: dict[tuple[Any, ...], list[tuple[torch.fx.Node, str, str | None]]] = {}
+    for node, reason in refused:
+        owner = _owner(node)
+        if owner is None:
+            cause: tuple[Any, ...] = (node,)
+        else:
+            path, owner_type = owner
+            cause = (owner_type, _operation(node, modules), reason.replace(f"'{path}.", "'<module>."))
+        by_cause.setdefault(cause, []).append((node, reason, owner[0] if owner else None))
+    lines = []
+    for cause, occurrences in by_cause.items():
+        node, reason, _ = occurrences[0]
+        line = f"fx node '{node.name}' ({_describe(node, modules)}): {reason}"
+        if len(occurrences) > 1:
+            paths = ", ".join(f"'{path}'" for _, _, path in occurrences[1:])
+            line += (f" (and the same in {len(occurrences) - 1} more {cause[0]} module(s): "
+                     f"{shown(paths, 300)})")
+        lines.append(line)
+    return lines
+
+
+def _owner(node: torch.fx.Node) -> tuple[str, str] | None:
+    """The path and type of the innermost module whose code made ``node`` (fx records the
+    module stack while tracing), or None for the top-level forward."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return None
+    path, owner_type = list(stack.values())[-1]
+    # fx records the class, torch.export its qualified name.
+    return path, owner_type.__name__ if isinstance(owner_type, type) else str(owner_type).rpartition(".")[2]
 
 
 class _Movements:
@@ -340,7 +460,8 @@ class _Movements:
 
 
 def _layer_names(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
-    """Layer name of every fx node: the module path on a module's first call, else the fx name.
+    """Layer name of every fx node: the module path on a module's first call (or of the first weight a
+    functional layer reads), else the fx name.
 
     fx names are unique, and a module path is only taken while it is still free, so the
     names never clash.
@@ -348,10 +469,18 @@ def _layer_names(graph: torch.fx.Graph) -> dict[torch.fx.Node, str]:
     names: dict[torch.fx.Node, str] = {}
     taken: set[str] = set()
     for node in graph.nodes:
-        preferred = node.target if node.op == "call_module" else node.name
+        preferred = node.target if node.op == "call_module" else _owner_of_stored(node) or node.name
         names[node] = preferred if preferred not in taken else node.name
         taken.add(names[node])
     return names
+
+
+def _owner_of_stored(node: torch.fx.Node) -> str | None:
+    """The module path of the weight a functional layer reads (``conv1`` for ``F.conv2d(x,
+    self.conv1.weight)``, and every layer torch.export records): its name as a module's."""
+    stored = [arg.target for arg in node.all_input_nodes if arg.op == "get_attr"]
+    owner = stored[0].rpartition(".")[0] if node.op == "call_function" and stored else ""
+    return owner or None
 
 
 def _reused_modules(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> list[str]:
@@ -394,7 +523,7 @@ def _tensor(arg: Any) -> torch.fx.Node:
 
 
 def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.Module,
-               values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+               values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]) -> list[dict[str, Any]]:
     """The spec layers (without names; ``inputs`` of the first as fx nodes) for one fx node."""
     if node.op == "placeholder":
         return [{"type": "input", "inputs": []}]
@@ -412,21 +541,36 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         translate_call = _CALLS.get(node.target)
         if translate_call is not None:
             return translate_call(node, values)
+        translate_reader = _STORED_READERS.get(node.target)
+        if translate_reader is not None:
+            kwargs = _keyword_arguments(node, root)
+            stored = _StoredTensors(values, state_keys)
+            return [{**translate_reader(kwargs, stored), "inputs": [kwargs["input"]]}]
         translate_function = _FUNCTIONS.get(node.target)
         if translate_function is None:
-            raise _Unsupported(_not_supported(getattr(node.target, "__name__", "")))
+            raise _Unsupported(_not_supported(getattr(node.target, "__name__", "")) + _stored_reads(node))
         return [translate_function(_keyword_arguments(node, root), node, values)]
     if node.op == "call_method":
         translate_method = _METHODS.get(node.target)
         if translate_method is None:
-            raise _Unsupported(_not_supported(node.target))
+            raise _Unsupported(_not_supported(node.target) + _stored_reads(node))
         return translate_method(node, values)
-    raise _Unsupported("a parameter or constant used outside its module is not supported (except as a per-channel "
-                       "scale and shift, x * scale + shift)")
+    raise _Unsupported(f"fx operation '{node.op}' is not supported")
+
+
+def _stored_reads(node: torch.fx.Node) -> str:
+    """Why an unsupported operation on a stored tensor is refused, where it reads one."""
+    keys = [f"'{arg.target}'" for arg in node.all_input_nodes if arg.op == "get_attr"]
+    if not keys:
+        return ""
+    return (f" (it reads the stored tensor {', '.join(keys)}: a parameter or constant used outside its module is "
+            "supported only as the weight of F.conv1d/2d/3d, F.linear and F.batch_norm, or as a per-channel "
+            "scale and shift, x * scale + shift)")
 
 
 def _not_supported(name: str) -> str:
-    if name.lower().rstrip("_") in NOT_HOMOGENEOUS_TYPES:
+    # An ATen operation left by torch.export is named with its overload (``gelu.default``).
+    if name.partition(".")[0].lower().rstrip("_") in NOT_HOMOGENEOUS_TYPES:
         raise _NotHomogeneous()
     return "not supported"
 
@@ -481,25 +625,83 @@ def _linear(module: nn.Linear, target: str) -> dict[str, Any]:
 def _conv(module: nn.Conv1d | nn.Conv2d, target: str) -> list[dict[str, Any]]:
     """A convolution; with a ``padding_mode`` other than zeros, the pad torch applies first
     (``F.pad(x, module._reversed_padding_repeated_twice, mode)``) and the conv without padding."""
-    conv = {
-        "type": "conv", "weight": f"{target}.weight", "bias": _bias_key(module, target),
-        "stride": module.stride, "dilation": module.dilation, "groups": module.groups,
-    }
+    conv = _conv_layer(f"{target}.weight", _bias_key(module, target), module.stride, module.dilation, module.groups)
     if module.padding_mode == "zeros":
-        return [{**conv, "padding": _conv_padding(module)}]
+        return [{**conv, "padding": _conv_padding(module.padding, module.dilation, module.kernel_size)}]
     pad = _pad({"pad": module._reversed_padding_repeated_twice, "mode": module.padding_mode}, module.weight.dim())
     return [pad, {**conv, "padding": 0}]
 
 
-def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> int | tuple[int, ...]:
-    if module.padding == "valid":
+def _conv_layer(weight: str, bias: str | None, stride: Any, dilation: Any, groups: int) -> dict[str, Any]:
+    return {"type": "conv", "weight": weight, "bias": bias, "stride": stride, "dilation": dilation, "groups": groups}
+
+
+def _conv_padding(padding: Any, dilation: Any, kernel_size: Sequence[int]) -> int | tuple[int, ...]:
+    if padding == "valid":
         return 0
-    if module.padding == "same":
-        totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+    if padding == "same":
+        dilation = [dilation] * len(kernel_size) if isinstance(dilation, int) else dilation
+        totals = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
         if any(total % 2 for total in totals):
             raise _Unsupported("padding='same' with an even receptive field pads asymmetrically")
         return tuple(total // 2 for total in totals)
-    return module.padding
+    return padding
+
+
+class _StoredTensors:
+    """The ``state_dict`` keys of the tensors a functional layer reads through ``get_attr``
+    (timm's BatchNormAct2d calls ``F.batch_norm`` on its own parameters and buffers)."""
+
+    def __init__(self, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]):
+        self.values = values
+        self.state_keys = state_keys
+
+    def key(self, arg: Any, role: str) -> str:
+        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
+            raise _Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
+                               "tensors are layer parameters")
+        if arg.target not in self.state_keys:
+            # The ONNX route rescales a stored conv filter like any weight; here the rescaled
+            # tensor must go back into the state_dict, or a saved checkpoint would reload the old one.
+            raise _Unsupported(
+                f"its {role} '{arg.target}' is a buffer registered with persistent=False, so the module's "
+                "state_dict does not hold it: pathcond rescales it as a weight (as it rescales that tensor in the "
+                "module's ONNX export, where it is stored), and a state_dict saved afterwards would reload the "
+                "original tensor and compute another function. Register it with persistent=True, or rescale the "
+                "module's ONNX export")
+        return arg.target
+
+    def optional_key(self, arg: Any, role: str) -> str | None:
+        return None if arg is None else self.key(arg, role)
+
+    def shape(self, arg: torch.fx.Node) -> tuple[int, ...]:
+        return tuple(self.values[arg].shape)
+
+
+def _conv_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
+    """``F.conv1d/2d/3d`` on a stored weight (a parameter, or a buffer such as BlurPool's filter)."""
+    weight = stored.key(kwargs["weight"], "weight")
+    conv = _conv_layer(weight, stored.optional_key(kwargs.get("bias"), "bias"), kwargs.get("stride", 1),
+                       kwargs.get("dilation", 1), kwargs.get("groups", 1))
+    padding = _conv_padding(kwargs.get("padding", 0), conv["dilation"], stored.shape(kwargs["weight"])[2:])
+    return {**conv, "padding": padding}
+
+
+def _linear_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
+    return {"type": "linear", "weight": stored.key(kwargs["weight"], "weight"),
+            "bias": stored.optional_key(kwargs.get("bias"), "bias")}
+
+
+def _batch_norm_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
+    """``F.batch_norm`` on stored statistics and affine terms, in eval mode (timm's BatchNormAct2d)."""
+    if kwargs.get("training"):
+        raise _Unsupported("training=True normalises with batch statistics even in eval mode")
+    if kwargs.get("weight") is None or kwargs.get("bias") is None:
+        raise _Unsupported("without weight and bias (affine=False) there is nothing to rescale; not supported")
+    return _batchnorm_layer(
+        *(stored.key(kwargs.get(role), role) for role in ("weight", "bias", "running_mean", "running_var")),
+        eps=kwargs.get("eps", 1e-5), momentum=kwargs.get("momentum", 0.1),
+    )
 
 
 def _conv_transpose(module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, target: str) -> dict[str, Any]:
@@ -542,13 +744,17 @@ def _batchnorm(module: nn.BatchNorm1d | nn.BatchNorm2d, target: str) -> dict[str
         raise _Unsupported("affine=False (no weight and bias to rescale) is not supported")
     if module.running_mean is None:
         raise _Unsupported("track_running_stats=False normalises with batch statistics even in eval mode")
-    layer = {
-        "type": "batchnorm", "weight": f"{target}.weight", "bias": f"{target}.bias",
-        "running_mean": f"{target}.running_mean", "running_var": f"{target}.running_var", "eps": module.eps,
-    }
+    keys = (f"{target}.{role}" for role in ("weight", "bias", "running_mean", "running_var"))
+    return _batchnorm_layer(*keys, eps=module.eps, momentum=module.momentum)
+
+
+def _batchnorm_layer(weight: str, bias: str, running_mean: str, running_var: str, *, eps: float,
+                     momentum: float | None) -> dict[str, Any]:
+    layer = {"type": "batchnorm", "weight": weight, "bias": bias, "running_mean": running_mean,
+             "running_var": running_var, "eps": eps}
     # momentum=None (cumulative average) only affects training; the spec default stands in.
-    if module.momentum is not None:
-        layer["momentum"] = module.momentum
+    if momentum is not None:
+        layer["momentum"] = momentum
     return layer
 
 
@@ -613,6 +819,10 @@ _BUILTIN_SIGNATURES = {
     for function, parameters in (
         (torch.relu, (("input", {}),)),
         (torch.relu_, (("input", {}),)),
+        (F.linear, (("input", {}), ("weight", {}), ("bias", {"default": None}))),
+        *((conv, (("input", {}), ("weight", {}), ("bias", {"default": None}), ("stride", {"default": 1}),
+                  ("padding", {"default": 0}), ("dilation", {"default": 1}), ("groups", {"default": 1})))
+          for conv in (torch.conv1d, torch.conv2d, torch.conv3d)),
     )
 }
 
@@ -897,6 +1107,14 @@ _FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
     F.pad: _pad_function,
     F.interpolate: _interpolate_function,
     F.upsample: _interpolate_function,
+}
+
+# Functions whose weights are stored tensors read through get_attr (a module that calls the
+# functional form on its own parameters, as timm's BatchNormAct2d and StdConv2d do).
+_STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTensors], dict[str, Any]]] = {
+    F.batch_norm: _batch_norm_function,
+    F.linear: _linear_function,
+    **dict.fromkeys((torch.conv1d, torch.conv2d, torch.conv3d), _conv_function),
 }
 
 # Functions read from their raw arguments: overloaded (torch.add's and torch.cat's schemas are

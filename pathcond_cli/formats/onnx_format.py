@@ -131,6 +131,26 @@ def load_onnx(
                        arch_source="onnx graph", warnings=translation.notes)
 
 
+# The metadata onnxscript's rewriter puts on a node it made by a rewrite rule, and the rules that
+# fold a BatchNorm into the Conv or Gemm before it (torch.onnx.export(dynamo=True) runs them).
+_REWRITE_RULE_KEY = "pkg.onnxscript.rewriter.rule_name"
+_BATCHNORM_FOLDS = ("FuseBatchNormIntoConv", "FuseBatchNormIntoConvTranspose", "FuseBatchNormIntoGemm")
+
+
+def batchnorm_folded_tensors(model: onnx.ModelProto) -> list[str]:
+    """The stored inputs (weight, bias) of every node that onnxscript's rewriter made by folding a
+    BatchNorm into it: their values are the folded ones, whatever their names (torch.export's
+    optimiser keeps ``conv1.weight`` for the folded weight and names a new bias ``conv1.weight_bias``)."""
+    folded = []
+    for node in model.graph.node:
+        # A node rewritten by several rules lists them all: "FuseBatchNormIntoConv, RemoveOptionalBias".
+        rules = [rule.strip() for entry in node.metadata_props if entry.key == _REWRITE_RULE_KEY
+                 for rule in entry.value.split(",")]
+        if any(rule in _BATCHNORM_FOLDS for rule in rules):
+            folded += [value for value in node.input[1:] if value]
+    return list(dict.fromkeys(folded))
+
+
 def _parse(source: str | Path | bytes, label: str) -> tuple[onnx.ModelProto, list[Path], bytes | None]:
     """The model with its external data loaded, the external data files it was read from, and
     the binary protobuf it was parsed from when that is the whole model (None when it was text

@@ -32,7 +32,7 @@ from ..fileio import atomic_write, describe, file_state, is_companion_name
 from ..graph import Graph
 from ..model import LoadedModel
 from . import InputShape, check_weight_types, contained_file, named_by_another_file, parse_json, shapes_by_input, shown
-from .fx_import import graph_from_module, load_factory
+from .fx_import import load_factory, module_import
 from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
 
 SPEC_METADATA_KEY = "pathcond.spec"
@@ -94,16 +94,20 @@ def load_safetensors(
     else:
         params, payload = _read_file(path, display)
         files = [path]
-    graph, arch_source, spec_file = _architecture(arch, path, payload.metadata, input_shape, display)
+    graph, arch_source, spec_file, notes = _architecture(arch, path, payload.metadata, input_shape, display)
     if spec_file is not None:
         files.append(spec_file)
     check_weight_types(graph, params, display)
     _check_parameters(graph, params, display)
     unused = _unused_tensors(graph, params, display)
     if unused and not allow_unused:
+        # A factory's operations whose result reaches no output were dropped: their tensors are unused.
+        dropped = "".join(f"\n{note}. Their tensors are unused; --allow-unused carries them through unchanged."
+                          for note in notes)
         raise InputError(unused + "\nA spec that leaves tensors unused describes another network than the checkpoint: "
-                         "add the missing layers, or pass --allow-unused to carry these tensors through unchanged.")
-    return LoadedModel(graph, params, "safetensors", display, payload, [unused] if unused else [], files,
+                         "add the missing layers, or pass --allow-unused to carry these tensors through unchanged."
+                         + dropped)
+    return LoadedModel(graph, params, "safetensors", display, payload, [*notes, *([unused] if unused else [])], files,
                        arch_source=arch_source)
 
 
@@ -380,31 +384,32 @@ def _index_entries(path: Path, display: str) -> tuple[dict[str, str], dict[str, 
 
 def _architecture(
     arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: InputShape | None, display: str
-) -> tuple[Graph, str, Path | None]:
-    """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``) and the spec
-    file it was read from (None when embedded or a factory)."""
+) -> tuple[Graph, str, Path | None, list[str]]:
+    """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``), the spec
+    file it was read from (None when embedded or a factory) and a factory's import notes."""
     if arch is not None:
-        graph = _graph_from_arch(arch, input_shape)
-        return graph, f"--arch {arch}", Path(arch) if arch.lower().endswith(SPEC_SUFFIXES) else None
+        graph, notes = _graph_from_arch(arch, input_shape)
+        return graph, f"--arch {arch}", Path(arch) if arch.lower().endswith(SPEC_SUFFIXES) else None, notes
     embedded = metadata.get(SPEC_METADATA_KEY)
     if embedded is not None:
         source = f"{display} (metadata '{SPEC_METADATA_KEY}')"
         if not isinstance(embedded, str):
             raise InputError(f"{source}: expected the spec as a JSON string")
         graph = graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape)
-        return graph, "metadata", None
+        return graph, "metadata", None, []
     candidates = sidecar_candidates(path) if path is not None else []
     for candidate in candidates:
         if candidate.is_file():
             candidate = contained_file(candidate.parent, candidate.name, display, "the sidecar spec")
             graph = graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
-            return graph, f"sidecar {candidate}", candidate
+            return graph, f"sidecar {candidate}", candidate, []
     raise InputError(_no_architecture_message(display, candidates))
 
 
-def _graph_from_arch(arch: str, input_shape: InputShape | None) -> Graph:
+def _graph_from_arch(arch: str, input_shape: InputShape | None) -> tuple[Graph, list[str]]:
+    """The graph of a spec file or a factory, and the factory's import notes."""
     if arch.lower().endswith(SPEC_SUFFIXES):
-        return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape)
+        return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape), []
     if ":" in arch:
         return _graph_from_factory(arch, input_shape)
     raise InputError(
@@ -412,7 +417,7 @@ def _graph_from_arch(arch: str, input_shape: InputShape | None) -> Graph:
     )
 
 
-def _graph_from_factory(arch: str, input_shape: InputShape | None) -> Graph:
+def _graph_from_factory(arch: str, input_shape: InputShape | None) -> tuple[Graph, list[str]]:
     """The traced graph of the module ``arch`` returns; ``input_shape`` may name the module's one input
     (the module is traced with the first shape named: one whose forward takes several is refused
     before it runs, and a name that is not its input afterwards)."""
@@ -423,9 +428,9 @@ def _graph_from_factory(arch: str, input_shape: InputShape | None) -> Graph:
             "(--input-shape, e.g. 3,32,32)"
         )
     shape = next(iter(named.values())) if named else input_shape
-    graph, _ = graph_from_module(load_factory(arch), shape, source=arch)
+    graph, _, notes = module_import(load_factory(arch), shape, source=arch)
     shapes_by_input(named or None, [node.name for node in graph.inputs], f"--arch '{arch}'")
-    return graph
+    return graph, notes
 
 
 def _no_architecture_message(display: str, candidates: list[Path]) -> str:

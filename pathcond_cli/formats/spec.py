@@ -136,10 +136,6 @@ def spec_from_graph(graph: Graph) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "layers": layers, "outputs": list(graph.outputs)}
 
 
-# Shown of the keys an exporter made up, in the warning of a spec read from its ONNX file.
-SHOWN_MADE_KEYS = 3
-
-
 def exporter_made_keys(graph: Graph) -> list[str]:
     """Tensor keys of ``graph`` that an ONNX exporter gave tensors it computed, which no
     module's state_dict has: TorchScript's constant folding names them ``onnx::Conv_114``;
@@ -149,15 +145,34 @@ def exporter_made_keys(graph: Graph) -> list[str]:
     return list(dict.fromkeys(key for key in keys if "::" in key or key.endswith(".weight_bias")))
 
 
-def spec_warnings(graph: Graph, model_format: str, source: str) -> list[str]:
+def spec_warnings(graph: Graph, model_format: str, source: str, folded: Sequence[str] = ()) -> list[str]:
     """What the user of the spec of ``graph`` must know: that a spec read from an ONNX export
-    whose exporter folded constants describes the folded network, not the module's checkpoint."""
-    made = exporter_made_keys(graph) if model_format == "onnx" else []
+    whose exporter folded constants describes the folded network, not the module's checkpoint.
+
+    ``folded`` are the tensors an exporter folded a BatchNorm into (see
+    ``onnx_format.batchnorm_folded_tensors``). One that kept its state_dict name would let a
+    checkpoint saved from the module match the spec by name but not by meaning: such a spec is
+    refused (:class:`InputError`), naming every folded tensor.
+    """
+    if model_format != "onnx":
+        return []
+    keys = {key for node in graph.nodes for key in node.parameter_keys().values()}
+    made = exporter_made_keys(graph)
+    renamed = set(made)
+    folded_all = list(dict.fromkeys([*made, *(key for key in folded if key in keys)]))
+    kept_names = [key for key in folded_all if key not in renamed]
+    listed = ", ".join(f"'{key}'" for key in folded_all)
+    if kept_names:
+        raise InputError(
+            f"{source}: the exporter folded BatchNorm into the layer before it and kept the state_dict names of "
+            f"{len(kept_names)} folded tensor(s) ({', '.join(f'{key!r}' for key in kept_names)}): a checkpoint "
+            "saved from the module would match this spec by name but not by meaning, so no spec is written. "
+            f"The {len(folded_all)} tensor(s) whose values are the folded ones: {listed}. Get the spec from the "
+            "module (pathcond spec CHECKPOINT --arch module:factory --input-shape ...), or from an export that "
+            "keeps BatchNorm (torch.onnx.export(..., dynamo=False, do_constant_folding=False)).")
     if not made:
         return []
-    listed = ", ".join(f"'{key}'" for key in made[:SHOWN_MADE_KEYS])
-    more = f" and {len(made) - SHOWN_MADE_KEYS} more" if len(made) > SHOWN_MADE_KEYS else ""
-    return [f"{source}: the spec reads {len(made)} tensor(s) that the exporter computed ({listed}{more}), which "
+    return [f"{source}: the spec reads {len(made)} tensor(s) that the exporter computed ({listed}), which "
             "the module's state_dict does not have: the exporter folded constants, such as a BatchNorm into the "
             "conv before it, so a checkpoint saved from the module does not match this spec. Get its spec from "
             "the module (pathcond spec CHECKPOINT --arch module:factory --input-shape ...) or from an export "
