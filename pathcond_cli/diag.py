@@ -27,7 +27,7 @@ import torch
 
 from .graph import Graph, Input, Node, Scale
 from .groups import DagParam, RescalingGroups, blocks
-from .rules import LinearRule, per_channel, rule_for
+from .rules import LinearRule, per_channel, rule_for, vjp
 
 EXACT_LIMIT = 2**53
 
@@ -233,23 +233,13 @@ def unit_gain(node: Node) -> tuple[Node, float]:
     return node, 0.0
 
 
-def _vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Vector–Jacobian product of a (multi)linear op at ``inputs``: local autograd, one node.
-
-    The product is taken as the gradient of the scalar ⟨output, cotangent⟩ (the same numbers):
-    an explicit ``grad_outputs`` tensor makes torch import sympy on first use, 0.3–0.8 s.
-    """
-    leaves = [t.detach().requires_grad_(True) for t in inputs]
-    with torch.enable_grad():
-        output = function(*leaves)
-        return torch.autograd.grad((output * cotangent).sum(), leaves, allow_unused=True)
-
-
 def log_gradients(
     graph: Graph, layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *,
-    power: float = 2
+    power: float = 2, times_value: bool = False
 ) -> dict[str, tuple[LogG, torch.Tensor | None]]:
-    """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets.
+    """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets;
+    with ``times_value``, log ψ·∂L/∂ψ instead (each parameter's share of L: for power 1, its
+    path-magnitude score), from the ψ the sweep builds anyway, as a tensor.
 
     Each node's vector–Jacobian product is taken locally on normalised values, and the scale
     of the cotangent is carried as a log offset, so gradients far below (or above) the rest
@@ -280,25 +270,33 @@ def log_gradients(
             log_weight: LogG
             if isinstance(rule, LinearRule) and x.numel() == weight.value.shape[1]:
                 # One input vector: ∂L/∂ψ = δ xᵀ, kept as its two factors, never built.
-                (grad_x,) = _vjp(lambda a: rule.weighted(node, a, weight.value), [x], cotangent)
+                grad_x, _ = rule.weighted_vjp(node, x, weight.value, cotangent, weight_grad=False)
                 log_weight = OuterLog(torch.log(cotangent.reshape(-1)) + sigma,
                                       torch.log(x.reshape(-1)) + forward.offsets[source])
             else:
-                grad_x, grad_w = _vjp(lambda a, w: rule.weighted(node, a, w), [x, weight.value], cotangent)
+                grad_x, grad_w = rule.weighted_vjp(node, x, weight.value, cotangent)
                 log_weight = torch.log_(grad_w).add_(sigma + forward.offsets[source])
             send(source, grad_x, sigma + weight.log_scale)
             log_bias = None
             if bias is not None:
                 log_bias = torch.log(cotangent.sum(dim=[0, *range(2, cotangent.dim())]).clamp_min(0)) + sigma
+            if times_value:
+                log_weight = _times(dense(log_weight).reshape(weight.value.shape), weight)
+                log_bias = None if bias is None else _times(log_bias, bias)
             result[node.name] = (log_weight, log_bias)
             del weight, bias
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
             unit, log_gain = unit_gain(node)
-            grads = _vjp(lambda *xs: rule.squared(unit, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
+            grads = vjp(lambda *xs: rule.squared(unit, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
             for source, grad in zip(node.inputs, grads):
                 send(source, grad, sigma + power * log_gain)
     return result
+
+
+def _times(log_gradient: torch.Tensor, value: ScaledTensor) -> torch.Tensor:
+    """log(ψ · ∂L/∂ψ) from log ∂L/∂ψ and ψ (non-negative, as ``mantissa · e^scale``)."""
+    return log_gradient.add_(torch.log(value.value.reshape(log_gradient.shape))).add_(value.log_scale)
 
 
 class _Expanded(Sequence[torch.Tensor]):
@@ -441,12 +439,13 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext
     return DiagG(log_g)
 
 
-def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power: float, device):
+def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power: float, device, *,
+                            times_value: bool = False):
     """(dp, log ∂S/∂ψ) per DAG parameter, S = Σ_P Π ψ the squared network of ``power`` on the
-    balanced ψ = |Dθ|^power: one forward and one backward pass."""
+    balanced ψ = |Dθ|^power: one forward and one backward pass (log ψ·∂S/∂ψ with ``times_value``)."""
     layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power))
     gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=power, device=device),
-                              power=power)
+                              power=power, times_value=times_value)
     for dp, position in zip(groups.dag_params, position_in_layer(groups)):
         weight_log, bias_log = gradients[dp.layer]
         yield dp, bias_log if position else weight_log
@@ -462,11 +461,7 @@ def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str
     """
     groups = groups.to(device)
     u_ext = groups.extend(balancing_exponents(groups))
-    scores = []
-    for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device):
-        balanced = balanced_value(dp, u_ext, device)
-        scores.append(dense(lg).reshape(dp.shape) + balanced.value.abs_().log_().add_(balanced.log_scale))
-    return scores
+    return [lg.reshape(dp.shape) for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device, times_value=True)]
 
 
 def position_in_layer(groups: RescalingGroups) -> list[int]:
