@@ -936,14 +936,16 @@ def compare(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
-        from .report import compare_report, render_compare
+        from .report import compare_report, failure_report, render_compare
         from .toolkit import compare_models
 
+        global _report_so_far
         started = time.perf_counter()
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             stages.stage("loading")
             first = _load_one(model, arch, shape, allow_unused)
             second = _load_one(other, arch, shape, allow_unused)
+            _report_so_far = {**failure_report("compare", first.source), "other": second.source}
             load_seconds = time.perf_counter() - started
             stages.stage("path norms, path-metric, output change")
             comparison = compare_models(first, second, input_bound=radius, device=device, path_norms=orders)
@@ -1005,7 +1007,7 @@ def prune(
     with _errors_to_exit_codes(as_json):
         from .destinations import check_destinations, written
         from .formats import detect_format, files_read, output_format_mismatch
-        from .report import prune_report, render_prune
+        from .report import loaded_report, prune_report, render_prune
         from .toolkit import prune as prune_model, save_pruned
 
         global _report_so_far
@@ -1024,6 +1026,7 @@ def prune(
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             stages.stage("loading")
             loaded = _load_one(model, arch, shape, allow_unused)
+            _report_so_far = loaded_report(loaded, "prune")
             load_seconds = time.perf_counter() - started
             stages.stage("scores, pruning, path-metric")
             result = prune_model(loaded, sparsity, criterion=criterion, per_layer=per_layer, input_bound=radius,

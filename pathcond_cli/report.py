@@ -163,9 +163,9 @@ def _bound_keys(result: RescaleResult) -> dict[str, Any]:
 def error_document(report: dict[str, Any], exc: BaseException, exit_code: int, message: str) -> dict[str, Any]:
     """The JSON document of a run that failed after its input was read: the report so far
     (``report``) with ``error`` = {exit_code, type (the exception's class name), message (the
-    paragraph printed on stderr)}. A failed ``rescale`` reports no output: ``output`` is null."""
+    paragraph printed on stderr)}. A failed ``rescale`` or ``prune`` reports no output: ``output`` is null."""
     document = dict(report)
-    if document["command"] == "rescale":
+    if document["command"] in ("rescale", "prune"):
         document["output"] = None
     document["error"] = {"exit_code": exit_code, "type": type(exc).__name__, "message": message}
     return document

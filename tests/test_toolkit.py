@@ -285,7 +285,9 @@ def test_compare_refuses_two_architectures_with_exit_10_naming_the_first_differe
     before = snapshot(tmp_path)
     result = invoke("compare", small, wide, "--arch", spec, "--json")
     assert_clean_exit(result, 10, "fc1.weight", "[8, 6]", "[9, 6]", "nothing was compared")
-    assert _json(result)["error"]["exit_code"] == 10 if result.stdout.strip() else True
+    document = _json(result)
+    assert document["command"] == "compare" and document["other"].endswith("wide.safetensors")
+    assert document["error"]["exit_code"] == 10 and document["error"]["type"] == "MismatchError"
     with pytest.raises(MismatchError, match="nodes"):
         compare_models(load(small, arch=str(spec)), load(deeper, arch=str(deeper_spec)))
     result = invoke("compare", write_onnx_mlp(tmp_path / "small.onnx"),
