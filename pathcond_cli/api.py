@@ -62,12 +62,12 @@ class LayerSpread:
 class Conditioning:
     """The invariant conditioning measure of SPEC §4 for one diag(G).
 
-    ``value`` is D = p · ln(mean g / geomean g), the mean and geometric mean taken over the
-    ``counted`` parameters with g > 0, and p every DAG parameter (as in F). Parameters with
-    g = 0 lie on no path of non-zero weight; no rescaling changes that (g e^{−2(Bu)} stays 0),
-    so they are left out of both means and counted in ``zeros``, and D compares like with
-    like before and after. ``per_parameter`` = ln(mean g / geomean g) = D / p compares
-    networks of different sizes. D ≥ 0, and D = 0 iff diag(G) is constant on g > 0.
+    ``value`` is D = p · ln(mean g / geomean g), p the ``counted`` parameters with g > 0 (the
+    support, as in F) and the means taken over them. Parameters with g = 0 lie on no path of
+    non-zero weight; no rescaling changes that (g e^{−2(Bu)} stays 0), so they are left out
+    and counted in ``zeros``: D compares like with like before and after, and
+    F(u) − F(0) = D(θ_u) − D(θ) exactly. ``per_parameter`` = ln(mean g / geomean g) = D / p
+    compares networks of different sizes. D ≥ 0, and D = 0 iff diag(G) is constant on g > 0.
     """
 
     value: float
@@ -117,7 +117,7 @@ def _outer_stats(lg: OuterLog) -> _TensorStats:
         float(finite_cols.numel() * finite_rows.sum() + finite_rows.numel() * finite_cols.sum()))
 
 
-def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Conditioning:
+def _conditioning(stats: list[_TensorStats], sizes: list[int]) -> Conditioning:
     zeros = sum(s.zeros for s in stats)
     counted = sum(sizes) - zeros
     if not counted:
@@ -126,12 +126,12 @@ def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Condit
     log_mean -= math.log(counted)
     # AM ≥ GM: a negative difference is round-off.
     per_parameter = max(log_mean - sum(s.log_total for s in stats) / counted, 0.0)
-    return Conditioning(p * per_parameter, per_parameter, counted, zeros)
+    return Conditioning(counted * per_parameter, per_parameter, counted, zeros)
 
 
-def conditioning(log_g: Sequence[LogG], p: int) -> Conditioning:
+def conditioning(log_g: Sequence[LogG]) -> Conditioning:
     """D from log diag(G) (−inf where g = 0), tensor by tensor in the log domain."""
-    return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g], p)
+    return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g])
 
 
 @dataclass
@@ -162,7 +162,7 @@ def summarise(groups: RescalingGroups, log_g: Sequence[LogG]) -> DiagSummary:
     low, high = min(lows.values(), default=math.inf), max(highs.values(), default=-math.inf)
     return DiagSummary(
         list(spreads.values()),
-        _conditioning(stats, [lg.numel() for lg in log_g], groups.p),
+        _conditioning(stats, [lg.numel() for lg in log_g]),
         low if high > -math.inf else None,
         high if high > -math.inf else None,
     )
