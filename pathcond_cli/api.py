@@ -22,10 +22,11 @@ from . import __version__
 from .calibration import calibration_warnings
 from .bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
 from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
-from .diag import DiagG, LogG, OuterLog, PathCount, diag_g, path_count
+from .diag import DiagG, LogG, OuterLog, PathCount, diag_g, path_count, zeros_per_layer
 from .dtype_limits import ensure_storable
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
-from .groups import RescalingGroups, build_groups
+from .graph import BatchNorm, Graph
+from .groups import DagParam, RescalingGroups, build_groups
 from .enorm import enorm
 from .model import LoadedModel
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
@@ -218,6 +219,111 @@ class Analysis:
     def conditioning(self) -> Conditioning:
         """D(θ) of the model as loaded."""
         return self.summary.conditioning
+
+
+@dataclass
+class ZeroGamma:
+    """A BatchNorm with γ = 0 on ``zeroed`` of its ``channels`` (``mask``), and the DAG layer whose
+    weight rows it zeroes: the Linear/Conv it is folded into, or itself when standalone."""
+
+    name: str
+    layer: str
+    zeroed: int
+    channels: int
+    mask: torch.Tensor
+
+    def describe(self) -> str:
+        share = f"all {self.channels:,}" if self.zeroed == self.channels else f"{self.zeroed:,} of {self.channels:,}"
+        return f"γ = 0 on {share} channels of BatchNorm {self.name}"
+
+
+@dataclass
+class ZeroCause:
+    """A layer's g = 0 and their most likely cause (issue 27.1). g_i = 0 when no path through
+    parameter i has every other weight non-zero; of the layer's ``zeros``:
+
+    - ``unused``: on no path at all at this input shape (conv taps that see only padding);
+    - ``gamma``: those that a BatchNorm γ = 0 makes zero (they lie on a path again when every
+      γ = 0 is taken as non-zero); ``batchnorm`` is the nearest such BatchNorm downstream of
+      the layer (else upstream), None when no γ is 0;
+    - ``weights`` (the rest): zero weights elsewhere, or dead units (no input and no bias).
+    """
+
+    layer: str
+    parameters: int
+    zeros: int
+    unused: int
+    gamma: int
+    batchnorm: ZeroGamma | None
+
+    @property
+    def weights(self) -> int:
+        return self.zeros - self.unused - self.gamma
+
+    @property
+    def cause(self) -> str:
+        """The largest share's cause, in words."""
+        shares = [(self.gamma, self.batchnorm.describe() if self.batchnorm else ""),
+                  (self.unused, "conv taps on no path at this input shape (they see only padding)"),
+                  (self.weights, "zero weights or dead units: every path through them has a zero weight")]
+        return max(shares, key=lambda share: share[0])[1]
+
+
+def zero_gammas(graph: Graph, params) -> list[ZeroGamma]:
+    """The BatchNorms with γ = 0 on some channel, in network order."""
+    found = []
+    for node in graph.nodes:
+        if isinstance(node, BatchNorm):
+            mask = params[node.weight].reshape(-1) == 0
+            if bool(mask.any()):
+                folded = graph.folded_into(node)
+                found.append(ZeroGamma(node.name, (folded or node).name, int(mask.sum()), mask.numel(), mask))
+    return found
+
+
+def _nearest(graph: Graph, layer: str, gammas: list[ZeroGamma]) -> ZeroGamma | None:
+    """The BatchNorm of ``gammas`` fewest nodes downstream of ``layer`` (its own, which cannot
+    zero its g, excluded), else fewest upstream: breadth-first over the graph."""
+    by_name = {gamma.name: gamma for gamma in gammas if gamma.layer != layer}
+    for neighbours in (graph.consumers, lambda name: list(graph[name].inputs)):
+        seen, frontier = {layer}, [layer]
+        while frontier:
+            for name in frontier:
+                if name in by_name:
+                    return by_name[name]
+            frontier = [n for name in frontier for n in neighbours(name) if n not in seen]
+            seen.update(frontier)
+    return None
+
+
+def zero_causes(analysis: Analysis, unused: dict[str, int]) -> list[ZeroCause]:
+    """Per layer with g = 0, in network order, how many and why (``unused``: the parameters on
+    no path at this input shape, :func:`~pathcond_cli.diag.unused_parameters`). Costs one
+    path-count pass when some BatchNorm has γ = 0, none otherwise."""
+    if not any(spread.zeros for spread in analysis.summary.layers):
+        return []
+    groups, params = analysis.groups, analysis.model.params
+    gammas = zero_gammas(groups.graph, params)
+    remaining: dict[str, int] = {}
+    if gammas:
+        rows = {gamma.layer: gamma.mask for gamma in gammas}
+
+        def restored(dp: DagParam) -> torch.Tensor:
+            # 1[θ ≠ 0], with the rows a γ = 0 zeroes taken as non-zero (a bias is not zeroed by γ)
+            psi = (dp.value != 0).to(torch.float64)
+            if dp.layer in rows and psi.dim() > 1:
+                psi[rows[dp.layer].to(psi.device)] = 1.0
+            return psi
+
+        remaining = zeros_per_layer(groups, restored, device=groups.device)
+    causes = []
+    for spread in analysis.summary.layers:
+        if spread.zeros:
+            gamma = max(spread.zeros - remaining.get(spread.layer, 0), 0) if gammas else 0
+            used = min(unused.get(spread.layer, 0), spread.zeros - gamma)
+            causes.append(ZeroCause(spread.layer, spread.parameters, spread.zeros, used, gamma,
+                                    _nearest(groups.graph, spread.layer, gammas)))
+    return causes
 
 
 def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:

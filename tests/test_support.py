@@ -241,3 +241,51 @@ def test_d_never_rises_on_a_family(family, zeroed):
     assert after.value <= before.value * (1 + 1e-12)
     _assert_identity(result.solve.objective[-1] - result.solve.objective[0], after.value - before.value, before.value)
 
+
+# -- the report: the share of zeros and their cause by layer ------------------------------------
+
+
+def _zeros_report(graph, params) -> dict:
+    from pathcond_cli.report import analysis_report
+
+    return analysis_report(analyse(_model(graph, params), device="cpu"))["diag_g_zeros"]
+
+
+def test_report_names_the_batchnorm_whose_gamma_is_zero(nets):
+    graph, params = _zero_gamma(nets)
+    zeros = _zeros_report(graph, params)
+    analysis = analyse(_model(graph, params), device="cpu")
+    assert zeros["share"] == pytest.approx(analysis.conditioning.zeros / analysis.groups.p, rel=1e-15)
+    # conv4's weights and bias, and conv1's bias... feed the sum only through bn8's zero rows
+    by_layer = {row["layer"]: row for row in zeros["per_layer"]}
+    assert set(by_layer) == {"conv4"}
+    row = by_layer["conv4"]
+    assert row["zeros"] == row["parameters"] == row["batchnorm_gamma"] and row["share"] == 1.0
+    assert (row["unused_taps"], row["zero_weights"], row["batchnorm"]) == (0, 0, "bn8")
+    assert row["cause"] == "γ = 0 on all 3 channels of BatchNorm bn8"
+
+
+def test_report_counts_zero_weights_and_unused_taps_apart(nets):
+    graph, params = _dead_unit(nets)
+    rows = _zeros_report(graph, params)["per_layer"]
+    assert [(row["layer"], row["zeros"], row["zero_weights"], row["batchnorm"]) for row in rows] == [("fc3", 4, 4, None)]
+    assert rows[0]["cause"].startswith("zero weights or dead units")
+    # a 3×3 conv on a 1×1 input: 8 taps of each output channel see only padding
+    b = nets.builder((1, 1, 1), 0)
+    b.conv(2, 3, padding=1); b.relu(); b.flatten(); b.linear(2)
+    rows = _zeros_report(*b.build())["per_layer"]
+    assert [(row["layer"], row["zeros"], row["unused_taps"]) for row in rows] == [("conv1", 16, 16)]
+    assert rows[0]["cause"].startswith("conv taps on no path")
+
+
+def test_report_splits_a_layer_between_gamma_and_zero_weights(nets):
+    """γ = 0 on one channel of a BatchNorm downstream, and a zero column upstream of another."""
+    graph, params = nets.conv_bn(3)
+    params["bn5.weight"][0] = 0.0        # conv4's channel 0 carries nothing but its bias
+    params["conv4.weight"][1, 2] = 0.0   # conv4's channel 1 reads nothing from channel 2
+    dag = build_neuron_dag(graph, params)
+    g = dag.diag_G()
+    rows = _zeros_report(graph, params)["per_layer"]
+    assert sum(row["zeros"] for row in rows) == int((g == 0).sum()) > 0
+    for row in rows:
+        assert row["unused_taps"] + row["batchnorm_gamma"] + row["zero_weights"] == row["zeros"]
