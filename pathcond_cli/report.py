@@ -291,7 +291,8 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     summary.add_row("device", report["device"])
     summary.add_row("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"]))
     summary.add_row("parameters", _fmt(report["parameters"]))
-    summary.add_row("DAG parameters (p)", _fmt(report["dag_parameters"]))
+    summary.add_row("DAG parameters", f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
+                    "with g > 0: p of F and D)")
     summary.add_row("hidden units", _fmt(report["hidden_units"]))
     summary.add_row("rescaling groups", f"{_fmt(groups['free'])} free · {_fmt(groups['fixed'])} fixed · "
                     f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours")
