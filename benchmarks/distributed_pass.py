@@ -28,7 +28,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from pathcond_cli.diag import DiagG  # noqa: E402
 from pathcond_cli.groups import DagParam, RescalingGroups  # noqa: E402
-from pathcond_cli.objective import Objective  # noqa: E402
+from pathcond_cli.objective import Objective, support  # noqa: E402
 
 
 def row_share(groups: RescalingGroups, diag: DiagG, rank: int, world: int) -> tuple[RescalingGroups, DiagG]:
@@ -82,7 +82,9 @@ def distributed_evaluate(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) 
         sums = torch.full((2 * H + 1,), -math.inf, dtype=torch.float64)
     total = all_reduce_logsumexp(sums)
     log_in, log_out, log_total = total[:H], total[H:2 * H], total[2 * H]
-    p, k = groups.p, groups.k.to(torch.float64)
+    # p and k over the whole network's support g > 0 (SPEC §4), as the single-process objective has them
+    counts = support(groups, diag.parts)
+    p, k = counts.size, counts.k
     log_a, log_c = log_in + math.log(p) - log_total, log_out + math.log(p) - log_total
     value = p * float(log_total) + 2 * float(k @ u)
     return value, 2 * (k - torch.exp(log_a) + torch.exp(log_c))

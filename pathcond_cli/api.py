@@ -23,10 +23,13 @@ from . import __version__
 from .calibration import calibration_warnings
 from .bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
 from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
-from .diag import DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g, path_count, path_norm
+from .diag import (
+    DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g, path_count, path_norm, zeros_per_layer,
+)
 from .dtype_limits import ensure_storable
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
-from .groups import RescalingGroups, build_groups
+from .graph import BatchNorm, Graph
+from .groups import DagParam, RescalingGroups, build_groups
 from .enorm import enorm
 from .model import LoadedModel
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
@@ -66,12 +69,12 @@ class LayerSpread:
 class Conditioning:
     """The invariant conditioning measure of SPEC §4 for one diag(G).
 
-    ``value`` is D = p · ln(mean g / geomean g), the mean and geometric mean taken over the
-    ``counted`` parameters with g > 0, and p every DAG parameter (as in F). Parameters with
-    g = 0 lie on no path of non-zero weight; no rescaling changes that (g e^{−2(Bu)} stays 0),
-    so they are left out of both means and counted in ``zeros``, and D compares like with
-    like before and after. ``per_parameter`` = ln(mean g / geomean g) = D / p compares
-    networks of different sizes. D ≥ 0, and D = 0 iff diag(G) is constant on g > 0.
+    ``value`` is D = p · ln(mean g / geomean g), p the ``counted`` parameters with g > 0 (the
+    support, as in F) and the means taken over them. Parameters with g = 0 lie on no path of
+    non-zero weight; no rescaling changes that (g e^{−2(Bu)} stays 0), so they are left out
+    and counted in ``zeros``: D compares like with like before and after, and
+    F(u) − F(0) = D(θ_u) − D(θ) exactly. ``per_parameter`` = ln(mean g / geomean g) = D / p
+    compares networks of different sizes. D ≥ 0, and D = 0 iff diag(G) is constant on g > 0.
     """
 
     value: float
@@ -121,7 +124,7 @@ def _outer_stats(lg: OuterLog) -> _TensorStats:
         float(finite_cols.numel() * finite_rows.sum() + finite_rows.numel() * finite_cols.sum()))
 
 
-def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Conditioning:
+def _conditioning(stats: list[_TensorStats], sizes: list[int]) -> Conditioning:
     zeros = sum(s.zeros for s in stats)
     counted = sum(sizes) - zeros
     if not counted:
@@ -130,12 +133,12 @@ def _conditioning(stats: list[_TensorStats], sizes: list[int], p: int) -> Condit
     log_mean -= math.log(counted)
     # AM ≥ GM: a negative difference is round-off.
     per_parameter = max(log_mean - sum(s.log_total for s in stats) / counted, 0.0)
-    return Conditioning(p * per_parameter, per_parameter, counted, zeros)
+    return Conditioning(counted * per_parameter, per_parameter, counted, zeros)
 
 
-def conditioning(log_g: Sequence[LogG], p: int) -> Conditioning:
+def conditioning(log_g: Sequence[LogG]) -> Conditioning:
     """D from log diag(G) (−inf where g = 0), tensor by tensor in the log domain."""
-    return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g], p)
+    return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g])
 
 
 @dataclass
@@ -166,7 +169,7 @@ def summarise(groups: RescalingGroups, log_g: Sequence[LogG]) -> DiagSummary:
     low, high = min(lows.values(), default=math.inf), max(highs.values(), default=-math.inf)
     return DiagSummary(
         list(spreads.values()),
-        _conditioning(stats, [lg.numel() for lg in log_g], groups.p),
+        _conditioning(stats, [lg.numel() for lg in log_g]),
         low if high > -math.inf else None,
         high if high > -math.inf else None,
     )
@@ -224,6 +227,111 @@ class Analysis:
     def conditioning(self) -> Conditioning:
         """D(θ) of the model as loaded."""
         return self.summary.conditioning
+
+
+@dataclass
+class ZeroGamma:
+    """A BatchNorm with γ = 0 on ``zeroed`` of its ``channels`` (``mask``), and the DAG layer whose
+    weight rows it zeroes: the Linear/Conv it is folded into, or itself when standalone."""
+
+    name: str
+    layer: str
+    zeroed: int
+    channels: int
+    mask: torch.Tensor
+
+    def describe(self) -> str:
+        share = f"all {self.channels:,}" if self.zeroed == self.channels else f"{self.zeroed:,} of {self.channels:,}"
+        return f"γ = 0 on {share} channels of BatchNorm {self.name}"
+
+
+@dataclass
+class ZeroCause:
+    """A layer's g = 0 and their most likely cause (issue 27.1). g_i = 0 when no path through
+    parameter i has every other weight non-zero; of the layer's ``zeros``:
+
+    - ``unused``: on no path at all at this input shape (conv taps that see only padding);
+    - ``gamma``: those that a BatchNorm γ = 0 makes zero (they lie on a path again when every
+      γ = 0 is taken as non-zero); ``batchnorm`` is the nearest such BatchNorm downstream of
+      the layer (else upstream), None when no γ is 0;
+    - ``weights`` (the rest): zero weights elsewhere, or dead units (no input and no bias).
+    """
+
+    layer: str
+    parameters: int
+    zeros: int
+    unused: int
+    gamma: int
+    batchnorm: ZeroGamma | None
+
+    @property
+    def weights(self) -> int:
+        return self.zeros - self.unused - self.gamma
+
+    @property
+    def cause(self) -> str:
+        """The largest share's cause, in words."""
+        shares = [(self.gamma, self.batchnorm.describe() if self.batchnorm else ""),
+                  (self.unused, "conv taps on no path at this input shape (they see only padding)"),
+                  (self.weights, "zero weights or dead units: every path through them has a zero weight")]
+        return max(shares, key=lambda share: share[0])[1]
+
+
+def zero_gammas(graph: Graph, params) -> list[ZeroGamma]:
+    """The BatchNorms with γ = 0 on some channel, in network order."""
+    found = []
+    for node in graph.nodes:
+        if isinstance(node, BatchNorm):
+            mask = params[node.weight].reshape(-1) == 0
+            if bool(mask.any()):
+                folded = graph.folded_into(node)
+                found.append(ZeroGamma(node.name, (folded or node).name, int(mask.sum()), mask.numel(), mask))
+    return found
+
+
+def _nearest(graph: Graph, layer: str, gammas: list[ZeroGamma]) -> ZeroGamma | None:
+    """The BatchNorm of ``gammas`` fewest nodes downstream of ``layer`` (its own, which cannot
+    zero its g, excluded), else fewest upstream: breadth-first over the graph."""
+    by_name = {gamma.name: gamma for gamma in gammas if gamma.layer != layer}
+    for neighbours in (graph.consumers, lambda name: list(graph[name].inputs)):
+        seen, frontier = {layer}, [layer]
+        while frontier:
+            for name in frontier:
+                if name in by_name:
+                    return by_name[name]
+            frontier = [n for name in frontier for n in neighbours(name) if n not in seen]
+            seen.update(frontier)
+    return None
+
+
+def zero_causes(analysis: Analysis, unused: dict[str, int]) -> list[ZeroCause]:
+    """Per layer with g = 0, in network order, how many and why (``unused``: the parameters on
+    no path at this input shape, :func:`~pathcond_cli.diag.unused_parameters`). Costs one
+    path-count pass when some BatchNorm has γ = 0, none otherwise."""
+    if not any(spread.zeros for spread in analysis.summary.layers):
+        return []
+    groups, params = analysis.groups, analysis.model.params
+    gammas = zero_gammas(groups.graph, params)
+    remaining: dict[str, int] = {}
+    if gammas:
+        rows = {gamma.layer: gamma.mask for gamma in gammas}
+
+        def restored(dp: DagParam) -> torch.Tensor:
+            # 1[θ ≠ 0], with the rows a γ = 0 zeroes taken as non-zero (a bias is not zeroed by γ)
+            psi = (dp.value != 0).to(torch.float64)
+            if dp.layer in rows and psi.dim() > 1:
+                psi[rows[dp.layer].to(psi.device)] = 1.0
+            return psi
+
+        remaining = zeros_per_layer(groups, restored, device=groups.device)
+    causes = []
+    for spread in analysis.summary.layers:
+        if spread.zeros:
+            gamma = max(spread.zeros - remaining.get(spread.layer, 0), 0) if gammas else 0
+            used = min(unused.get(spread.layer, 0), spread.zeros - gamma)
+            causes.append(ZeroCause(spread.layer, spread.parameters, spread.zeros, used, gamma,
+                                    _nearest(groups.graph, spread.layer, gammas)))
+    return causes
 
 
 def rescaled_diag(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) -> DiagG:

@@ -508,6 +508,26 @@ def path_norm(groups: RescalingGroups, q: float, *, device: torch.device | str =
     return PathNorm(float(q), ln_total / q / math.log(10))
 
 
+def zeros_per_layer(groups: RescalingGroups, psi: Callable[[DagParam], torch.Tensor], *,
+                    device: torch.device | str = "cpu") -> dict[str, int]:
+    """DAG parameters on no path whose other entries of ``psi`` are all non-zero, per layer
+    (layers without any left out): one pass of the power-0 squared network on ``psi`` (one
+    tensor per DAG parameter, ≥ 0, shaped like it), whose ∂N/∂ψ counts those paths.
+
+    g_i is a sum of non-negative terms, one per path through i, so it is zero exactly when
+    no path through i has every other weight non-zero: with ``psi`` = 1[θ ≠ 0] this counts
+    diag(G)'s zeros, and with some entries set to 1, those that remain without them.
+    """
+    layers = LayerValues(groups, lambda dp: ScaledTensor(psi(dp)))
+    counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
+    zeros: dict[str, int] = {}
+    for layer, (weight_log, bias_log) in counts.items():
+        missing = zero_count(weight_log) + (0 if bias_log is None else zero_count(bias_log))
+        if missing:
+            zeros[layer] = missing
+    return zeros
+
+
 def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> dict[str, int]:
     """DAG parameters on no input-or-bias-to-output path at the graph's input shape, per layer.
 
@@ -516,11 +536,4 @@ def unused_parameters(groups: RescalingGroups, *, device: torch.device | str = "
     Such parameters have g = 0 whatever the weights, so diag(G) and the rescaling know nothing
     of them: the input shape should be the one the network is trained at.
     """
-    layers = LayerValues(groups, lambda dp: unit_values(dp, device))
-    counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
-    unused: dict[str, int] = {}
-    for layer, (weight_log, bias_log) in counts.items():
-        missing = zero_count(weight_log) + (0 if bias_log is None else zero_count(bias_log))
-        if missing:
-            unused[layer] = missing
-    return unused
+    return zeros_per_layer(groups, lambda dp: unit_values(dp, device).value, device=device)

@@ -211,8 +211,6 @@ class RescalingGroups:
     writebacks: list[WriteBack]
     labels: list[str]
     colours: torch.Tensor
-    n_in: torch.Tensor
-    n_out: torch.Tensor
     node_groups: dict[str, torch.Tensor] = field(repr=False)
     shapes: dict[str, tuple[int, ...]] = field(repr=False)
 
@@ -220,10 +218,6 @@ class RescalingGroups:
     def p(self) -> int:
         """Number of DAG parameters, the ``p`` of the objective."""
         return sum(dp.numel for dp in self.dag_params)
-
-    @property
-    def k(self) -> torch.Tensor:
-        return self.n_in - self.n_out
 
     @property
     def num_colours(self) -> int:
@@ -255,7 +249,7 @@ class RescalingGroups:
 
     @property
     def device(self) -> torch.device:
-        return self.n_in.device
+        return self.colours.device
 
     def to(self, device: torch.device | str) -> RescalingGroups:
         """A copy whose maps, parameter values and write-back maps all live on ``device``."""
@@ -271,7 +265,7 @@ class RescalingGroups:
         ]
         return RescalingGroups(
             self.graph, self.num_free, self.num_fixed, moved, writebacks, self.labels,
-            self.colours.to(device), self.n_in.to(device), self.n_out.to(device),
+            self.colours.to(device),
             {name: ids.to(device) for name, ids in self.node_groups.items()}, self.shapes,
         )
 
@@ -382,9 +376,7 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
         del affine  # the layer's weights, read to lay it out: let go before the next layer's
 
     partial = RescalingGroups(graph, num_free, len(fixed_roots), dag_params, writebacks, labels,
-                              torch.zeros(num_free, dtype=torch.long), torch.zeros(0), torch.zeros(0),
-                              node_groups, shapes)
-    partial.n_in, partial.n_out = _incidence_counts(dag_params, num_free)
+                              torch.zeros(num_free, dtype=torch.long), node_groups, shapes)
     partial.colours = _colour(dag_params, num_free)
     return partial
 
@@ -412,20 +404,6 @@ def _add_layer(node, affine: Affine, weight: Reread, node_groups: dict[str, torc
     for stored in affine.stored:
         writebacks.append(WriteBack(stored.key, stored.layout, dst if stored.output_side else None,
                                     src if stored.input_side else None, out_ch, groups))
-
-
-def _incidence_counts(dag_params: list[DagParam], num_free: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """n_in and n_out per free group: ``incidence_sums`` of all-ones tensors, without building them."""
-    incoming = torch.zeros(num_free + 1, dtype=torch.float64)
-    outgoing = torch.zeros(num_free + 1, dtype=torch.float64)
-    for dp in dag_params:
-        if dp.self_loops is not None:
-            dp.accumulate(torch.ones(dp.view, dtype=torch.float64), incoming, outgoing)
-            continue
-        _, out_per_group, in_per_group, kernel = dp.view
-        incoming.index_add_(0, dp.dst.reshape(-1), torch.full((dp.dst.numel(),), float(in_per_group * kernel), dtype=torch.float64))
-        outgoing.index_add_(0, dp.src.reshape(-1), torch.full((dp.src.numel(),), float(out_per_group * kernel), dtype=torch.float64))
-    return incoming[:-1], outgoing[:-1]
 
 
 def _self_loops(dst: torch.Tensor, src: torch.Tensor, num_free: int) -> torch.Tensor | None:

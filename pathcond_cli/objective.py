@@ -2,6 +2,10 @@
 
     F(u) = p · ln Σ_i g_i exp(−2 (Bu)_i) + 2 Σ_i (Bu)_i,   Σ_i (Bu)_i = k·u
 
+Every sum runs over the support g_i > 0 (:class:`Support`): p counts it and k_h its
+parameters entering minus leaving group h. A parameter with g = 0 plays no part in G, and
+counting its (Bu)_i too would let F fall while D, over the same support, rises.
+
 Everything is evaluated from log g in the log domain with a running shift, so neither g nor
 the weights w_i = g_i e^{−2(Bu)_i} ever overflow. One evaluation is one pass over the DAG
 parameters.
@@ -16,12 +20,13 @@ change drops below the rounding of F.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from .diag import DiagG, LogG, OuterLog, dense, has_nonzero
+from .diag import DiagG, LogG, OuterLog, dense, zero_count
 from .groups import RescalingGroups
 
 LOG2 = math.log(2.0)
@@ -30,6 +35,45 @@ SAFE_RANGE = 650.0
 # ḡ in linear scale is kept for tensors up to this many bytes in all (the bound's constant
 # share), recomputed per pass beyond: a Newton solve recomputes it at every CG product.
 GBAR_CACHE_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class Support:
+    """The parameters with g > 0, over which every sum of F runs (SPEC §4): ``size`` is p, and
+    ``n_in``/``n_out`` count, per free group, those entering and leaving it (its +1 and −1
+    entries of B; a parameter within one group has neither). Depends only on which g_i are
+    zero, so it holds for every u: g e^{−2(Bu)} is zero exactly where g is."""
+
+    size: int
+    n_in: torch.Tensor
+    n_out: torch.Tensor
+
+    @property
+    def k(self) -> torch.Tensor:
+        """k_h = n_in,h − n_out,h: Σ_i (Bu)_i = k·u over the support."""
+        return self.n_in - self.n_out
+
+    @property
+    def degenerate(self) -> torch.Tensor:
+        """Free groups with A_h = 0 or C_h = 0 (no g > 0 enters or leaves): F is not coercive
+        in them, and a group with no support at all is one of them."""
+        return (self.n_in == 0) | (self.n_out == 0)
+
+
+def support(groups: RescalingGroups, log_g: Iterable[LogG]) -> Support:
+    """The :class:`Support` of log g (−inf where g = 0), read one tensor at a time (a generator
+    holds one): an outer product by its factors (a row × column is in the support iff both
+    are finite), never expanded, and never a float64 copy of the network."""
+    size = 0
+
+    def indicators():
+        nonlocal size
+        for lg in log_g:
+            size += lg.numel() - zero_count(lg)
+            yield (torch.isfinite(lg.rows), torch.isfinite(lg.cols)) if isinstance(lg, OuterLog) else torch.isfinite(lg)
+
+    n_in, n_out = groups.incidence_sums(indicators())
+    return Support(size, n_in, n_out)
 
 
 @dataclass
@@ -73,10 +117,14 @@ class Objective:
         self.groups = groups.to(device)
         self.bound = bound
         self.device = torch.device(device)
-        self.p = groups.p
+        self.support = support(self.groups, (lg.to(self.device) for lg in diag.parts))
+        if not self.support.size:
+            raise ValueError("diag(G) is zero everywhere: the network computes the zero function")
+        self.p = self.support.size
         self.log_p = math.log(self.p)
-        self.k = groups.k.to(self.device, torch.float64)
-        self.degree = (groups.n_in + groups.n_out).to(self.device, torch.float64).clamp_min(1)
+        self.k = self.support.k
+        # The KKT residual's normaliser: the group's support parameters, as k counts them.
+        self.degree = (self.support.n_in + self.support.n_out).clamp_min(1)
         self.log_gbar: list[LogG] = []
         self.gbar = LinearG(self.log_gbar, cache_bytes=GBAR_CACHE_BYTES)
         self.gbar_shift: list[float | None] = []
@@ -105,14 +153,11 @@ class Objective:
             if dp.self_loops is not None:
                 self_loop_log = torch.logaddexp(self_loop_log, _self_loop_logs(dp, log_gbar, groups.num_free + 1))
         self.self_loop_log = self_loop_log[:-1]
-        if not any(has_nonzero(lg) for lg in self.log_gbar):
-            raise ValueError("diag(G) is zero everywhere: the network computes the zero function")
         self.passes = 0
 
     def degenerate(self) -> torch.Tensor:
-        """:func:`degenerate_mask` from ḡ, on this objective's device: a kernel sum of g is zero
-        exactly when every g_i it sums is zero."""
-        return _without_incidence(self.groups, self.log_gbar)
+        """:attr:`Support.degenerate`, on this objective's device."""
+        return self.support.degenerate
 
     def log_weights(self, u: torch.Tensor) -> list[torch.Tensor]:
         """log w = log ḡ − 2(Bu) per tensor, shaped ``[G, O/G, I/G, 1]`` (kernel summed): dense,
@@ -360,16 +405,6 @@ def _self_loop_logs(dp, log_gbar: LogG, size: int) -> torch.Tensor:
     return group_logsumexp(dp.dst.reshape(-1), torch.logsumexp(masked, dim=2).reshape(-1), size)
 
 
-def _without_incidence(groups: RescalingGroups, log_gs) -> torch.Tensor:
-    """Free groups that no g > 0 enters or leaves, from log g or ḡ per tensor."""
-    # One tensor's indicator at a time (outer products by their factors), never a float64 copy of
-    # the network.
-    incoming, outgoing = groups.incidence_sums(
-        (torch.isfinite(lg.rows), torch.isfinite(lg.cols)) if isinstance(lg, OuterLog) else torch.isfinite(lg)
-        for lg in log_gs)
-    return (incoming == 0) | (outgoing == 0)
-
-
 def _finite_max(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.full_like(x, -torch.inf)).amax()
 
@@ -404,7 +439,7 @@ def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:
 
     Depends only on which g_i are zero, so it holds for every u.
     """
-    return _without_incidence(groups, diag.parts)
+    return support(groups, diag.parts).degenerate
 
 
 def log_positive_root(log_quadratic: torch.Tensor, linear: torch.Tensor, log_linear_abs: torch.Tensor,

@@ -16,7 +16,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from . import __version__
-from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, histogram
+from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, ZeroCause, histogram, zero_causes
 from .diag import LogG, PathNorm, unused_parameters
 from .fileio import printable
 from .model import LoadedModel
@@ -85,6 +85,28 @@ def path_norms_section(norms: dict[str, PathNorm] | None) -> dict[str, Any] | No
     return {key: {"q": norm.q, "log10": _finite(norm.log10), "value": norm.value} for key, norm in norms.items()}
 
 
+def _zeros_section(causes: list[ZeroCause], p: int) -> dict[str, Any]:
+    """``diag_g_zeros``: the share of g = 0 among the DAG parameters, and per layer with zeros
+    how many and their most likely cause."""
+    return {
+        "share": sum(cause.zeros for cause in causes) / p if p else 0.0,
+        "per_layer": [
+            {
+                "layer": cause.layer,
+                "parameters": cause.parameters,
+                "zeros": cause.zeros,
+                "share": cause.zeros / cause.parameters,
+                "unused_taps": cause.unused,
+                "batchnorm_gamma": cause.gamma,
+                "zero_weights": cause.weights,
+                "batchnorm": cause.batchnorm.name if cause.batchnorm else None,
+                "cause": cause.cause,
+            }
+            for cause in causes
+        ],
+    }
+
+
 def loaded_report(model: LoadedModel, command: str) -> dict[str, Any]:
     """The keys known once the model is read, before any analysis: the report so far of a
     command that fails later (see :func:`error_document`)."""
@@ -129,6 +151,7 @@ def analysis_report(
         "path_norms": path_norms_section(analysis.path_norms),
         "conditioning": {"before": _conditioning(analysis.conditioning)},
         "diag_g": _diag_section(summary, analysis.diag.parts, ln_bounds or (summary.ln_low, summary.ln_high)),
+        "diag_g_zeros": _zeros_section(zero_causes(analysis, unused), groups.p),
         "unused_parameters": unused,
         "warnings": list(model.warnings) + _unused_warning(unused, model),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
@@ -284,7 +307,8 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     summary.add_row("device", report["device"])
     summary.add_row("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"]))
     summary.add_row("parameters", _fmt(report["parameters"]))
-    summary.add_row("DAG parameters (p)", _fmt(report["dag_parameters"]))
+    summary.add_row("DAG parameters", f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
+                    "with g > 0: p of F and D)")
     summary.add_row("hidden units", _fmt(report["hidden_units"]))
     summary.add_row("rescaling groups", f"{_fmt(groups['free'])} free · {_fmt(groups['fixed'])} fixed · "
                     f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours")
@@ -330,11 +354,28 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
         _print_table(console, _layer_table(diag, after))
     if diag["histogram"]:
         console.print(histogram_text(diag["histogram"], after["histogram"] if after else None), highlight=False)
+    zeros = report["diag_g_zeros"]
+    if zeros["per_layer"]:
+        console.print(zeros_text(zeros), highlight=False, soft_wrap=True)
     if report.get("degenerate_groups"):
         shown = ", ".join(_safe(group) for group in report["degenerate_groups"][:10])
         more = len(report["degenerate_groups"]) - 10
         console.print(f"[yellow]degenerate groups frozen at u = 0:[/] {shown}{f' (+{more} more)' if more > 0 else ''}")
     render_warnings(report, console)
+
+
+def zeros_text(zeros: dict[str, Any], shown: int = 10) -> str:
+    """The share of g = 0 and, per layer (the ``shown`` with most zeros, in network order), its
+    most likely cause."""
+    layers = zeros["per_layer"]
+    kept = sorted(sorted(range(len(layers)), key=lambda i: -layers[i]["zeros"])[:shown])
+    lines = [f"diag(G) is 0 on {100 * zeros['share']:.1f}% of the DAG parameters (left out of F and D; no rescaling "
+             "moves them), by layer:"]
+    lines += [f"  {_safe(layers[i]['layer'])}: {100 * layers[i]['share']:.1f}% ({layers[i]['zeros']:,} of "
+              f"{layers[i]['parameters']:,}) · {_safe(layers[i]['cause'])}" for i in kept]
+    if len(layers) > shown:
+        lines.append(f"  (+{len(layers) - shown} more layers with zeros)")
+    return "\n".join(lines)
 
 
 def _bound_text(solver: dict[str, Any]) -> str:

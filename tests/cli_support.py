@@ -278,7 +278,9 @@ def check_path_norms(norms: dict) -> None:
 def _check_conditioning(measure: dict, p: int) -> None:
     assert isinstance(measure["D"], float) and measure["D"] >= 0
     assert isinstance(measure["D_per_parameter"], float) and measure["D_per_parameter"] >= 0
-    assert math.isclose(measure["D"], p * measure["D_per_parameter"], rel_tol=1e-12, abs_tol=1e-12)
+    # D's p is the support g > 0 (SPEC §4), the parameters it counts
+    assert math.isclose(measure["D"], measure["parameters_counted"] * measure["D_per_parameter"], rel_tol=1e-12,
+                        abs_tol=1e-12)
     assert _is_int(measure["parameters_counted"]) and _is_int(measure["zeros"])
     assert measure["parameters_counted"] + measure["zeros"] == p
 

@@ -742,10 +742,15 @@ def _logsumexp(x: np.ndarray) -> float:
 
 @dataclass
 class DenseObjective:
-    """F(u) = p·ln Σ g_i e^{−2(Bu)_i} + 2 Σ_i (Bu)_i with explicit log g and dense B."""
+    """F(u) = p·ln Σ g_i e^{−2(Bu)_i} + 2 Σ_i (Bu)_i with explicit log g and dense B, every
+    sum over the support g_i > 0 (SPEC §4): the rows of B with g_i = 0 are dropped."""
 
     log_g: np.ndarray
     B: np.ndarray
+
+    def __post_init__(self):
+        support = np.isfinite(self.log_g)
+        self.log_g, self.B = self.log_g[support], self.B[support]
 
     @property
     def p(self) -> int:

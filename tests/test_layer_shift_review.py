@@ -72,7 +72,7 @@ def test_start_is_the_minimum_over_layer_shifts_at_extreme_scales(nets, arch, sc
     basis = _layer_basis(groups, aggregates, frozen)
     _, restricted_min = DenseObjective(ob.log_g, ob.B @ basis).minimise()
     assert ob.value(start) == pytest.approx(restricted_min, rel=1e-13)
-    degree = (groups.n_in + groups.n_out).numpy()
+    degree = objective.degree.numpy()
     assert (np.abs(basis.T @ ob.grad(start)) <= 1e-5 * basis.T @ (2 * degree)).all()
     result = solve(groups, diag, tol=1e-10)
     assert result.converged

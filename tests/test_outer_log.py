@@ -496,7 +496,8 @@ def _brute_summary(case: Case, parts: list[torch.Tensor]) -> tuple[dict, float, 
     every = torch.cat([lg.reshape(-1) for lg in parts])
     finite = every[torch.isfinite(every)]
     per_parameter = float(torch.logsumexp(finite, 0)) - math.log(finite.numel()) - float(finite.mean())
-    return per_layer, case.groups.p * per_parameter, per_parameter, finite.numel()
+    # D's p is the support g > 0 (SPEC §4)
+    return per_layer, finite.numel() * per_parameter, per_parameter, finite.numel()
 
 
 def _assert_summary_matches(case: Case, summary, parts: list[torch.Tensor]) -> None:
@@ -526,7 +527,7 @@ def test_summary_conditioning_and_histogram_from_factors_equal_expanded_and_plai
     want = summarise(case.groups, case.expanded.parts)
     _assert_summary_matches(case, got, list(case.expanded.log_g))
     _assert_summary_matches(case, want, list(case.expanded.log_g))
-    measure = conditioning(case.factored.parts, case.groups.p)
+    measure = conditioning(case.factored.parts)
     assert measure.value == pytest.approx(want.conditioning.value, rel=1e-10, abs=1e-10)
     assert (measure.counted, measure.zeros) == (want.conditioning.counted, want.conditioning.zeros)
     bins = histogram(case.factored.parts, got.ln_low, got.ln_high, bins=7)

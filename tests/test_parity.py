@@ -17,6 +17,7 @@ import onnx_models
 import ops_models
 from pathcond_cli.api import analyse, module_model, rescale
 from pathcond_cli.errors import UnsupportedModelError
+from pathcond_cli.objective import support
 from pathcond_cli.formats.onnx_format import load_onnx
 from pathcond_cli.formats.spec import graph_from_spec, spec_from_graph
 from pathcond_cli.model import LoadedModel
@@ -61,8 +62,9 @@ def _load(name: str, how: str) -> tuple[LoadedModel, LoadedModel]:
 def _signature(model: LoadedModel):
     analysis = analyse(model, device="cpu")
     groups = analysis.groups
-    # Each free group's (incoming, outgoing) parameter counts: the structure, whatever the names.
-    sizes = sorted(zip(groups.n_in.tolist(), groups.n_out.tolist()))
+    # Each free group's (incoming, outgoing) counts of parameters with g > 0: the structure, whatever the names.
+    counts = support(groups, analysis.diag.parts)
+    sizes = sorted(zip(counts.n_in.tolist(), counts.n_out.tolist()))
     log_g = torch.cat([lg.flatten() for lg in analysis.diag.log_g]).sort().values
     solved = rescale(model, device="cpu", verify=False, analysis=analysis)
     return (groups.num_free, groups.num_fixed, groups.p), sizes, log_g, analysis.paths.log10, solved.solve.objective[-1]

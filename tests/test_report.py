@@ -25,10 +25,11 @@ from pathcond_cli.objective import Objective
 ORACLE_ARCHS = ["mlp", "conv_bn", "residual", "conv_maxpool"]
 
 
-def _numpy_d(log_g: list[torch.Tensor], p: int) -> float:
+def _numpy_d(log_g: list[torch.Tensor]) -> float:
+    """D with p the support's size, g > 0 (SPEC §4)."""
     g = np.exp(np.concatenate([lg.numpy().ravel() for lg in log_g]))
     positive = g[g > 0]
-    return p * (math.log(positive.mean()) - np.log(positive).mean())
+    return positive.size * (math.log(positive.mean()) - np.log(positive).mean())
 
 
 def _model(graph, params) -> LoadedModel:
@@ -43,25 +44,25 @@ def test_d_matches_the_formula_and_leaves_zeros_out():
     log_g = [torch.randn(40, 7, generator=generator, dtype=torch.float64) * 3, torch.randn(40, dtype=torch.float64)]
     log_g[0][3, :] = -torch.inf
     log_g[1][5] = -torch.inf
-    p = sum(lg.numel() for lg in log_g)
-    measure = conditioning(log_g, p)
-    assert measure.zeros == 8 and measure.counted == p - 8
-    assert measure.value == pytest.approx(_numpy_d(log_g, p), rel=1e-12)
+    p = sum(lg.numel() for lg in log_g) - 8
+    measure = conditioning(log_g)
+    assert measure.zeros == 8 and measure.counted == p
+    assert measure.value == pytest.approx(_numpy_d(log_g), rel=1e-12)
     assert measure.per_parameter == pytest.approx(measure.value / p, rel=1e-12)
     assert measure.value > 0
 
 
 def test_d_is_zero_for_constant_g_and_blind_to_a_common_scale():
     constant = [torch.full((5, 3), -4.0, dtype=torch.float64), torch.full((5,), -4.0, dtype=torch.float64)]
-    assert conditioning(constant, 20).value == 0.0
+    assert conditioning(constant).value == 0.0
     generator = torch.Generator().manual_seed(1)
     log_g = [torch.randn(30, generator=generator, dtype=torch.float64)]
     shifted = [lg + 123.4 for lg in log_g]  # g → e^123.4 g: the λ of the Bregman divergence absorbs it
-    assert conditioning(shifted, 30).value == pytest.approx(conditioning(log_g, 30).value, rel=1e-9)
+    assert conditioning(shifted).value == pytest.approx(conditioning(log_g).value, rel=1e-9)
 
 
 def test_d_of_all_zero_g_is_zero_with_every_parameter_counted_as_zero():
-    measure = conditioning([torch.full((4,), -torch.inf, dtype=torch.float64)], 4)
+    measure = conditioning([torch.full((4,), -torch.inf, dtype=torch.float64)])
     assert (measure.value, measure.counted, measure.zeros) == (0.0, 0, 4)
 
 
@@ -111,7 +112,7 @@ def test_objective_change_equals_d_change_when_every_g_is_positive(nets, arch):
     assert d_change < 0
     objective = Objective(analysis.groups, analysis.diag)
     u = torch.randn(analysis.groups.num_free, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    moved = conditioning(rescaled_diag(analysis.groups, analysis.diag, u).log_g, p).value
+    moved = conditioning(rescaled_diag(analysis.groups, analysis.diag, u).log_g).value
     f_moved = objective.evaluate(u).value - objective.evaluate(torch.zeros_like(u)).value
     assert moved - analysis.conditioning.value == pytest.approx(f_moved, rel=1e-9, abs=1e-9 * p)
 

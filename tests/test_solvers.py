@@ -12,7 +12,7 @@ import torch
 from oracle import DenseObjective, build_neuron_dag, oracle_objective, to_theta_order
 from pathcond_cli.diag import DiagG, diag_g
 from pathcond_cli.groups import build_groups
-from pathcond_cli.objective import block_step, paper_step
+from pathcond_cli.objective import block_step, paper_step, support
 from pathcond_cli.solvers import solve
 
 METHODS = ["newton", "block", "lbfgs", "sequential"]
@@ -54,7 +54,7 @@ def _non_increasing(values, rel=1e-12):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_solver_reaches_scipy_optimum(nets, arch, method):
     graph, params, dag, groups, diag, ob, u_star, f_star = setup(nets, arch)
-    assert groups.p == ob.p
+    assert support(groups, diag.parts).size == ob.p  # the support g > 0 (SPEC §4)
     res = solve(groups, diag, method=method, tol=TOL, max_iter=MAX_ITER)
     u = res.u.numpy()
     assert np.isfinite(u).all()
@@ -259,9 +259,12 @@ def test_colouring_is_proper(nets, arch, colours):
     for i, row in enumerate(B):
         touched = np.nonzero(row)[0]
         assert len(set(col[touched].tolist())) == len(touched), f"parameter {i} joins groups {touched} of colours {col[touched]}"
-    # engine counts agree with the oracle's B (n_in = #(+1), n_out = #(−1) per column)
-    assert np.array_equal(groups.n_in.numpy(), (B > 0).sum(0))
-    assert np.array_equal(groups.n_out.numpy(), (B < 0).sum(0))
+    # engine counts agree with the oracle's B on the support (n_in = #(+1), n_out = #(−1) per
+    # column, rows with g > 0: all of them on these networks)
+    counts = support(groups, diag_g(groups).parts)
+    assert (dag.diag_G() > 0).all()
+    assert np.array_equal(counts.n_in.numpy(), (B > 0).sum(0))
+    assert np.array_equal(counts.n_out.numpy(), (B < 0).sum(0))
     if colours is not None:
         assert groups.num_colours == colours
         if colours == 3:  # B really contains a triangle, so 3 is the minimum
