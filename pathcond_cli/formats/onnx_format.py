@@ -493,9 +493,38 @@ def _read_tensors(model: onnx.ModelProto, label: str) -> dict[str, torch.Tensor]
 
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
-    if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS:
+    """The numeric tensor a ``Constant`` node holds, whichever attribute holds it, or None.
+
+    ``value`` is returned as stored (the writer sets its data in place); ``value_float(s)``,
+    ``value_int(s)`` and ``sparse_value`` as a new dense tensor (the writer turns a rescaled one
+    into ``value``). Strings are no numeric tensor: None.
+    """
+    if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS or len(node.output) != 1:
         return None
-    return next((a.t for a in node.attribute if a.name == "value"), None)
+    for a in node.attribute:
+        if a.name == "value":
+            return a.t
+        if a.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            data_type = onnx.TensorProto.FLOAT if a.name.startswith("value_float") else onnx.TensorProto.INT64
+            values = onnx.helper.get_attribute_value(a)
+            dims = [len(values)] if a.name.endswith("s") else []
+            return onnx.helper.make_tensor(node.output[0], data_type, dims,
+                                           list(values) if a.name.endswith("s") else [values])
+        if a.name == "sparse_value":
+            return _dense(a.sparse_tensor, node.output[0])
+    return None
+
+
+def _dense(sparse: onnx.SparseTensorProto, name: str) -> onnx.TensorProto:
+    """A sparse tensor as the dense tensor it stands for (indices linear, [NNZ], or per axis, [NNZ, rank])."""
+    values = numpy_helper.to_array(sparse.values).reshape(-1)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dims = tuple(int(d) for d in sparse.dims)
+    dense = np.zeros(math.prod(dims), dtype=values.dtype)
+    if indices.ndim == 2:
+        indices = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(-1)
+    dense[indices.reshape(-1)] = values
+    return numpy_helper.from_array(dense.reshape(dims), name)
 
 
 def _to_torch(proto: onnx.TensorProto, array: np.ndarray) -> torch.Tensor | None:
@@ -845,7 +874,15 @@ class _Translator:
                 self._record_read(producer, source)
                 return _Weight(value, False)
             return self._weight(source, producer)
-        is_matrix_transpose = self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]
+        if not producer.input:
+            what = (f"a Constant node '{_node_label(producer)}' holding no numeric tensor"
+                    if producer.op_type == "Constant" else
+                    f"a {producer.op_type} node '{_node_label(producer)}', which has no inputs")
+            raise _Unsupported(
+                f"its tensor input '{value}' is computed by {what}; only stored tensors (initializers and "
+                "Constant nodes) can be rescaled: store the value as an initializer"
+            )
+        is_matrix_transpose = producer.op_type == "Transpose" and self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]
         if producer.op_type == "Transpose" and is_matrix_transpose:
             inner = self._weight(producer.input[0], producer)
             return _Weight(inner.key, not inner.transposed)
@@ -1482,6 +1519,10 @@ def _replace_tensors(graph: onnx.GraphProto, changed: dict[str, torch.Tensor]) -
         stored = _constant_tensor(node)
         if stored is not None:
             _set_tensor_data(stored, remaining.pop(key))
+            if not any(a.name == "value" for a in node.attribute):
+                # value_floats, sparse_value, ...: the rescaled tensor is held as a dense value.
+                del node.attribute[:]
+                node.attribute.append(onnx.helper.make_attribute("value", stored))
         elif node.op_type == "Identity":
             _identity_to_constant(node, remaining.pop(key))
     if remaining:
