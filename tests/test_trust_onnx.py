@@ -388,3 +388,40 @@ def test_replacing_its_own_earlier_index_leaves_no_stale_shards(tmp_path):
         expected = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", index.name, spec.name,
                     out.name, *named}
         assert {p.name for p in tmp_path.iterdir()} == expected
+
+
+# -- issue 27.4c: the copy of a shared parameter never takes a name the graph already has --------
+
+
+@pytest.mark.parametrize("where", ["input", "value_info", "output"])
+def test_the_copy_of_a_shared_parameter_avoids_every_name_in_the_graph(tmp_path, where):
+    path = _shared_parameter_model(tmp_path / "shared.onnx", "mul")
+    model = onnx.load(str(path))
+    taken = "b1.original_for_scale"
+    if where == "input":
+        # an input the network adds to its output (its own batch dimension)
+        model.graph.input.append(helper.make_tensor_value_info(taken, TensorProto.FLOAT, ["N", 3]))
+        model.graph.node[-1].output[0] = "y_scaled"
+        model.graph.node.append(helper.make_node("Add", ["y_scaled", taken], ["y"], name="shift"))
+    elif where == "value_info":
+        model.graph.value_info.append(helper.make_tensor_value_info(taken, TensorProto.FLOAT, [1]))
+    else:
+        model.graph.node.append(helper.make_node("Relu", ["y"], [taken], name="extra"))
+        model.graph.output.append(helper.make_tensor_value_info(taken, TensorProto.FLOAT, ["N", 3]))
+    onnx.checker.check_model(model)
+    onnx.save_model(model, str(path))
+    out = tmp_path / "out.onnx"
+    report = _rescaled_json(path, "-o", out)
+    assert report["verification"]["passed"]
+    written = onnx.load(str(out))
+    copies = [t.name for t in written.graph.initializer if t.name.startswith("b1.original_for")]
+    assert copies and taken not in copies
+    names = ([i.name for i in written.graph.input] + [o.name for o in written.graph.output]
+             + [v.name for v in written.graph.value_info] + [o for n in written.graph.node for o in n.output])
+    assert not set(copies) & set(names)
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    feeds = {"x": x, **({taken: np.ones((2, 3), np.float32)} if where == "input" else {})}
+    before = ReferenceEvaluator(model).run(None, feeds)
+    after = ReferenceEvaluator(written).run(None, feeds)
+    for b, a in zip(before, after):
+        assert np.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -112,7 +112,7 @@ def load_onnx(
     inferred = _folded(_infer_shapes(model, shapes, label), shapes, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
-    translation = _Translator(inferred, label, read_nodes=model.graph.node)
+    translation = _Translator(inferred, label, read_nodes=model.graph.node, written=model.graph)
     graph = translation.translate(shapes)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
@@ -559,9 +559,10 @@ class _Weight:
 class _Translator:
     """Builds the :class:`Graph` of a shape-inferred model, collecting every unsupported node."""
 
-    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None):
+    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None, written: onnx.GraphProto | None = None):
         """``read_nodes``: the nodes of the model as written back, position by position (``model``'s
-        own by default); shape arithmetic folded for translation still reads there what it read."""
+        own by default); shape arithmetic folded for translation still reads there what it read.
+        ``written``: the graph written back, whose names copies of parameters must avoid too."""
         self.label = label
         self.onnx_nodes = list(model.graph.node)
         self.read_nodes = list(read_nodes) if read_nodes is not None else self.onnx_nodes
@@ -582,6 +583,11 @@ class _Translator:
         self.moves: dict[str, tuple[str, torch.Tensor, onnx.NodeProto]] = {}
         self.aliases: dict[str, str] = {}
         self.claimed: set[str] = set()
+        # Every name the graph (as translated and as written back) already gives a value: a copy
+        # of a parameter is named apart from all of them.
+        self.taken: set[str] = {v.name for graph in (model.graph, written) if graph is not None
+                                for v in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)}
+        self.taken.update(name for n in (*self.onnx_nodes, *self.read_nodes) for name in (*n.input, *n.output))
         self.splits: list[tuple[str, str, int, int]] = []
         # Where parameters are read: (node index, input position), and the values read that way
         # (the stored tensors and the Identity/Transpose outputs between them and their layer).
@@ -666,7 +672,7 @@ class _Translator:
                     )
                     continue
                 alias, suffix = f"{value}.original_for_{_node_label(node)}", 1
-                while alias in self.initializers or alias in self.producer or alias in self.claimed:
+                while alias in self.taken or alias in self.claimed:
                     alias, suffix = f"{value}.original_for_{_node_label(node)}_{suffix}", suffix + 1
                 self.claimed.add(alias)
                 self.splits.append((alias, value, index, position))
@@ -746,7 +752,7 @@ class _Translator:
                 self.claimed.add(key)
             elif positions and key in self.initializers:
                 alias, suffix = f"{key}.{role}_of_{_node_label(onnx_node)}", 1
-                while alias in self.initializers or alias in self.producer or alias in self.claimed:
+                while alias in self.taken or alias in self.claimed:
                     alias, suffix = f"{key}.{role}_of_{_node_label(onnx_node)}_{suffix}", suffix + 1
                 self.claimed.add(alias)
                 self.splits.append((alias, key, self.onnx_nodes.index(onnx_node), positions[0]))
