@@ -24,6 +24,7 @@ from pathlib import Path
 from enum import Enum
 from typing import Annotated, Any, Optional
 
+import click
 import rich.markup
 import typer
 import typer.core
@@ -37,7 +38,8 @@ from .defaults import (
 from .errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError, batch_exit_code
 from .fileio import (
     INTERRUPTING_SIGNALS, NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations,
-    check_output_directory, describe, interrupts_deferred, printable, resolve_destination, written_files,
+    check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, printable,
+    resolve_destination, written_files,
 )
 
 EXIT_HELP = (
@@ -275,6 +277,8 @@ def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
     try:
         try:
             yield
+        except (typer.Exit, typer.Abort, click.ClickException):
+            raise  # deliberate exits (typer.Exit is a RuntimeError): never taken for a library's error
         except Exception as exc:
             _raise_if_interrupted(exc)
             raise
@@ -746,29 +750,31 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
         for position, model in enumerate(models, start=1):
             tag = f"[{position}/{total}]"
             _report_so_far = None
-            try:
-                report = process(position - 1)
-            except BrokenPipeError:
-                raise
-            except Exception as exc:
-                _raise_if_interrupted(exc)
-                code, label, message = _failure(exc, complete=as_json)
-                failures.append(code)
-                stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
-                             highlight=False, markup=True, soft_wrap=True)
-                report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc, code,
-                                        _shown_message(message))
-            else:
-                if not quiet:
-                    render_warnings(report, stderr)
-                    stderr.print(f"{tag} {summary_line(report)}", highlight=False, markup=False, soft_wrap=True)
-            if as_json:
-                # Whole or absent, and in one write: lines of parallel runs sharing a file never interleave.
-                with interrupts_deferred():
-                    sys.stdout.flush()
-                    sys.stdout.buffer.write((json.dumps(report, allow_nan=False) + "\n").encode())
-                    sys.stdout.buffer.flush()
-            reported = len(written_files)
+            # Once this file's output is in place, an interrupt waits for its lines (stderr, JSON).
+            with interrupts_held_once_written():
+                try:
+                    report = process(position - 1)
+                except BrokenPipeError:
+                    raise
+                except Exception as exc:
+                    _raise_if_interrupted(exc)
+                    code, label, message = _failure(exc, complete=as_json)
+                    failures.append(code)
+                    stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
+                                 highlight=False, markup=True, soft_wrap=True)
+                    report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc,
+                                            code, _shown_message(message))
+                else:
+                    if not quiet:
+                        render_warnings(report, stderr)
+                        stderr.print(f"{tag} {summary_line(report)}", highlight=False, markup=False, soft_wrap=True)
+                if as_json:
+                    # Whole or absent, and in one write: lines of parallel runs sharing a file never interleave.
+                    with interrupts_deferred():
+                        sys.stdout.flush()
+                        sys.stdout.buffer.write((json.dumps(report, allow_nan=False) + "\n").encode())
+                        sys.stdout.buffer.flush()
+                reported = len(written_files)
         if not quiet:
             stderr.print(_batch_summary(command, total, failures), highlight=False, markup=False, soft_wrap=True)
     except KeyboardInterrupt:

@@ -349,6 +349,40 @@ def interrupts_deferred() -> Iterator[None]:
             signal.raise_signal(held[0])
 
 
+# Open blocks of :func:`interrupts_held_once_written`, innermost last: each is its held signals
+# and, once an output was committed inside it, the handlers to restore (None until then).
+_holding: list[dict] = []
+
+
+@contextlib.contextmanager
+def interrupts_held_once_written() -> Iterator[None]:
+    """Within the block, from the moment a staged output is renamed into place, Ctrl-C and
+    SIGTERM are held back until the block ends (then delivered, not lost): a run over several
+    files reports each file it completely wrote (its JSON line) before an interrupt stops it."""
+    state: dict = {"held": [], "previous": None}
+    _holding.append(state)
+    try:
+        yield
+    finally:
+        _holding.remove(state)
+        if state["previous"] is not None:
+            for signum, handler in state["previous"].items():
+                signal.signal(signum, handler)
+            if state["held"]:
+                signal.raise_signal(state["held"][0])
+
+
+def _hold_from_now() -> None:
+    """Start holding interrupts until the innermost :func:`interrupts_held_once_written` ends."""
+    if not _holding or threading.current_thread() is not threading.main_thread():
+        return
+    state = _holding[-1]
+    if state["previous"] is None:
+        held = state["held"]
+        state["previous"] = {signum: signal.signal(signum, lambda received, frame: held.append(received))
+                             for signum in INTERRUPTING_SIGNALS}
+
+
 @contextlib.contextmanager
 def staged_output(destination: Path) -> Iterator[Stage]:
     """Yield a :class:`Stage` for ``destination`` inside a fresh hidden directory beside it.
@@ -385,6 +419,7 @@ def staged_output(destination: Path) -> Iterator[Stage]:
                 moved.append(final)
             _fsync_directory(directory)
             _set_mode(stage.path, destination)
+            _hold_from_now()  # first: the deferral below restores the handlers it found
             with interrupts_deferred():
                 os.replace(stage.path, destination)
                 stage.committed = True
