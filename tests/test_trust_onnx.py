@@ -425,3 +425,33 @@ def test_the_copy_of_a_shared_parameter_avoids_every_name_in_the_graph(tmp_path,
     after = ReferenceEvaluator(written).run(None, feeds)
     for b, a in zip(before, after):
         assert np.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- issue 27.4e: a tensor as both scale and shift is named once; a wrap pad beyond its axis is unsupported
+
+
+def _conv_model(path: Path, middle: list, tensors: list, x_shape, y_shape, opset: int = 17) -> Path:
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "W"),
+               numpy_helper.from_array(rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "W2")]
+    graph = helper.make_graph(middle, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *x_shape])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", *y_shape])],
+                              weights + tensors)
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_one_initializer_as_scale_and_shift_is_refused_naming_each_node_once(tmp_path):
+    scale = numpy_helper.from_array(np.full((1, 4, 1, 1), 1.5, np.float32), "s")
+    path = _conv_model(tmp_path / "net.onnx", [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["c", "s"], ["m"], name="scale"),
+        helper.make_node("Add", ["m", "s"], ["a"], name="shift"),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "W2"], ["y"], name="conv2")], [scale], (3, 8, 8), (2, 6, 6))
+    before = snapshot(tmp_path)
+    stderr = assert_clean_exit(invoke("rescale", path, "-o", tmp_path / "out.onnx"), 4,
+                               "node 'shift' (Add)", "'s'", "node 'scale' multiplies by", "scale and the shift")
+    assert "node 'scale' and node 'scale'" not in stderr
+    assert_unchanged(tmp_path, before)
+

@@ -1289,6 +1289,12 @@ class _Translator:
         if isinstance(layer, ChannelAffine) and layer.bias is None and self._readers(x) == 1 and self._is_per_channel(
                 bias_value, x):
             bias = self._weight(bias_value).key
+            if self.aliases.get(bias, bias) == self.aliases.get(layer.weight, layer.weight):
+                raise _Unsupported(
+                    f"it adds '{bias_value}', the tensor node '{layer.name}' multiplies by: one tensor as both the "
+                    "per-channel scale and the shift after it cannot be rescaled (the scale changes by the ratio of "
+                    "two channel factors, the shift by one); store the shift as a tensor of its own"
+                )
         elif isinstance(layer, Linear) and layer.bias is None and self._readers(x) == 1:
             bias = self._plain_weight(bias_value, "bias", 1)
         else:
