@@ -207,3 +207,10 @@ def test_one_tensor_as_weight_and_bias_of_one_node_names_that_node_once():
     assert "tensor 's' is both the weight and the bias of node 'a' (channel_affine)" in message
     assert "node 'a' and node 'a'" not in message
 
+
+def test_circular_padding_wider_than_its_axis_is_unsupported_not_unreadable():
+    spec = _spec({"name": "p", "type": "pad", "begin": 5, "end": 5, "mode": "circular"},
+                 {"name": "c", "type": "conv", "bias": None})
+    with pytest.raises(UnsupportedModelError, match=r"node 'p' \(pad, circular\) pads by 5 an axis of size 4: that wraps "
+                                                      "around more than once"):
+        build_groups(graph_from_spec(spec, source="spec"), {"c.weight": torch.randn(2, 1, 1, 1)})

@@ -1075,6 +1075,16 @@ class _Translator:
             begin[axis % rank], end[axis % rank] = before, after
         if begin[:2] != [0, 0] or end[:2] != [0, 0] or min(begin + end) < 0:
             raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pads {pads})")
+        if mode == "circular":
+            shape = self.shapes.get(x) or ()
+            for axis in range(2, min(rank, len(shape))):
+                size = shape[axis]
+                if size is not None and max(begin[axis], end[axis]) > size:
+                    raise _Unsupported(
+                        f"wrap padding of {max(begin[axis], end[axis])} on axis {axis}, of size {size}, wraps around "
+                        "more than once; pathcond pads circularly by at most the size of the axis (torch's "
+                        "circular padding)"
+                    )
         self._emit_for(node, Pad, x, begin=tuple(begin[2:]), end=tuple(end[2:]), mode=mode)
 
     def _resize(self, node: onnx.NodeProto) -> None:
