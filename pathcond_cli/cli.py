@@ -38,8 +38,8 @@ from .defaults import (
 from .errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError, batch_exit_code
 from .fileio import (
     INTERRUPTING_SIGNALS, NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations,
-    check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, printable,
-    resolve_destination, written_files,
+    check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, is_character_device,
+    printable, resolve_destination, written_files,
 )
 
 EXIT_HELP = (
@@ -642,7 +642,7 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
             destination = _default_output(source_path)
         kind = detect_format(source)
         outputs = [written("-o", output if output not in (None, "-") else destination, kind),
-                   written("--report", report_file), written("--plot", plot)]
+                   written("--report", report_file, devices=True), written("--plot", plot)]
         destination, report_path, plot_path = check_destinations(outputs, files_read(source_path, arch),
                                                                  in_place=in_place)
 
@@ -890,7 +890,7 @@ def spec_command(
     Its tensor keys are the names MODEL's tensors have (for an ONNX model, its initializers';
     torch.export keeps the module's state_dict names). Example: pathcond spec model.onnx -o model.yaml
     """
-    if output is not None and Path(output).suffix.lower() not in SPEC_SUFFIXES:
+    if output is not None and Path(output).suffix.lower() not in SPEC_SUFFIXES and not is_character_device(output):
         raise typer.BadParameter(f"'{output}': a spec is written as {', '.join(SPEC_SUFFIXES)}, chosen by the suffix",
                                  param_hint="-o")
     shape = _parse_shape(input_shape)
@@ -903,7 +903,8 @@ def spec_command(
         from .report import print_warnings
 
         source, source_path, name = _read_source(model)
-        destination, = check_destinations([written("-o", output)], files_read(source_path, arch), offers_in_place=False)
+        destination, = check_destinations([written("-o", output, devices=True)], files_read(source_path, arch),
+                                          offers_in_place=False)
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.lower().endswith(".json"))
         print_warnings([*loaded.warnings, *spec_warnings(loaded.graph, loaded.format, name)], stderr)

@@ -76,9 +76,14 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_place: bool = False) -> None:
+def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_place: bool = False,
+                      option: str = "-o", devices: bool = False) -> None:
     """Refuse before any work: a missing or unwritable directory, a name too long, something that
-    is not a regular file (directory, FIFO, device, socket, or a link to one), or an input file."""
+    is not a regular file (directory, FIFO, device, socket, or a link to one), or an input file.
+    With ``devices``, a character device (/dev/null, a terminal) is accepted: it is written
+    directly (see :func:`atomic_write`)."""
+    if devices and is_character_device(destination):
+        return
     shown = describe(destination)
     if len(os.fsencode(destination.name)) > NAME_MAX:
         raise OutputError(f"cannot write '{shown[:80]}...': the file name is longer than {NAME_MAX} bytes.")
@@ -93,8 +98,9 @@ def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_plac
         raise OutputError(f"cannot write '{shown}': {_reason(exc)}.") from None
     if kind is not None:
         raise OutputError(
-            f"cannot write '{shown}': it is {kind}, not a regular file; pathcond only replaces regular files. "
-            "Choose another -o path."
+            f"cannot write '{shown}': it is {kind}, not a regular file; pathcond only replaces regular files"
+            + (" (a checkpoint is read back from its file to be verified)" if kind.startswith("a character device")
+               and not devices else "") + f". Choose another {option} path."
         )
     if not in_place:
         for source in inputs:
@@ -445,9 +451,24 @@ def staged_output(destination: Path) -> Iterator[Stage]:
 
 
 def atomic_write(destination: Path, write: Callable[[Path], None]) -> None:
-    """Run ``write(tmp_path)`` and move the result onto ``destination`` atomically."""
+    """Run ``write(tmp_path)`` and move the result onto ``destination`` atomically; a character
+    device (/dev/null, a terminal), which cannot be replaced, is written directly."""
+    if is_character_device(destination):
+        try:
+            write(Path(destination))
+        except OSError as exc:
+            raise output_error_from(exc, Path(destination)) from None
+        return
     with atomic_path(destination) as tmp:
         write(tmp)
+
+
+def is_character_device(path: Path | str) -> bool:
+    """Whether ``path`` names a character device (through links)."""
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def output_error_from(exc: OSError, destination: Path) -> OutputError:
