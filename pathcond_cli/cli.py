@@ -821,15 +821,17 @@ def inspect(
     plot: PlotOpt = None,
     allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
+    report_file: Annotated[Optional[str], typer.Option("--report", metavar="FILE",
+                                                       help="Also write the JSON report to this file.")] = None,
 ) -> None:
     """Summarise MODEL: parameters, hidden units, rescaling groups, path count, diag(G) spread.
 
-    Writes nothing. Example: pathcond inspect model.onnx --json
+    Writes nothing but the files --report and --plot name. Example: pathcond inspect model.onnx --json
     """
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     if len(models) > 1:
-        _check_batch_options(models, as_json=as_json, plot=plot)
+        _check_batch_options(models, as_json=as_json, report_file=report_file, plot=plot)
         with _errors_to_exit_codes():
             def inspect_one(index: int) -> dict[str, Any]:
                 return _inspect_one(models[index], arch, shape, device, allow_unused, quiet)[0]
@@ -841,13 +843,15 @@ def inspect(
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
         _check_plot(plot)
-        report, analysis, plot_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot)
-        _emit(report, as_json=as_json, report_file=None, quiet=quiet)
+        report, analysis, plot_path, report_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot,
+                                                                report_file)
+        _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
         _draw(plot_path, report, analysis)
 
 
-def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
-    """Load and analyse one model; returns the JSON report, the analysis and where the plot goes."""
+def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, report_file=None):
+    """Load and analyse one model; returns the JSON report, the analysis and where the plot and
+    the report file go."""
     from .api import analyse
     from .destinations import check_destinations, written
     from .formats import files_read, load_model
@@ -857,7 +861,8 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
-        plot_path, = check_destinations([written("--plot", plot)], files_read(source_path, arch))
+        plot_path, report_path = check_destinations(
+            [written("--plot", plot), written("--report", report_file, devices=True)], files_read(source_path, arch))
         stages.stage("loading")
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - started
@@ -867,7 +872,7 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None):
         report = analysis_report(analysis)
     report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
                          "total": round(time.perf_counter() - started, 6)}
-    return report, analysis, plot_path
+    return report, analysis, plot_path, report_path
 
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
