@@ -28,7 +28,7 @@ from ..errors import InputError, UnsupportedModelError, UsageError
 from ..graph import Graph
 from .movement import UnsupportedMovement, movement_layer
 from . import shown
-from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
+from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
@@ -67,7 +67,7 @@ def graph_from_module(
     traced = _trace(module, source)
     _check_one_input(traced, source)
     values, failure = _run_on_zeros(module, traced, tuple(input_shape))
-    spec, problems, follow_on = _spec_from_trace(traced, values)
+    spec, problems, follow_on, note = _spec_from_trace(traced, values)
     if failure is not None and (problems or follow_on):
         reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]  # fx appends its own context
         raise UsageError(
@@ -77,7 +77,7 @@ def graph_from_module(
         )
     if problems or follow_on:
         raise UnsupportedModelError(
-            f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on
+            f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on, note=note
         )
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
     return graph, {key: tensor.detach() for key, tensor in module.state_dict().items()}
@@ -212,9 +212,10 @@ def _trace(module: nn.Module, source: str) -> torch.fx.GraphModule:
 
 def _spec_from_trace(
     traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any]
-) -> tuple[dict[str, Any], list[str], list[str]]:
-    """The architecture spec of a traced module, every reason it is not a ReLU DAG, and the
-    problems of nodes that read (directly or not) the output of a node already refused."""
+) -> tuple[dict[str, Any], list[str], list[str], str | None]:
+    """The architecture spec of a traced module, every reason it is not a ReLU DAG, the
+    problems of nodes that read (directly or not) the output of a node already refused, and why
+    the non-homogeneous operations are refused (None without any)."""
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
@@ -261,7 +262,7 @@ def _spec_from_trace(
         except _Unsupported as exc:
             (follow_on if node in after_refusal else problems).append(
                 f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
-    return {"layers": layers, "outputs": outputs}, problems, follow_on
+    return {"layers": layers, "outputs": outputs}, problems, follow_on, offender_note(offenders)
 
 
 class _Movements:

@@ -35,7 +35,7 @@ from ..graph import (
 from ..model import LoadedModel
 from .movement import UnsupportedMovement, movement_layer
 from .onnx_fold import SHAPE_QUERIES, fold_shape_arithmetic
-from .offenders import grouped
+from .offenders import grouped, offender_note
 from .spec import LAYER_TYPES
 
 MIN_OPSET = 13
@@ -627,6 +627,7 @@ class _Translator:
                 f"{len(problems)} problem(s):",
                 problems,
                 self.follow_on,
+                note=offender_note(self.offenders),
             )
         return Graph(list(self.nodes.values()), outputs, source=self.label)
 
