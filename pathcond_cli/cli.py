@@ -24,6 +24,7 @@ from pathlib import Path
 from enum import Enum
 from typing import Annotated, Any, Optional
 
+import click
 import rich.markup
 import typer
 import typer.core
@@ -37,7 +38,8 @@ from .defaults import (
 from .errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError, batch_exit_code
 from .fileio import (
     INTERRUPTING_SIGNALS, NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations,
-    check_output_directory, describe, interrupts_deferred, printable, resolve_destination, written_files,
+    check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, is_character_device,
+    printable, resolve_destination, written_files,
 )
 
 EXIT_HELP = (
@@ -288,6 +290,8 @@ def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
     try:
         try:
             yield
+        except (typer.Exit, typer.Abort, click.ClickException):
+            raise  # deliberate exits (typer.Exit is a RuntimeError): never taken for a library's error
         except Exception as exc:
             _raise_if_interrupted(exc)
             raise
@@ -659,7 +663,7 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
             destination = _default_output(source_path)
         kind = detect_format(source)
         outputs = [written("-o", output if output not in (None, "-") else destination, kind),
-                   written("--report", report_file), written("--plot", plot)]
+                   written("--report", report_file, devices=True), written("--plot", plot)]
         destination, report_path, plot_path = check_destinations(outputs, files_read(source_path, arch),
                                                                  in_place=in_place)
 
@@ -768,29 +772,31 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
         for position, model in enumerate(models, start=1):
             tag = f"[{position}/{total}]"
             _report_so_far = None
-            try:
-                report = process(position - 1)
-            except BrokenPipeError:
-                raise
-            except Exception as exc:
-                _raise_if_interrupted(exc)
-                code, label, message = _failure(exc, complete=as_json)
-                failures.append(code)
-                stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
-                             highlight=False, markup=True, soft_wrap=True)
-                report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc, code,
-                                        _shown_message(message))
-            else:
-                if not quiet:
-                    render_warnings(report, stderr)
-                    stderr.print(f"{tag} {summary_line(report)}", highlight=False, markup=False, soft_wrap=True)
-            if as_json:
-                # Whole or absent, and in one write: lines of parallel runs sharing a file never interleave.
-                with interrupts_deferred():
-                    sys.stdout.flush()
-                    sys.stdout.buffer.write((json.dumps(report, allow_nan=False) + "\n").encode())
-                    sys.stdout.buffer.flush()
-            reported = len(written_files)
+            # Once this file's output is in place, an interrupt waits for its lines (stderr, JSON).
+            with interrupts_held_once_written():
+                try:
+                    report = process(position - 1)
+                except BrokenPipeError:
+                    raise
+                except Exception as exc:
+                    _raise_if_interrupted(exc)
+                    code, label, message = _failure(exc, complete=as_json)
+                    failures.append(code)
+                    stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
+                                 highlight=False, markup=True, soft_wrap=True)
+                    report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc,
+                                            code, _shown_message(message))
+                else:
+                    if not quiet:
+                        render_warnings(report, stderr)
+                        stderr.print(f"{tag} {summary_line(report)}", highlight=False, markup=False, soft_wrap=True)
+                if as_json:
+                    # Whole or absent, and in one write: lines of parallel runs sharing a file never interleave.
+                    with interrupts_deferred():
+                        sys.stdout.flush()
+                        sys.stdout.buffer.write((json.dumps(report, allow_nan=False) + "\n").encode())
+                        sys.stdout.buffer.flush()
+                reported = len(written_files)
         if not quiet:
             stderr.print(_batch_summary(command, total, failures), highlight=False, markup=False, soft_wrap=True)
     except KeyboardInterrupt:
@@ -838,16 +844,18 @@ def inspect(
     path_norm: PathNormOpt = None,
     allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
+    report_file: Annotated[Optional[str], typer.Option("--report", metavar="FILE",
+                                                       help="Also write the JSON report to this file.")] = None,
 ) -> None:
     """Summarise MODEL: parameters, hidden units, rescaling groups, path count, path norms, diag(G) spread.
 
-    Writes nothing. Example: pathcond inspect model.onnx --json
+    Writes nothing but the files --report and --plot name. Example: pathcond inspect model.onnx --json
     """
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     orders = _parse_path_norms(path_norm)
     if len(models) > 1:
-        _check_batch_options(models, as_json=as_json, plot=plot)
+        _check_batch_options(models, as_json=as_json, report_file=report_file, plot=plot)
         with _errors_to_exit_codes():
             def inspect_one(index: int) -> dict[str, Any]:
                 return _inspect_one(models[index], arch, shape, device, allow_unused, quiet, orders=orders)[0]
@@ -859,13 +867,15 @@ def inspect(
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
         _check_plot(plot)
-        report, analysis, plot_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot, orders)
-        _emit(report, as_json=as_json, report_file=None, quiet=quiet)
+        report, analysis, plot_path, report_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot,
+                                                                report_file, orders)
+        _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
         _draw(plot_path, report, analysis)
 
 
-def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, orders=()):
-    """Load and analyse one model; returns the JSON report, the analysis and where the plot goes."""
+def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, report_file=None, orders=()):
+    """Load and analyse one model (``orders``: the path norms asked for beside ℓ1 and ℓ2);
+    returns the JSON report, the analysis and where the plot and the report file go."""
     from .api import analyse
     from .destinations import check_destinations, written
     from .formats import files_read, load_model
@@ -875,7 +885,8 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, ord
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
-        plot_path, = check_destinations([written("--plot", plot)], files_read(source_path, arch))
+        plot_path, report_path = check_destinations(
+            [written("--plot", plot), written("--report", report_file, devices=True)], files_read(source_path, arch))
         stages.stage("loading")
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - started
@@ -885,7 +896,7 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, ord
         report = analysis_report(analysis)
     report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
                          "total": round(time.perf_counter() - started, 6)}
-    return report, analysis, plot_path
+    return report, analysis, plot_path, report_path
 
 
 InputBoundOpt = Annotated[float, typer.Option(
@@ -1021,7 +1032,7 @@ def prune(
             destination = Path(output)
         else:
             destination = source_path if in_place else _default_output(source_path, "pruned")
-        outputs = [written("-o", destination, detect_format(source)), written("--report", report_file)]
+        outputs = [written("-o", destination, detect_format(source)), written("--report", report_file, devices=True)]
         destination, report_path = check_destinations(outputs, files_read(source_path, arch), in_place=in_place)
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             stages.stage("loading")
@@ -1060,7 +1071,7 @@ def spec_command(
     Its tensor keys are the names MODEL's tensors have (for an ONNX model, its initializers';
     torch.export keeps the module's state_dict names). Example: pathcond spec model.onnx -o model.yaml
     """
-    if output is not None and Path(output).suffix.lower() not in SPEC_SUFFIXES:
+    if output is not None and Path(output).suffix.lower() not in SPEC_SUFFIXES and not is_character_device(output):
         raise typer.BadParameter(f"'{output}': a spec is written as {', '.join(SPEC_SUFFIXES)}, chosen by the suffix",
                                  param_hint="-o")
     shape = _parse_shape(input_shape)
@@ -1074,7 +1085,8 @@ def spec_command(
         from .report import print_warnings
 
         source, source_path, name = _read_source(model)
-        destination, = check_destinations([written("-o", output)], files_read(source_path, arch), offers_in_place=False)
+        destination, = check_destinations([written("-o", output, devices=True)], files_read(source_path, arch),
+                                          offers_in_place=False)
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.lower().endswith(".json"))
         folded = batchnorm_folded_tensors(loaded.payload) if loaded.format == "onnx" else []

@@ -39,20 +39,25 @@ class Written:
     name: str
     companion: re.Pattern | None = None
     longest: str | None = None
+    # Whether a character device (/dev/null, a terminal) may take the output: text written
+    # once (a spec, a report), never a checkpoint, which is read back to be verified.
+    devices: bool = False
 
     @property
     def path(self) -> Path:
         return Path(self.name)
 
 
-def written(option: str, name: str | os.PathLike | None, kind: str | None = None) -> Written | None:
+def written(option: str, name: str | os.PathLike | None, kind: str | None = None, *,
+            devices: bool = False) -> Written | None:
     """The :class:`Written` for ``name`` given to ``option`` (None when not given); ``kind``
-    is the checkpoint format for ``-o`` (its companions follow from it)."""
+    is the checkpoint format for ``-o`` (its companions follow from it); ``devices``: whether a
+    character device may take it."""
     if name is None:
         return None
     text = os.fsdecode(name)
     if kind is None or text in ("", "-"):
-        return Written(option, text)
+        return Written(option, text, devices=devices)
     preferred = _preferred_companion(kind, Path(text).name)
     if preferred is None:
         return Written(option, text)
@@ -86,7 +91,8 @@ def check_destinations(outputs: Sequence[Written | None], reads: Sequence[Path],
     for item in given:
         path = resolve_destination(item.path)
         is_output = item.option == "-o"
-        check_destination(path, inputs=reads[:1] if is_output else (), in_place=in_place)
+        check_destination(path, inputs=reads[:1] if is_output else (), in_place=in_place, option=item.option,
+                          devices=item.devices)
         for source in reads[1:] if is_output else reads:
             if same_file(path, source):
                 raise OutputError(

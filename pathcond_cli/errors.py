@@ -29,18 +29,21 @@ class UnsupportedModelError(PathcondError):
 
     exit_code = 4
 
-    def __init__(self, message: str, problems: list[str] | None = None, follow_on: list[str] | None = None):
+    def __init__(self, message: str, problems: list[str] | None = None, follow_on: list[str] | None = None,
+                 note: str | None = None):
         """``problems`` are the root causes; ``follow_on`` the problems of nodes that only read
-        the output of a refused node (counted in the message; ``complete`` lists them all)."""
+        the output of a refused node (counted in the message; ``complete`` lists them all);
+        ``note`` a paragraph closing the message (why, and what would help), given once."""
         root = list(problems or [])
         self.follow_on = list(follow_on or [])
         self.problems = root + self.follow_on
         lines = [f"  - {p}" for p in root]
-        self.complete = "\n".join([message, *lines, *(f"  - {p}" for p in self.follow_on)])
+        closing = [note] if note else []
+        self.complete = "\n".join([message, *lines, *(f"  - {p}" for p in self.follow_on), *closing])
         if self.follow_on:
             lines.append(f"  and {len(self.follow_on)} more problem(s) in nodes that read the output of those above, "
                          "consequences of them (listed with --json; in the API, the error's follow_on)")
-        super().__init__("\n".join([message, *lines]) if lines else message)
+        super().__init__("\n".join([message, *lines, *closing]) if lines or closing else message)
 
 
 class VerificationError(PathcondError):

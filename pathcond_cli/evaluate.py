@@ -66,6 +66,15 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
             problem = broadcast_problem(node, [shapes[i] for i in node.inputs]) if node.broadcasts_inputs else None
             if problem:
                 raise UnsupportedModelError(f"{graph.source}: the network is not a supported ReLU DAG:", [problem])
+            if node.op == "pad" and node.mode == "circular":
+                spatial = tuple(xs[0].shape[2:])
+                for size, before, after in zip(spatial[::-1], node.begin[::-1], node.end[::-1]):
+                    if max(before, after) > size:
+                        raise UnsupportedModelError(
+                            f"{graph.source}: node '{node.name}' (pad, circular) pads by {max(before, after)} an "
+                            f"axis of size {size}: that wraps around more than once, which circular padding (torch's) "
+                            "does not do; pad by at most the size of the axis"
+                        )
             try:
                 with torch.no_grad():
                     values[node.name] = rule.forward(node, xs, param, False)

@@ -76,9 +76,14 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_place: bool = False) -> None:
+def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_place: bool = False,
+                      option: str = "-o", devices: bool = False) -> None:
     """Refuse before any work: a missing or unwritable directory, a name too long, something that
-    is not a regular file (directory, FIFO, device, socket, or a link to one), or an input file."""
+    is not a regular file (directory, FIFO, device, socket, or a link to one), or an input file.
+    With ``devices``, a character device (/dev/null, a terminal) is accepted: it is written
+    directly (see :func:`atomic_write`)."""
+    if devices and is_character_device(destination):
+        return
     shown = describe(destination)
     if len(os.fsencode(destination.name)) > NAME_MAX:
         raise OutputError(f"cannot write '{shown[:80]}...': the file name is longer than {NAME_MAX} bytes.")
@@ -93,8 +98,9 @@ def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_plac
         raise OutputError(f"cannot write '{shown}': {_reason(exc)}.") from None
     if kind is not None:
         raise OutputError(
-            f"cannot write '{shown}': it is {kind}, not a regular file; pathcond only replaces regular files. "
-            "Choose another -o path."
+            f"cannot write '{shown}': it is {kind}, not a regular file; pathcond only replaces regular files"
+            + (" (a checkpoint is read back from its file to be verified)" if kind.startswith("a character device")
+               and not devices else "") + f". Choose another {option} path."
         )
     if not in_place:
         for source in inputs:
@@ -349,6 +355,40 @@ def interrupts_deferred() -> Iterator[None]:
             signal.raise_signal(held[0])
 
 
+# Open blocks of :func:`interrupts_held_once_written`, innermost last: each is its held signals
+# and, once an output was committed inside it, the handlers to restore (None until then).
+_holding: list[dict] = []
+
+
+@contextlib.contextmanager
+def interrupts_held_once_written() -> Iterator[None]:
+    """Within the block, from the moment a staged output is renamed into place, Ctrl-C and
+    SIGTERM are held back until the block ends (then delivered, not lost): a run over several
+    files reports each file it completely wrote (its JSON line) before an interrupt stops it."""
+    state: dict = {"held": [], "previous": None}
+    _holding.append(state)
+    try:
+        yield
+    finally:
+        _holding.remove(state)
+        if state["previous"] is not None:
+            for signum, handler in state["previous"].items():
+                signal.signal(signum, handler)
+            if state["held"]:
+                signal.raise_signal(state["held"][0])
+
+
+def _hold_from_now() -> None:
+    """Start holding interrupts until the innermost :func:`interrupts_held_once_written` ends."""
+    if not _holding or threading.current_thread() is not threading.main_thread():
+        return
+    state = _holding[-1]
+    if state["previous"] is None:
+        held = state["held"]
+        state["previous"] = {signum: signal.signal(signum, lambda received, frame: held.append(received))
+                             for signum in INTERRUPTING_SIGNALS}
+
+
 @contextlib.contextmanager
 def staged_output(destination: Path) -> Iterator[Stage]:
     """Yield a :class:`Stage` for ``destination`` inside a fresh hidden directory beside it.
@@ -385,6 +425,7 @@ def staged_output(destination: Path) -> Iterator[Stage]:
                 moved.append(final)
             _fsync_directory(directory)
             _set_mode(stage.path, destination)
+            _hold_from_now()  # first: the deferral below restores the handlers it found
             with interrupts_deferred():
                 os.replace(stage.path, destination)
                 stage.committed = True
@@ -410,9 +451,24 @@ def staged_output(destination: Path) -> Iterator[Stage]:
 
 
 def atomic_write(destination: Path, write: Callable[[Path], None]) -> None:
-    """Run ``write(tmp_path)`` and move the result onto ``destination`` atomically."""
+    """Run ``write(tmp_path)`` and move the result onto ``destination`` atomically; a character
+    device (/dev/null, a terminal), which cannot be replaced, is written directly."""
+    if is_character_device(destination):
+        try:
+            write(Path(destination))
+        except OSError as exc:
+            raise output_error_from(exc, Path(destination)) from None
+        return
     with atomic_path(destination) as tmp:
         write(tmp)
+
+
+def is_character_device(path: Path | str) -> bool:
+    """Whether ``path`` names a character device (through links)."""
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        return False
 
 
 def output_error_from(exc: OSError, destination: Path) -> OutputError:

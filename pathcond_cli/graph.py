@@ -521,13 +521,19 @@ def _check_structure(graph: Graph) -> None:
                     f"node '{node.name}' (pad, mode -inf) must be read by max-pooling only: anything else "
                     "(an output, a conv, a sum) would compute with −inf"
                 )
-        for key in node.parameter_keys().values():
-            if key in readers:
+        for role, key in node.parameter_keys().items():
+            if key in readers and readers[key][0] == node.name:
                 problems.append(
-                    f"tensor '{key}' is used by node '{readers[key]}' and node '{node.name}': a parameter "
+                    f"tensor '{key}' is both the {readers[key][1]} and the {role} of node '{node.name}' ({node.op}): "
+                    "one tensor in two roles of a layer cannot be rescaled (each role changes by another factor); "
+                    "give each role a tensor of its own"
+                )
+            elif key in readers:
+                problems.append(
+                    f"tensor '{key}' is used by node '{readers[key][0]}' and node '{node.name}': a parameter "
                     "shared by two layers is not a ReLU DAG pathcond can rescale"
                 )
-            readers[key] = node.name
+            readers[key] = (node.name, role)
     if not graph.inputs:
         problems.append("the graph has no input")
     reachable = set(graph.outputs)

@@ -7,6 +7,8 @@ parse never disagree.
 from __future__ import annotations
 
 import math
+import os
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +16,7 @@ import rich.markup
 from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from . import __version__
 from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, ZeroCause, histogram, zero_causes
@@ -296,60 +299,58 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     """Rich tables for people (the console writes to stderr); warnings last."""
     console.print(f"pathcond {report['command']} · {printable(report['model'])}", style="bold", highlight=False,
                   markup=False, soft_wrap=True)
-    summary = Table(show_header=False)
-    summary.add_column("", style="bold")
-    summary.add_column("")
+    rows: list[tuple[str, str]] = []  # (name, value as rich markup)
     groups, paths, diag = report["groups"], report["paths"], report["diag_g"]
     after = report.get("diag_g_after")
     conditioning = report["conditioning"]
-    summary.add_row("format", report["format"])
-    summary.add_row("architecture from", _safe(report["arch_source"]))
-    summary.add_row("device", report["device"])
-    summary.add_row("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"]))
-    summary.add_row("parameters", _fmt(report["parameters"]))
-    summary.add_row("DAG parameters", f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
-                    "with g > 0: p of F and D)")
-    summary.add_row("hidden units", _fmt(report["hidden_units"]))
-    summary.add_row("rescaling groups", f"{_fmt(groups['free'])} free · {_fmt(groups['fixed'])} fixed · "
-                    f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours")
+    rows.append(("format", report["format"]))
+    rows.append(("architecture from", _safe(report["arch_source"])))
+    rows.append(("device", report["device"]))
+    rows.append(("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"])))
+    rows.append(("parameters", _fmt(report["parameters"])))
+    rows.append(("DAG parameters", f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
+                 "with g > 0: p of F and D)"))
+    rows.append(("hidden units", _fmt(report["hidden_units"])))
+    rows.append(("rescaling groups", f"{_fmt(groups['free'])} free · {_fmt(groups['fixed'])} fixed · "
+                 f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours"))
     exact = f" ({_fmt(paths['exact'])})" if paths["exact"] is not None else ""
-    summary.add_row("paths", f"10^{_fmt(paths['log10'], 6)}{exact}")
-    summary.add_row("path norms" + (" before" if after is not None else ""), path_norms_text(report["path_norms"]))
+    rows.append(("paths", f"10^{_fmt(paths['log10'], 6)}{exact}"))
+    rows.append(("path norms" + (" before" if after is not None else ""), path_norms_text(report["path_norms"])))
     if report.get("path_norms_after"):
-        summary.add_row("path norms after", path_norms_text(report["path_norms_after"]))
+        rows.append(("path norms after", path_norms_text(report["path_norms_after"])))
     if after is None:
-        summary.add_row("conditioning", _conditioning_text(conditioning["before"]))
-        summary.add_row("diag(G)", _spread_text(diag))
+        rows.append(("conditioning", _conditioning_text(conditioning["before"])))
+        rows.append(("diag(G)", _spread_text(diag)))
     else:
         closed = conditioning["fraction_of_gap_closed"]
-        summary.add_row("conditioning before", _conditioning_text(conditioning["before"]))
-        summary.add_row("conditioning after", f"{_conditioning_text(conditioning['after'])} · decrease "
+        rows.append(("conditioning before", _conditioning_text(conditioning["before"])))
+        rows.append(("conditioning after", f"{_conditioning_text(conditioning['after'])} · decrease "
                         f"{_fmt(conditioning['decrease'], 6)}"
-                        + (f" ({100 * closed:.1f}% of the way to a constant diag(G))" if closed is not None else ""))
-        summary.add_row("diag(G) before", _spread_text(diag))
-        summary.add_row("diag(G) after", _spread_text(after))
+                        + (f" ({100 * closed:.1f}% of the way to a constant diag(G))" if closed is not None else "")))
+        rows.append(("diag(G) before", _spread_text(diag)))
+        rows.append(("diag(G) after", _spread_text(after)))
     if "solver" in report:
         solver, verification = report["solver"], report["verification"]
         state = "[green]converged[/]" if solver["converged"] else "[yellow]NOT converged[/]"
-        summary.add_row("criterion", report["criterion"])
-        summary.add_row("solver", f"{solver['name']} · {solver['iterations']} iterations · "
-                        f"{solver['passes']} passes · {state}")
+        rows.append(("criterion", report["criterion"]))
+        rows.append(("solver", f"{solver['name']} · {solver['iterations']} iterations · "
+                        f"{solver['passes']} passes · {state}"))
         name = "ln Σθ²" if report["criterion"] == "enorm" else "F"
-        summary.add_row("objective", f"{name}(0) {_fmt(solver['objective_initial'], 10)} → {name}* "
-                        f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})")
-        summary.add_row("KKT residual", f"{_fmt(solver['kkt_residual'])} (tolerance {solver['tolerance']:g})")
-        summary.add_row("‖u‖∞", _fmt(report["u_inf"]) + _bound_text(solver))
+        rows.append(("objective", f"{name}(0) {_fmt(solver['objective_initial'], 10)} → {name}* "
+                        f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})"))
+        rows.append(("KKT residual", f"{_fmt(solver['kkt_residual'])} (tolerance {solver['tolerance']:g})"))
+        rows.append(("‖u‖∞", _fmt(report["u_inf"]) + _bound_text(solver)))
         check = "[green]passed[/]" if verification["passed"] else "[red]FAILED[/]"
-        summary.add_row("verification", f"max abs {_fmt(verification['max_abs_error'])} · max rel "
+        rows.append(("verification", f"max abs {_fmt(verification['max_abs_error'])} · max rel "
                         f"{_fmt(verification['max_rel_error'])} (tol {verification['tolerance']:g}, "
-                        f"{'+'.join(verification['modes'])}) {check}")
+                        f"{'+'.join(verification['modes'])}) {check}"))
         independent = verification.get("independent")
         if independent and independent["runtime"]:
-            summary.add_row("independent check", f"{independent['runtime']}: {independent['status']}"
-                            + (f" ({_safe(independent['detail'])})" if independent["status"] != "passed" else ""))
-        summary.add_row("output", _safe(report["output"]))
-    summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
-    _print_table(console, summary)
+            rows.append(("independent check", f"{independent['runtime']}: {independent['status']}"
+                            + (f" ({_safe(independent['detail'])})" if independent["status"] != "passed" else "")))
+        rows.append(("output", _safe(report["output"])))
+    rows.append(("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items())))
+    _print_summary(console, rows)
     if per_layer and diag["per_layer"]:
         _print_table(console, _layer_table(diag, after))
     if diag["histogram"]:
@@ -396,6 +397,34 @@ def render_warnings(report: dict[str, Any], console: Console) -> None:
 def print_warnings(warnings: list[str], console: Console) -> None:
     for warning in warnings:
         console.print(f"[yellow]warning:[/] {_safe(warning, keep=chr(10))}", highlight=False, soft_wrap=True)
+
+
+# Off a terminal, the summary's values are wrapped to this many columns unless COLUMNS says otherwise.
+STACKED_COLUMNS = 100
+
+
+def _print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
+    """The summary: a two-column table at a terminal; off one (a pipe, a log file), where the
+    width is unknown, one ``name  value`` line per row, the value wrapped at ``·`` and spaces to
+    COLUMNS (default :data:`STACKED_COLUMNS`) under its own column: no ~170-column table."""
+    if console.is_terminal:
+        summary = Table(show_header=False)
+        summary.add_column("", style="bold")
+        summary.add_column("")
+        for name, value in rows:
+            summary.add_row(name, value)
+        _print_table(console, summary)
+        return
+    columns = os.environ.get("COLUMNS", "").strip()
+    width = int(columns) if columns.isdigit() and int(columns) >= 40 else STACKED_COLUMNS
+    indent = max(len(name) for name, _ in rows) + 2
+    lines = []
+    for name, value in rows:
+        wrapped = textwrap.wrap(Text.from_markup(value).plain, width=max(width - indent, 20), break_long_words=False,
+                                break_on_hyphens=False) or [""]
+        lines.append(f"{name:<{indent}}{wrapped[0]}")
+        lines += [" " * indent + line for line in wrapped[1:]]
+    console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
 
 
 def _print_table(console: Console, table: Table) -> None:
@@ -561,22 +590,20 @@ def _metric_text(metric: dict[str, Any]) -> str:
 def render_compare(report: dict[str, Any], console: Console) -> None:
     console.print(f"pathcond compare · {printable(report['model'])} · {printable(report['other'])}", style="bold",
                   highlight=False, markup=False, soft_wrap=True)
-    summary = Table(show_header=False)
-    summary.add_column("", style="bold")
-    summary.add_column("")
-    summary.add_row("path norms (first)", path_norms_text(report["path_norms"]))
-    summary.add_row("path norms (second)", path_norms_text(report["other_path_norms"]))
-    summary.add_row("sign flips", _fmt(report["sign_flips"]["total"]))
-    summary.add_row("ℓ1 path-metric", _metric_text(report["path_metric"]))
+    rows: list[tuple[str, str]] = []
+    rows.append(("path norms (first)", path_norms_text(report["path_norms"])))
+    rows.append(("path norms (second)", path_norms_text(report["other_path_norms"])))
+    rows.append(("sign flips", _fmt(report["sign_flips"]["total"])))
+    rows.append(("ℓ1 path-metric", _metric_text(report["path_metric"])))
     radius = report["input_bound"]
     if report["bound_applies"]:
-        summary.add_row(f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} "
-                        f"(ℓ1) · measured {_fmt(report['measured_output_change'], 6)}")
+        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} "
+                        f"(ℓ1) · measured {_fmt(report['measured_output_change'], 6)}"))
     else:
-        summary.add_row(f"output change, ‖x‖∞ ≤ {radius:g}", f"no bound: {_safe(report['bound_note'])} · measured "
-                        f"{_fmt(report['measured_output_change'], 6)}")
-    summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
-    _print_table(console, summary)
+        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"no bound: {_safe(report['bound_note'])} · measured "
+                        f"{_fmt(report['measured_output_change'], 6)}"))
+    rows.append(("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items())))
+    _print_summary(console, rows)
     flipped = [row for row in report["sign_flips"]["per_layer"] if row["flips"]]
     if flipped:
         layers = Table(title="sign flips per layer (BatchNorm folded)", title_justify="left")
@@ -591,25 +618,23 @@ def render_compare(report: dict[str, Any], console: Console) -> None:
 def render_prune(report: dict[str, Any], console: Console) -> None:
     console.print(f"pathcond prune · {printable(report['model'])}", style="bold", highlight=False, markup=False,
                   soft_wrap=True)
-    summary = Table(show_header=False)
-    summary.add_column("", style="bold")
-    summary.add_column("")
-    summary.add_row("criterion", report["criterion"] + (" · per layer" if report["per_layer"] else " · global"))
-    summary.add_row("sparsity", f"{100 * report['sparsity_achieved']:.2f}% of Linear/Conv weights are zero "
-                    f"(asked {100 * report['sparsity_requested']:g}%)")
-    summary.add_row("path norms before", path_norms_text(report["path_norms"]))
-    summary.add_row("path norms after", path_norms_text(report["path_norms_after"]))
-    summary.add_row("ℓ1 path-metric", _metric_text(report["path_metric"]))
+    rows: list[tuple[str, str]] = []
+    rows.append(("criterion", report["criterion"] + (" · per layer" if report["per_layer"] else " · global")))
+    rows.append(("sparsity", f"{100 * report['sparsity_achieved']:.2f}% of Linear/Conv weights are zero "
+                    f"(asked {100 * report['sparsity_requested']:g}%)"))
+    rows.append(("path norms before", path_norms_text(report["path_norms"])))
+    rows.append(("path norms after", path_norms_text(report["path_norms_after"])))
+    rows.append(("ℓ1 path-metric", _metric_text(report["path_metric"])))
     radius = report["input_bound"]
-    summary.add_row(f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} (ℓ1; "
-                    f"scores' sum {_fmt(report['score_bound'], 6)}) · measured {_fmt(report['measured_output_change'], 6)}")
+    rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} (ℓ1; "
+                    f"scores' sum {_fmt(report['score_bound'], 6)}) · measured {_fmt(report['measured_output_change'], 6)}"))
     verification = report["verification"]
     if verification is not None:
-        summary.add_row("verification", f"reloaded θ ⊙ m {verification['reloaded']} · independent runtime "
-                        f"{verification['runtime'] or '–'}: {verification['independent']}")
-    summary.add_row("output", _safe(report["output"] or "–"))
-    summary.add_row("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items()))
-    _print_table(console, summary)
+        rows.append(("verification", f"reloaded θ ⊙ m {verification['reloaded']} · independent runtime "
+                        f"{verification['runtime'] or '–'}: {verification['independent']}"))
+    rows.append(("output", _safe(report["output"] or "–")))
+    rows.append(("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items())))
+    _print_summary(console, rows)
     layers = Table(title="pruned weights per layer", title_justify="left")
     for column in ("layer", "weight", "parameters", "zeros before", "zeros after", "sparsity"):
         layers.add_column(column, justify="left" if column in ("layer", "weight") else "right")

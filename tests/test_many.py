@@ -313,7 +313,9 @@ def test_an_interrupt_between_files_keeps_every_finished_file(tmp_path, signum, 
     match = re.search(label + r": (\d+) of 40 outputs were completely written and verified", stderr)
     assert match and int(match.group(1)) == len(written), stderr
     documents = _json_lines(stdout)
-    assert len(written) - 1 <= len(documents) <= len(written)
+    assert len(documents) == len(written)  # every finished file has its line (issue 27.4d)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert re.match(label + r": \d+ of 40 outputs", lines[-1]) and sum(label.split(" ")[0] in line for line in lines) == 1
     for document in documents:
         check_report(document, rescale=True)
     for path in written:
@@ -341,6 +343,70 @@ def test_a_library_error_raised_by_an_interrupt_is_reported_as_the_interrupt(tmp
     stderr = assert_clean_exit(result, 143, "terminated (SIGTERM): 1 of 3 outputs were completely written")
     assert "unreadable" not in stderr
     assert [path.name for path in out.iterdir()] == [paths[0].name.replace(".safetensors", ".pathcond.safetensors")]
+
+
+# -- issue 27.4d: an interrupted batch ends with one line, the batch's, and reports every finished file
+
+
+def _interrupted_batch(result) -> str:
+    """Exit 130 through the CLI's own handling, no traceback; stderr."""
+    escaped = result.exception if not isinstance(result.exception, SystemExit) else None
+    assert escaped is None, f"exception escaped the CLI: {escaped!r}\nstderr: {result.stderr}"
+    assert result.exit_code == 130, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    return result.stderr
+
+
+def test_an_interrupted_batch_ends_with_the_batch_line_alone(tmp_path, monkeypatch):
+    """The batch's exit (typer.Exit, a RuntimeError) was taken for a library error raised by the
+    interrupt, and the single run's line followed the batch's."""
+    paths, spec = _models(tmp_path / "in", 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    real_rescale_to = pathcond_cli.cli._rescale_to
+
+    def interrupted_in_the_second_file(model, *args):
+        if Path(model) == paths[1]:
+            pathcond_cli.cli._signal_received = signal.SIGINT
+            raise KeyboardInterrupt
+        return real_rescale_to(model, *args)
+
+    monkeypatch.setattr(pathcond_cli.cli, "_rescale_to", interrupted_in_the_second_file)
+    result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "--json")
+    stderr = _interrupted_batch(result)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("interrupted: 1 of 3 outputs were completely written and verified"), stderr
+    assert sum(line.startswith("interrupted") for line in lines) == 1, stderr
+    assert len(_json_lines(result.stdout)) == 1
+
+
+def test_a_file_written_before_the_interrupt_has_its_json_line(tmp_path, monkeypatch):
+    """SIGINT lands once the second output is in place, before its report is printed: the
+    output is complete, so its JSON line is printed, then the run stops."""
+    paths, spec = _models(tmp_path / "in", 3)
+    out = tmp_path / "out"
+    out.mkdir()
+    real_rescale_to = pathcond_cli.cli._rescale_to
+
+    def interrupted_once_written(model, *args):
+        report = real_rescale_to(model, *args)
+        if Path(model) == paths[1]:
+            signal.raise_signal(signal.SIGINT)
+        return report
+
+    monkeypatch.setattr(pathcond_cli.cli, "_rescale_to", interrupted_once_written)
+    monkeypatch.setattr(pathcond_cli.cli, "_signal_received", None)
+    result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "--json")
+    stderr = _interrupted_batch(result)
+    assert "2 of 3 outputs were completely written and verified" in stderr
+    assert "before the last one's report was printed" not in stderr
+    written = sorted(path.name for path in out.iterdir())
+    documents = _json_lines(result.stdout)
+    assert len(written) == 2 and sorted(Path(d["output"]).name for d in documents) == written
+    for document in documents:
+        check_report(document, rescale=True)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("interrupted: 2 of 3"), stderr
 
 
 # -- docs/clusters.md: the recipes, run as written -----------------------------------------------

@@ -3,6 +3,8 @@ by all three importers (fx, ONNX from the TorchScript and the torch.export expor
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
 import pytest
 import torch
 import torch.nn as nn
@@ -86,3 +88,42 @@ def test_onnx_refuses_with_every_offender_grouped(name, exporter):
     with pytest.raises(UnsupportedModelError) as info:
         load_onnx(data, name=f"{name}.onnx")
     _check(info.value, expected["onnx"])
+
+
+# -- issue 27.5: a refusal of many non-homogeneous nodes fits a screen and says why once --------
+
+
+def _clipped_chain(count: int) -> onnx.ModelProto:
+    """A MobileNetV2-like chain: ``count`` 1×1 convolutions, each followed by Clip(0, 6) (ReLU6)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    nodes, tensors, value = [], [], "x"
+    low = numpy_helper.from_array(np.array(0, np.float32), "low")
+    high = numpy_helper.from_array(np.array(6, np.float32), "high")
+    for i in range(count):
+        tensors.append(numpy_helper.from_array(rng.standard_normal((4, 4, 1, 1)).astype(np.float32), f"w{i}"))
+        nodes.append(helper.make_node("Conv", [value, f"w{i}"], [f"c{i}"], name=f"features.{i}.conv"))
+        nodes.append(helper.make_node("Clip", [f"c{i}", "low", "high"], [f"r{i}"], name=f"features.{i}.relu6"))
+        value = f"r{i}"
+    nodes.append(helper.make_node("Identity", [value], ["y"], name="out"))
+    graph = helper.make_graph(nodes, "clipped", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 3, 3])],
+                              [low, high, *tensors])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_thirty_five_relu6_are_refused_within_a_screen_with_the_reason_once(tmp_path):
+    from cli_support import assert_clean_exit, assert_unchanged, invoke, snapshot
+
+    path = tmp_path / "mobilenet_like.onnx"
+    onnx.save_model(_clipped_chain(35), str(path))
+    before = snapshot(tmp_path)
+    stderr = assert_clean_exit(invoke("rescale", path, "-o", tmp_path / "out.onnx"), 4, "Clip ×35",
+                               "node 'features.0.relu6'", "and 31 more", "upper bound", "replace each listed "
+                               "operation by ReLU")
+    assert_unchanged(tmp_path, before)
+    assert stderr.lower().count("not positively homogeneous") == 1, stderr
+    assert "features.34.relu6" not in stderr
+    # within a screen: 25 lines of an 80-column terminal
+    assert sum(max(1, -(-len(line) // 80)) for line in stderr.strip().splitlines()) <= 25, stderr

@@ -193,3 +193,24 @@ def test_an_index_map_no_torch_pad_computes_is_refused():
     index = torch.arange(2 * 4 * 4).reshape(1, 2, 4, 4)
     with pytest.raises(UnsupportedMovement, match="reflect, replicate or circular padding"):
         movement_layer((2, 4, 4), torch.cat([index] * 4, dim=2))  # a wrap longer than the axis
+
+
+# -- issue 27.4e: one tensor in two roles of a node is named once; circular padding beyond an axis is unsupported
+
+
+def test_one_tensor_as_weight_and_bias_of_one_node_names_that_node_once():
+    spec = _spec({"name": "c", "type": "conv", "bias": None},
+                 {"name": "a", "type": "channel_affine", "weight": "s", "bias": "s"})
+    with pytest.raises(UnsupportedModelError) as caught:
+        graph_from_spec(spec, source="spec")
+    message = str(caught.value)
+    assert "tensor 's' is both the weight and the bias of node 'a' (channel_affine)" in message
+    assert "node 'a' and node 'a'" not in message
+
+
+def test_circular_padding_wider_than_its_axis_is_unsupported_not_unreadable():
+    spec = _spec({"name": "p", "type": "pad", "begin": 5, "end": 5, "mode": "circular"},
+                 {"name": "c", "type": "conv", "bias": None})
+    with pytest.raises(UnsupportedModelError, match=r"node 'p' \(pad, circular\) pads by 5 an axis of size 4: that wraps "
+                                                      "around more than once"):
+        build_groups(graph_from_spec(spec, source="spec"), {"c.weight": torch.randn(2, 1, 1, 1)})

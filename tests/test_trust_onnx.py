@@ -388,3 +388,82 @@ def test_replacing_its_own_earlier_index_leaves_no_stale_shards(tmp_path):
         expected = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", index.name, spec.name,
                     out.name, *named}
         assert {p.name for p in tmp_path.iterdir()} == expected
+
+
+# -- issue 27.4c: the copy of a shared parameter never takes a name the graph already has --------
+
+
+@pytest.mark.parametrize("where", ["input", "value_info", "output"])
+def test_the_copy_of_a_shared_parameter_avoids_every_name_in_the_graph(tmp_path, where):
+    path = _shared_parameter_model(tmp_path / "shared.onnx", "mul")
+    model = onnx.load(str(path))
+    taken = "b1.original_for_scale"
+    if where == "input":
+        # an input the network adds to its output (its own batch dimension)
+        model.graph.input.append(helper.make_tensor_value_info(taken, TensorProto.FLOAT, ["N", 3]))
+        model.graph.node[-1].output[0] = "y_scaled"
+        model.graph.node.append(helper.make_node("Add", ["y_scaled", taken], ["y"], name="shift"))
+    elif where == "value_info":
+        model.graph.value_info.append(helper.make_tensor_value_info(taken, TensorProto.FLOAT, [1]))
+    else:
+        model.graph.node.append(helper.make_node("Relu", ["y"], [taken], name="extra"))
+        model.graph.output.append(helper.make_tensor_value_info(taken, TensorProto.FLOAT, ["N", 3]))
+    onnx.checker.check_model(model)
+    onnx.save_model(model, str(path))
+    out = tmp_path / "out.onnx"
+    report = _rescaled_json(path, "-o", out)
+    assert report["verification"]["passed"]
+    written = onnx.load(str(out))
+    copies = [t.name for t in written.graph.initializer if t.name.startswith("b1.original_for")]
+    assert copies and taken not in copies
+    names = ([i.name for i in written.graph.input] + [o.name for o in written.graph.output]
+             + [v.name for v in written.graph.value_info] + [o for n in written.graph.node for o in n.output])
+    assert not set(copies) & set(names)
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    feeds = {"x": x, **({taken: np.ones((2, 3), np.float32)} if where == "input" else {})}
+    before = ReferenceEvaluator(model).run(None, feeds)
+    after = ReferenceEvaluator(written).run(None, feeds)
+    for b, a in zip(before, after):
+        assert np.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- issue 27.4e: a tensor as both scale and shift is named once; a wrap pad beyond its axis is unsupported
+
+
+def _conv_model(path: Path, middle: list, tensors: list, x_shape, y_shape, opset: int = 17) -> Path:
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "W"),
+               numpy_helper.from_array(rng.standard_normal((2, 4, 3, 3)).astype(np.float32), "W2")]
+    graph = helper.make_graph(middle, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", *x_shape])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", *y_shape])],
+                              weights + tensors)
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+    return path
+
+
+def test_one_initializer_as_scale_and_shift_is_refused_naming_each_node_once(tmp_path):
+    scale = numpy_helper.from_array(np.full((1, 4, 1, 1), 1.5, np.float32), "s")
+    path = _conv_model(tmp_path / "net.onnx", [
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Mul", ["c", "s"], ["m"], name="scale"),
+        helper.make_node("Add", ["m", "s"], ["a"], name="shift"),
+        helper.make_node("Relu", ["a"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "W2"], ["y"], name="conv2")], [scale], (3, 8, 8), (2, 6, 6))
+    before = snapshot(tmp_path)
+    stderr = assert_clean_exit(invoke("rescale", path, "-o", tmp_path / "out.onnx"), 4,
+                               "node 'shift' (Add)", "'s'", "node 'scale' multiplies by", "scale and the shift")
+    assert "node 'scale' and node 'scale'" not in stderr
+    assert_unchanged(tmp_path, before)
+
+
+def test_a_wrap_pad_larger_than_its_axis_is_unsupported_exit_4(tmp_path):
+    pads = numpy_helper.from_array(np.array([0, 0, 10, 10, 0, 0, 10, 10], np.int64), "pads")
+    path = _conv_model(tmp_path / "net.onnx", [
+        helper.make_node("Pad", ["x", "pads"], ["p"], name="wrap_pad", mode="wrap"),
+        helper.make_node("Conv", ["p", "W"], ["c"], name="conv"),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "W2"], ["y"], name="conv2")], [pads], (3, 4, 4), (2, 20, 20), opset=19)
+    before = snapshot(tmp_path)
+    assert_clean_exit(invoke("rescale", path, "-o", tmp_path / "out.onnx"), 4,
+                      "node 'wrap_pad' (Pad)", "wrap padding of 10", "size 4", "wraps around more than once")
+    assert_unchanged(tmp_path, before)

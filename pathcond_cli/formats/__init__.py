@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+import pickletools
 import re
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,14 +67,18 @@ def shapes_by_input(input_shape: InputShape | None, inputs: Sequence[str], label
 
 
 def detect_format(source: Path | bytes) -> str:
-    """``onnx``, ``safetensors`` or ``safetensors-index``, from the name or the first bytes.
+    """``onnx``, ``safetensors`` or ``safetensors-index``, from the name and the file's structure.
 
-    A torch pickle is refused here, before anything parses it: pathcond never unpickles.
+    A torch pickle (a zip archive or a bare pickle, each recognised by its whole structure, never
+    by its first bytes alone) is refused here, before anything parses it: pathcond never unpickles.
+    A safetensors file is recognised by its header: 8 bytes of little-endian length, then that many
+    bytes of JSON object within the file, whatever the length's bytes happen to look like.
     """
     if isinstance(source, Path):
         with open(source, "rb") as handle:
-            head = handle.read(9)
-        if source.suffix.lower() in TORCH_PICKLE_SUFFIXES or head.startswith((_ZIP_MAGIC, *_PICKLE_MAGIC)):
+            size = os.fstat(handle.fileno()).st_size
+            structure = _structure(handle, size)
+        if source.suffix.lower() in TORCH_PICKLE_SUFFIXES or structure == "torch-pickle":
             raise InputError(_torch_pickle_message(str(source)))
         if source.suffix.lower() in YAML_SUFFIXES:
             raise InputError(f"cannot read '{shown(str(source))}' as a checkpoint: it is named as an architecture "
@@ -86,10 +93,42 @@ def detect_format(source: Path | bytes) -> str:
         if source.suffix == ".safetensors":
             return "safetensors"
     else:
-        head = source[:9]
-        if head.startswith((_ZIP_MAGIC, *_PICKLE_MAGIC)):
+        structure = _structure(io.BytesIO(source), len(source))
+        if structure == "torch-pickle":
             raise InputError(_torch_pickle_message("<stdin>"))
-    return "safetensors" if len(head) == 9 and head[8:9] == b"{" else "onnx"
+    return "safetensors" if structure == "safetensors" else "onnx"
+
+
+# The safetensors library refuses headers beyond 100 MB; nothing longer is read to recognise one.
+_SAFETENSORS_HEADER_LIMIT = 100_000_000
+
+
+def _structure(handle, size: int) -> str | None:
+    """``safetensors`` or ``torch-pickle`` when the whole structure of the file (at ``handle``'s
+    start, ``size`` bytes) is one, else None. Parsing never runs code: pickles are walked
+    opcode by opcode with :mod:`pickletools`, never loaded."""
+    head = handle.read(9)
+    if len(head) == 9 and head[8:9] == b"{":
+        length = int.from_bytes(head[:8], "little")
+        if 2 <= length <= min(size - 8, _SAFETENSORS_HEADER_LIMIT):
+            header = head[8:] + handle.read(length - 1)
+            try:
+                if isinstance(json.loads(header), dict):
+                    return "safetensors"
+            except (ValueError, RecursionError):
+                pass
+    if head.startswith(_ZIP_MAGIC):
+        handle.seek(0)
+        return "torch-pickle" if zipfile.is_zipfile(handle) else None
+    if head.startswith(_PICKLE_MAGIC):
+        handle.seek(0)
+        try:
+            for opcode, _arg, _position in pickletools.genops(handle):
+                if opcode.name == "STOP":
+                    return "torch-pickle"
+        except Exception:  # noqa: BLE001 - any malformed opcode stream: not a pickle
+            return None
+    return None
 
 
 def _torch_pickle_message(label: str) -> str:

@@ -29,7 +29,7 @@ from ..graph import Graph
 from .export_graph import exported_graph
 from .movement import UnsupportedMovement, movement_layer
 from . import shown
-from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
+from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
@@ -79,7 +79,7 @@ def module_import(
     _check_one_input(traced, source)
     values, failure = _run_on_zeros(module, traced, tuple(input_shape))
     state = module.state_dict()
-    spec, problems, follow_on, dropped = _spec_from_trace(traced, values, frozenset(state))
+    spec, problems, follow_on, dropped, note = _spec_from_trace(traced, values, frozenset(state))
     if failure is not None and (problems or follow_on):
         reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]  # fx appends its own context
         raise UsageError(
@@ -89,7 +89,7 @@ def module_import(
         )
     if problems or follow_on:
         raise UnsupportedModelError(
-            f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on
+            f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on, note=note
         )
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
     return graph, {key: tensor.detach() for key, tensor in state.items()}, _dropped_note(dropped, source)
@@ -248,12 +248,13 @@ def _input_dtype(module: nn.Module) -> torch.dtype:
 
 def _spec_from_trace(
     traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]
-) -> tuple[dict[str, Any], list[str], list[str], list[str]]:
+) -> tuple[dict[str, Any], list[str], list[str], list[str], str | None]:
     """The architecture spec of a traced module, every reason it is not a ReLU DAG (each
     root cause once per module type), the problems of nodes that read (directly or not) the
-    output of a node already refused, and the names of the operations dropped because their
-    result reaches no output. ``state_keys`` are the module's ``state_dict`` keys: the stored
-    tensors a layer may read through ``get_attr``."""
+    output of a node already refused, the names of the operations dropped because their
+    result reaches no output, and why the non-homogeneous operations are refused (None without
+    any). ``state_keys`` are the module's ``state_dict`` keys: the stored tensors a layer may
+    read through ``get_attr``."""
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
@@ -312,7 +313,7 @@ def _spec_from_trace(
             else:
                 refused.append((node, str(exc)))
     problems += _once_per_module_type(refused, modules)
-    return {"layers": layers, "outputs": outputs}, problems, follow_on, dropped
+    return {"layers": layers, "outputs": outputs}, problems, follow_on, dropped, offender_note(offenders)
 
 
 def _reaching_no_output(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> set[torch.fx.Node]:

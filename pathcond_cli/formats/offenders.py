@@ -19,13 +19,36 @@ NOT_HOMOGENEOUS_TYPES = {
 
 NOT_HOMOGENEOUS = "not positively homogeneous, so no rescaling preserves the function (pathcond needs a ReLU network)"
 
+# Node names shown per operation type; the count tells how many there are.
+SHOWN_NODES = 4
+
+# Operations that are a ReLU capped at a fixed value.
+_CLIPPED = ("clip", "relu6", "hardtanh", "clamp")
+
 
 def grouped(offenders: list[tuple[str, str]]) -> list[str]:
-    """One problem line per operation type: ``Sigmoid ×12: node 'a', node 'b', … (why)``."""
+    """One problem line per operation type: ``Clip ×35: node 'a', node 'b', … and 31 more``; the
+    reason is given once, by :func:`offender_note`."""
     by_op: dict[str, list[str]] = {}
     for op, node in offenders:
         by_op.setdefault(op, []).append(node)
-    return [
-        f"{op} ×{len(nodes)}: {', '.join(f'node {node!r}' for node in nodes)}: {NOT_HOMOGENEOUS}"
-        for op, nodes in by_op.items()
-    ]
+    lines = []
+    for op, nodes in by_op.items():
+        shown = ", ".join(f"node {node!r}" for node in nodes[:SHOWN_NODES])
+        more = f" and {len(nodes) - SHOWN_NODES} more" if len(nodes) > SHOWN_NODES else ""
+        lines.append(f"{op} ×{len(nodes)}: {shown}{more}")
+    return lines
+
+
+def offender_note(offenders: list[tuple[str, str]]) -> str | None:
+    """Why the operations :func:`grouped` lists cannot be rescaled, and what would make the network
+    rescalable: one paragraph, or None without offenders."""
+    if not offenders:
+        return None
+    note = (f"Why: these operations are {NOT_HOMOGENEOUS}: rescaling a neuron by λ > 0 must scale its output by λ "
+            "(f(λx) = λ·f(x)), as ReLU, LeakyReLU/PReLU, pooling and linear layers do.")
+    if any(any(word in op.lower() for word in _CLIPPED) for op, _ in offenders):
+        note += (" A clipped ReLU (ReLU6, Clip or Hardtanh with an upper bound) caps at a fixed value that does not "
+                 "scale with its neuron; without the cap it is a ReLU.")
+    return note + (" What would make it rescalable: replace each listed operation by ReLU (and fine-tune), then "
+                   "export again.")

@@ -35,7 +35,7 @@ from ..graph import (
 from ..model import LoadedModel
 from .movement import UnsupportedMovement, movement_layer
 from .onnx_fold import SHAPE_QUERIES, fold_shape_arithmetic
-from .offenders import grouped
+from .offenders import grouped, offender_note
 from .spec import LAYER_TYPES
 
 MIN_OPSET = 13
@@ -112,7 +112,7 @@ def load_onnx(
     inferred = _folded(_infer_shapes(model, shapes, label), shapes, label)
     check_memory(_value_shapes(inferred), inferred, label)
     params = _read_tensors(model, label)
-    translation = _Translator(inferred, label, read_nodes=model.graph.node)
+    translation = _Translator(inferred, label, read_nodes=model.graph.node, written=model.graph)
     graph = translation.translate(shapes)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
@@ -513,9 +513,38 @@ def _read_tensors(model: onnx.ModelProto, label: str) -> dict[str, torch.Tensor]
 
 
 def _constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
-    if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS:
+    """The numeric tensor a ``Constant`` node holds, whichever attribute holds it, or None.
+
+    ``value`` is returned as stored (the writer sets its data in place); ``value_float(s)``,
+    ``value_int(s)`` and ``sparse_value`` as a new dense tensor (the writer turns a rescaled one
+    into ``value``). Strings are no numeric tensor: None.
+    """
+    if node.op_type != "Constant" or node.domain not in DEFAULT_DOMAINS or len(node.output) != 1:
         return None
-    return next((a.t for a in node.attribute if a.name == "value"), None)
+    for a in node.attribute:
+        if a.name == "value":
+            return a.t
+        if a.name in ("value_float", "value_floats", "value_int", "value_ints"):
+            data_type = onnx.TensorProto.FLOAT if a.name.startswith("value_float") else onnx.TensorProto.INT64
+            values = onnx.helper.get_attribute_value(a)
+            dims = [len(values)] if a.name.endswith("s") else []
+            return onnx.helper.make_tensor(node.output[0], data_type, dims,
+                                           list(values) if a.name.endswith("s") else [values])
+        if a.name == "sparse_value":
+            return _dense(a.sparse_tensor, node.output[0])
+    return None
+
+
+def _dense(sparse: onnx.SparseTensorProto, name: str) -> onnx.TensorProto:
+    """A sparse tensor as the dense tensor it stands for (indices linear, [NNZ], or per axis, [NNZ, rank])."""
+    values = numpy_helper.to_array(sparse.values).reshape(-1)
+    indices = numpy_helper.to_array(sparse.indices).astype(np.int64)
+    dims = tuple(int(d) for d in sparse.dims)
+    dense = np.zeros(math.prod(dims), dtype=values.dtype)
+    if indices.ndim == 2:
+        indices = np.ravel_multi_index(tuple(indices.T), dims) if indices.size else indices.reshape(-1)
+    dense[indices.reshape(-1)] = values
+    return numpy_helper.from_array(dense.reshape(dims), name)
 
 
 def _to_torch(proto: onnx.TensorProto, array: np.ndarray) -> torch.Tensor | None:
@@ -550,9 +579,10 @@ class _Weight:
 class _Translator:
     """Builds the :class:`Graph` of a shape-inferred model, collecting every unsupported node."""
 
-    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None):
+    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None, written: onnx.GraphProto | None = None):
         """``read_nodes``: the nodes of the model as written back, position by position (``model``'s
-        own by default); shape arithmetic folded for translation still reads there what it read."""
+        own by default); shape arithmetic folded for translation still reads there what it read.
+        ``written``: the graph written back, whose names copies of parameters must avoid too."""
         self.label = label
         self.onnx_nodes = list(model.graph.node)
         self.read_nodes = list(read_nodes) if read_nodes is not None else self.onnx_nodes
@@ -573,6 +603,11 @@ class _Translator:
         self.moves: dict[str, tuple[str, torch.Tensor, onnx.NodeProto]] = {}
         self.aliases: dict[str, str] = {}
         self.claimed: set[str] = set()
+        # Every name the graph (as translated and as written back) already gives a value: a copy
+        # of a parameter is named apart from all of them.
+        self.taken: set[str] = {v.name for graph in (model.graph, written) if graph is not None
+                                for v in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)}
+        self.taken.update(name for n in (*self.onnx_nodes, *self.read_nodes) for name in (*n.input, *n.output))
         self.splits: list[tuple[str, str, int, int]] = []
         # Where parameters are read: (node index, input position), and the values read that way
         # (the stored tensors and the Identity/Transpose outputs between them and their layer).
@@ -612,6 +647,7 @@ class _Translator:
                 f"{len(problems)} problem(s):",
                 problems,
                 self.follow_on,
+                note=offender_note(self.offenders),
             )
         return Graph(list(self.nodes.values()), outputs, source=self.label)
 
@@ -657,7 +693,7 @@ class _Translator:
                     )
                     continue
                 alias, suffix = f"{value}.original_for_{_node_label(node)}", 1
-                while alias in self.initializers or alias in self.producer or alias in self.claimed:
+                while alias in self.taken or alias in self.claimed:
                     alias, suffix = f"{value}.original_for_{_node_label(node)}_{suffix}", suffix + 1
                 self.claimed.add(alias)
                 self.splits.append((alias, value, index, position))
@@ -737,7 +773,7 @@ class _Translator:
                 self.claimed.add(key)
             elif positions and key in self.initializers:
                 alias, suffix = f"{key}.{role}_of_{_node_label(onnx_node)}", 1
-                while alias in self.initializers or alias in self.producer or alias in self.claimed:
+                while alias in self.taken or alias in self.claimed:
                     alias, suffix = f"{key}.{role}_of_{_node_label(onnx_node)}_{suffix}", suffix + 1
                 self.claimed.add(alias)
                 self.splits.append((alias, key, self.onnx_nodes.index(onnx_node), positions[0]))
@@ -865,7 +901,15 @@ class _Translator:
                 self._record_read(producer, source)
                 return _Weight(value, False)
             return self._weight(source, producer)
-        is_matrix_transpose = self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]
+        if not producer.input:
+            what = (f"a Constant node '{_node_label(producer)}' holding no numeric tensor"
+                    if producer.op_type == "Constant" else
+                    f"a {producer.op_type} node '{_node_label(producer)}', which has no inputs")
+            raise _Unsupported(
+                f"its tensor input '{value}' is computed by {what}; only stored tensors (initializers and "
+                "Constant nodes) can be rescaled: store the value as an initializer"
+            )
+        is_matrix_transpose = producer.op_type == "Transpose" and self._rank(producer.input[0]) == 2 and _ints(producer, "perm", [1, 0]) == [1, 0]
         if producer.op_type == "Transpose" and is_matrix_transpose:
             inner = self._weight(producer.input[0], producer)
             return _Weight(inner.key, not inner.transposed)
@@ -1052,6 +1096,16 @@ class _Translator:
             begin[axis % rank], end[axis % rank] = before, after
         if begin[:2] != [0, 0] or end[:2] != [0, 0] or min(begin + end) < 0:
             raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pads {pads})")
+        if mode == "circular":
+            shape = self.shapes.get(x) or ()
+            for axis in range(2, min(rank, len(shape))):
+                size = shape[axis]
+                if size is not None and max(begin[axis], end[axis]) > size:
+                    raise _Unsupported(
+                        f"wrap padding of {max(begin[axis], end[axis])} on axis {axis}, of size {size}, wraps around "
+                        "more than once; pathcond pads circularly by at most the size of the axis (torch's "
+                        "circular padding)"
+                    )
         self._emit_for(node, Pad, x, begin=tuple(begin[2:]), end=tuple(end[2:]), mode=mode)
 
     def _resize(self, node: onnx.NodeProto) -> None:
@@ -1266,6 +1320,12 @@ class _Translator:
         if isinstance(layer, ChannelAffine) and layer.bias is None and self._readers(x) == 1 and self._is_per_channel(
                 bias_value, x):
             bias = self._weight(bias_value).key
+            if self.aliases.get(bias, bias) == self.aliases.get(layer.weight, layer.weight):
+                raise _Unsupported(
+                    f"it adds '{bias_value}', the tensor node '{layer.name}' multiplies by: one tensor as both the "
+                    "per-channel scale and the shift after it cannot be rescaled (the scale changes by the ratio of "
+                    "two channel factors, the shift by one); store the shift as a tensor of its own"
+                )
         elif isinstance(layer, Linear) and layer.bias is None and self._readers(x) == 1:
             bias = self._plain_weight(bias_value, "bias", 1)
         else:
@@ -1502,6 +1562,10 @@ def _replace_tensors(graph: onnx.GraphProto, changed: dict[str, torch.Tensor]) -
         stored = _constant_tensor(node)
         if stored is not None:
             _set_tensor_data(stored, remaining.pop(key))
+            if not any(a.name == "value" for a in node.attribute):
+                # value_floats, sparse_value, ...: the rescaled tensor is held as a dense value.
+                del node.attribute[:]
+                node.attribute.append(onnx.helper.make_attribute("value", stored))
         elif node.op_type == "Identity":
             _identity_to_constant(node, remaining.pop(key))
     if remaining:

@@ -32,7 +32,7 @@ import yaml
 from ..errors import InputError, UnsupportedModelError, UsageError
 from ..graph import NODE_TYPES, AdaptiveAvgPool, Graph, Identity, Input, Node, node_attributes
 from ..schema import REQUIRED, ints
-from .offenders import NOT_HOMOGENEOUS_TYPES, grouped
+from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 
 FORMAT_VERSION = 1
 MAX_SPEC_BYTES = 10_000_000
@@ -107,7 +107,7 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
     nodes = _with_input_shape(nodes, input_shape, source, problems)
     if offenders and not problems:
         raise UnsupportedModelError(f"{source}: the network is not a ReLU DAG pathcond can rescale exactly; "
-                                    f"{len(offenders)} problem(s):", grouped(offenders))
+                                    f"{len(offenders)} problem(s):", grouped(offenders), note=offender_note(offenders))
     problems += [f"layer '{name}' has type '{kind}': not positively homogeneous" for kind, name in offenders]
     _raise_if_any(problems, source)
 
