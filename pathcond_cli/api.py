@@ -472,7 +472,9 @@ def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tenso
     after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=analysis.groups.device)
     tolerance = rounding_tolerance(groups, [params[key].dtype for key in graph.parameter_keys()])
     for key, before in analysis.path_norms.items():
-        change = abs(math.expm1((after[key].log10 - before.log10) * math.log(10)))
+        # Φ = 0 (log10 −inf) on both sides is no change; −inf against a number is.
+        same = after[key].log10 == before.log10
+        change = 0.0 if same else abs(math.expm1((after[key].log10 - before.log10) * math.log(10)))
         if not change <= tolerance:  # NaN fails too
             raise VerificationError(
                 f"'{name}': the path norm ‖Φ‖_{before.q:g} changed by a relative {change:.3g} (from 10^{before.log10:.9g} "

@@ -177,6 +177,9 @@ def _check_plot(name: str | None) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise typer.BadParameter("drawing a plot needs matplotlib, which is not installed: "
                                  "pip install 'pathcond[plot]'", param_hint="--plot")
+ReportOpt = Annotated[Optional[str], typer.Option("--report", metavar="FILE",
+                                                  help="Also write the JSON report to this file.")]
+InPlaceOpt = Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")]
 PathNormOpt = Annotated[Optional[list[float]], typer.Option(
     "--path-norm", metavar="Q", help="Also report the ℓQ path norm ‖Φ(θ)‖_Q (Q ≥ 1; repeat for several). ℓ1 and ℓ2 "
     "are always reported.",
@@ -573,9 +576,8 @@ def rescale(
         f"rescaling the dtypes cannot hold exits 8. U: the bounded optimum ({', '.join(BOUNDED_SOLVERS)}).",
     )] = "auto",
     as_json: JsonOpt = False,
-    report_file: Annotated[Optional[str], typer.Option("--report", metavar="FILE",
-                                                       help="Also write the JSON report to this file.")] = None,
-    in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
+    report_file: ReportOpt = None,
+    in_place: InPlaceOpt = False,
     plot: PlotOpt = None,
     path_norm: PathNormOpt = None,
     allow_unused: AllowUnusedOpt = False,
@@ -844,8 +846,7 @@ def inspect(
     path_norm: PathNormOpt = None,
     allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
-    report_file: Annotated[Optional[str], typer.Option("--report", metavar="FILE",
-                                                       help="Also write the JSON report to this file.")] = None,
+    report_file: ReportOpt = None,
 ) -> None:
     """Summarise MODEL: parameters, hidden units, rescaling groups, path count, path norms, diag(G) spread.
 
@@ -989,9 +990,8 @@ def prune(
     device: DeviceOpt = "auto",
     path_norm: PathNormOpt = None,
     as_json: JsonOpt = False,
-    report_file: Annotated[Optional[str], typer.Option("--report", metavar="FILE",
-                                                       help="Also write the JSON report to this file.")] = None,
-    in_place: Annotated[bool, typer.Option("--in-place", help="Allow the output to replace the input file.")] = False,
+    report_file: ReportOpt = None,
+    in_place: InPlaceOpt = False,
     allow_unused: AllowUnusedOpt = False,
     quiet: QuietOpt = False,
 ) -> None:

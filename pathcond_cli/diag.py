@@ -216,12 +216,19 @@ def squared_network(
                 # ψ is layer-sized: released before the next layer's is built, not when it is assigned.
                 del weight, bias
             else:
-                unit, log_gain = unit_gain(node)
-                offset = max(offsets[i] for i in node.inputs)
-                y = rule.squared(unit, [rescaled_by(values[i], offsets[i] - offset) for i in node.inputs], power)
-                offset += power * log_gain
+                y, offset = parameter_free_step(node, values, offsets, power)
             values[node.name], offsets[node.name] = renormalise(y, offset)
     return SquaredPass(values, offsets)
+
+
+def parameter_free_step(node: Node, values: Mapping[str, torch.Tensor], offsets: Mapping[str, float],
+                        power: float) -> tuple[torch.Tensor, float]:
+    """A node without DAG parameters in the squared network of ``power``, on its inputs'
+    ``values`` with their log ``offsets``: its output and the output's offset."""
+    unit, log_gain = unit_gain(node)
+    offset = max(offsets[i] for i in node.inputs)
+    y = rule_for(node).squared(unit, [rescaled_by(values[i], offsets[i] - offset) for i in node.inputs], power)
+    return y, offset + power * log_gain
 
 
 def unit_gain(node: Node) -> tuple[Node, float]:

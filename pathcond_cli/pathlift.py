@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from .diag import (
-    LayerValues, PathNorm, ScaledTensor, SquaredPass, renormalise, rescaled_by, unit_gain, balanced_power,
-    balanced_value, balancing_exponents, position_in_layer, squared_network,
+    LayerValues, PathNorm, ScaledTensor, SquaredPass, balanced_power, balanced_value, balancing_exponents,
+    parameter_free_step, position_in_layer, renormalise, squared_network,
 )
 from .graph import Graph, Input, LeakyReLU, PReLU, WeightedNode
 from .groups import DagParam, RescalingGroups
@@ -162,10 +162,7 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
                         terms.append((None, difference))
                 y, offset = _combine(terms)
             else:
-                unit, log_gain = unit_gain(node)
-                offset = max(offsets[i] for i in node.inputs)
-                y = rule.squared(unit, [rescaled_by(values[i], offsets[i] - offset) for i in node.inputs], 1)
-                offset += log_gain
+                y, offset = parameter_free_step(node, values, offsets, 1)
             values[node.name], offsets[node.name] = renormalise(y, offset)
     total, ln_offset = SquaredPass(values, offsets).total(graph)
     return math.log(total) + ln_offset if total > 0 else -math.inf

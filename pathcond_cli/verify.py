@@ -257,21 +257,11 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     the original (reported, never fatal).
     """
     if model.format != "onnx":
-        return {"runtime": None, "status": "unavailable",
-                "detail": f"no independent runtime reads {model.format} checkpoints; the reloaded file was "
-                          "checked by pathcond's own evaluator"}
+        return _no_independent_runtime(model)
     import numpy as np
-    import onnx
-
-    from .formats.onnx_format import declared_batch, fed_inputs
 
     runners, why_not = _onnx_runners(model)
-    graph_inputs = fed_inputs(model.payload, model.source)
-    batch = declared_batch(graph_inputs) or 1
-    generator = np.random.default_rng(seed)
-    # The importer names each input node after its ONNX input.
-    feeds = {i.name: generator.standard_normal((batch, *model.graph[i.name].shape)).astype(
-        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph_inputs}
+    feeds = _random_feeds(model, seed)
     # The original as the user holds it: its own file when it came from one (the in-memory
     # model may carry initializers split for reading), else the bytes it was read from.
     original = (None, model.files[0]) if model.files else (model.payload.SerializeToString(), None)
@@ -305,20 +295,11 @@ def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) ->
     to compare with: this checks that the file loads and means what pathcond reads in it).
     Returns ``{"runtime", "status", "detail"}`` as :func:`independent_check` does."""
     if written.format != "onnx":
-        return {"runtime": None, "status": "unavailable",
-                "detail": f"no independent runtime reads {written.format} checkpoints; the reloaded file was "
-                          "checked by pathcond's own evaluator"}
+        return _no_independent_runtime(written)
     import numpy as np
-    import onnx
-
-    from .formats.onnx_format import declared_batch, fed_inputs
 
     runners, why_not = _onnx_runners(written)
-    graph_inputs = fed_inputs(written.payload, written.source)
-    batch = declared_batch(graph_inputs) or 1
-    generator = np.random.default_rng(seed)
-    feeds = {i.name: generator.standard_normal((batch, *written.graph[i.name].shape)).astype(
-        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph_inputs}
+    feeds = _random_feeds(written, seed)
     with torch.no_grad():
         ours = forward(written.graph, written.params,
                        {name: torch.from_numpy(value.astype(np.float64)) for name, value in feeds.items()})
@@ -343,6 +324,28 @@ def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) ->
                           f"model (tolerance {tolerance:g})" + "".join(f"; {reason}" for reason in reasons)}
     reasons += [why_not] if why_not else []
     return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
+
+
+def _no_independent_runtime(model: LoadedModel) -> dict[str, Any]:
+    return {"runtime": None, "status": "unavailable",
+            "detail": f"no independent runtime reads {model.format} checkpoints; the reloaded file was "
+                      "checked by pathcond's own evaluator"}
+
+
+def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
+    """A random array for every input an ONNX model's caller feeds, in its declared element type,
+    with one batch size for all: the first one an input declares (1 when all are symbolic)."""
+    import numpy as np
+    import onnx
+
+    from .formats.onnx_format import declared_batch, fed_inputs
+
+    graph_inputs = fed_inputs(model.payload, model.source)
+    batch = declared_batch(graph_inputs) or 1
+    generator = np.random.default_rng(seed)
+    # The importer names each input node after its ONNX input.
+    return {i.name: generator.standard_normal((batch, *model.graph[i.name].shape)).astype(
+        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph_inputs}
 
 
 def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
