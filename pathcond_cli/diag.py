@@ -329,15 +329,23 @@ def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
 class LayerValues(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
     """Each layer's (weight, bias) for the squared network, built from its DAG parameters on
     every access and never kept: the passes hold one layer's ψ at a time, not a float64 copy
-    of the whole network (the forward and backward sweeps build the same numbers twice)."""
+    of the whole network (the forward and backward sweeps build the same numbers twice).
+    With ``keep``, each is built once and kept, for a caller that holds a float64 value per
+    parameter anyway (the pruning scores)."""
 
-    def __init__(self, groups: RescalingGroups, make: Callable[[DagParam], ScaledTensor]):
+    def __init__(self, groups: RescalingGroups, make: Callable[[DagParam], ScaledTensor], *, keep: bool = False):
         self._tensors = _layer_tensors(groups, groups.dag_params)
         self._make = make
+        self._kept: dict[str, tuple[ScaledTensor, ScaledTensor | None]] | None = {} if keep else None
 
     def __getitem__(self, layer: str) -> tuple[ScaledTensor, ScaledTensor | None]:
+        if self._kept is not None and layer in self._kept:
+            return self._kept[layer]
         dps = self._tensors[layer]
-        return self._make(dps[0]), self._make(dps[1]) if len(dps) > 1 else None
+        values = self._make(dps[0]), self._make(dps[1]) if len(dps) > 1 else None
+        if self._kept is not None:
+            self._kept[layer] = values
+        return values
 
     def __contains__(self, layer: object) -> bool:
         # Mapping's default would build the layer's values to answer.
@@ -450,7 +458,9 @@ def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power:
                             times_value: bool = False):
     """(dp, log ∂S/∂ψ) per DAG parameter, S = Σ_P Π ψ the squared network of ``power`` on the
     balanced ψ = |Dθ|^power: one forward and one backward pass (log ψ·∂S/∂ψ with ``times_value``)."""
-    layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power))
+    # The scores (times_value) are a float64 value per parameter: keeping ψ for the backward
+    # sweep at most doubles that, and saves building every layer's ψ twice.
+    layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power), keep=times_value)
     gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=power, device=device),
                               power=power, times_value=times_value)
     for dp, position in zip(groups.dag_params, position_in_layer(groups)):
