@@ -464,10 +464,12 @@ def rounding_tolerance(groups: RescalingGroups, dtypes: Iterable[torch.dtype]) -
     return math.expm1(2 * longest * math.log1p(unit)) + 1e-9
 
 
-def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tensor], name: str) -> dict[str, PathNorm]:
+def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tensor], name: str, *,
+                     outcome: str = "Nothing was written.") -> dict[str, PathNorm]:
     """The path norms of the rescaled network ``graph``/``params``, which must equal the
-    original's up to rounding (Φ is rescaling-invariant): :class:`VerificationError` otherwise.
-    A check of the rescaling that needs no input data."""
+    original's up to rounding (Φ is rescaling-invariant): :class:`VerificationError` otherwise,
+    ending with ``outcome`` (what was left as it was). A check of the rescaling that needs no
+    input data."""
     groups = build_groups(graph, params).to(analysis.groups.device)
     after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=analysis.groups.device)
     tolerance = rounding_tolerance(groups, [params[key].dtype for key in graph.parameter_keys()])
@@ -479,8 +481,8 @@ def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tenso
             raise VerificationError(
                 f"'{name}': the path norm ‖Φ‖_{before.q:g} changed by a relative {change:.3g} (from 10^{before.log10:.9g} "
                 f"to 10^{after[key].log10:.9g}), beyond the {tolerance:.2g} that rounding the stored tensors allows; "
-                "a rescaling leaves every path norm unchanged, so the written model is not a rescaling of the "
-                "original. Nothing was written."
+                "a rescaling leaves every path norm unchanged, so the rescaled model is not a rescaling of the "
+                f"original. {outcome}"
             )
     return after
 
@@ -606,13 +608,13 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
     model = module_model(module, input_shape)
     result = rescale(model, verify=False, **options)
     verification = compare_modules(module, result.changed, tuple(input_shape))
-    result.path_norms_after = check_path_norms(result.analysis, model.graph, ChainMap(result.changed, model.params),
-                                               model.source)
     if not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled module differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the module was not changed."
         )
+    result.path_norms_after = check_path_norms(result.analysis, model.graph, ChainMap(result.changed, model.params),
+                                               model.source, outcome="The module was not changed.")
     # Computed once, before the module's tensors (which they are computed from) change.
     result.changed = result.changed.copy()
     state = module.state_dict()
