@@ -24,7 +24,6 @@ from pathlib import Path
 from enum import Enum
 from typing import Annotated, Any, Optional
 
-import click
 import rich.markup
 import typer
 import typer.core
@@ -293,7 +292,7 @@ def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
     try:
         try:
             yield
-        except (typer.Exit, typer.Abort, click.ClickException):
+        except (typer.Exit, typer.Abort, typer.TyperException):
             raise  # deliberate exits (typer.Exit is a RuntimeError): never taken for a library's error
         except Exception as exc:
             _raise_if_interrupted(exc)
