@@ -468,16 +468,19 @@ def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power:
         yield dp, bias_log if position else weight_log
 
 
-def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str = "cpu",
+                          u_ext: torch.Tensor | None = None) -> list[torch.Tensor]:
     """ln Δ_i per DAG parameter (shaped like it; −inf where Δ_i = 0): seed 004's path-magnitude
     score Δ_i = ‖Φ(θ)‖₁ − ‖Φ(θ with θ_i = 0)‖₁ (SPEC §8).
 
     ‖Φ‖₁ is linear in each |θ_i| (a parameter appears at most once on a path), so
     Δ_i = |θ_i| · ∂‖Φ‖₁/∂|θ_i|: every score from one backward pass of the ℓ1 network. Δ is
-    rescaling-invariant, so the pass runs on the balanced copy Dθ and needs no mapping back.
+    rescaling-invariant, so the pass runs on the balanced copy Dθ (``u_ext``: the balancing,
+    computed here when not given) and needs no mapping back.
     """
     groups = groups.to(device)
-    u_ext = groups.extend(balancing_exponents(groups))
+    if u_ext is None:
+        u_ext = groups.extend(balancing_exponents(groups))
     return [lg.reshape(dp.shape) for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device, times_value=True)]
 
 

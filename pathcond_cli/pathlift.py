@@ -80,14 +80,14 @@ class PathMetric:
 
     @property
     def lower(self) -> float | None:
-        return _float(self.ln_lower)
+        return exp_or_none(self.ln_lower)
 
     @property
     def upper(self) -> float | None:
-        return _float(self.ln_upper)
+        return exp_or_none(self.ln_upper)
 
 
-def _float(ln: float) -> float | None:
+def exp_or_none(ln: float) -> float | None:
     """exp(ln), or None beyond float64."""
     try:
         return math.exp(ln)
@@ -104,7 +104,8 @@ def ln_difference(ln_x: float, ln_y: float) -> float:
 
 
 def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: PathNorm, l1_b: PathNorm,
-                signs: SignComparison, *, device: torch.device | str = "cpu") -> PathMetric:
+                signs: SignComparison, *, device: torch.device | str = "cpu", u_a: torch.Tensor | None = None,
+                u_b: torch.Tensor | None = None) -> PathMetric:
     """The ℓ1 path-metric's bounds (SPEC §8).
 
     ``lower`` = |‖Φ(θ)‖₁ − ‖Φ(θ')‖₁| (exact when one vector dominates). ``upper`` sums the
@@ -113,15 +114,17 @@ def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: Path
     balanced representatives of both vectors: the balancing depends only on the rescaling
     orbit, so the bound is rescaling-invariant, and 0 up to rounding for equivalent vectors.
     It is never reported below ``lower`` (they differ by rounding only when that happens).
+    ``u_a``, ``u_b``: the balancings (extended), when the caller has them.
     """
     ln_a, ln_b = (norm.log10 * math.log(10) for norm in (l1_a, l1_b))
     lower = ln_difference(ln_a, ln_b)
     if signs.a_dominates or signs.b_dominates:
         return PathMetric(lower, lower, True)
-    return PathMetric(lower, max(lower, telescoped_sum(groups_a, groups_b, device=device)), False)
+    return PathMetric(lower, max(lower, telescoped_sum(groups_a, groups_b, device=device, u_a=u_a, u_b=u_b)), False)
 
 
-def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str = "cpu") -> float:
+def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str = "cpu",
+                   u_a: torch.Tensor | None = None, u_b: torch.Tensor | None = None) -> float:
     """ln Σ_P Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over every path P, on balanced
     representatives a = D_a θ, b = D_b θ' (an upper bound on ‖Φ(θ) − Φ(θ')‖₁).
 
@@ -129,10 +132,11 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
     T(v) = Σ_u (|a_uv| T(u) + |a_uv − b_uv| B(u)) + |a_v − b_v| carries the telescoped sums.
     Fixed edges (pooling, skips, constants) are the same in both vectors, so they enter T as
     they enter B. Both streams keep a log offset per node, as the squared network does.
+    ``u_a``, ``u_b``: the two balancings (extended), computed here when not given.
     """
     groups_a, groups_b = groups_a.to(device), groups_b.to(device)
-    u_a = groups_a.extend(balancing_exponents(groups_a))
-    u_b = groups_b.extend(balancing_exponents(groups_b))
+    u_a = groups_a.extend(balancing_exponents(groups_a)) if u_a is None else u_a
+    u_b = groups_b.extend(balancing_exponents(groups_b)) if u_b is None else u_b
     graph = groups_a.graph
     layers_b = LayerValues(groups_b, lambda dp: balanced_power(dp, u_b, device, 1))
     stream_b = squared_network(graph, layers_b, power=1, device=device)

@@ -22,14 +22,14 @@ import torch
 
 from . import __version__
 from .api import DEFAULT_PATH_NORMS, LOG10_E, Stopwatch, path_norm_orders, path_norms_of, resolve_device, write_staged
-from .diag import PathNorm, path_magnitude_scores
+from .diag import PathNorm, balancing_exponents, path_magnitude_scores
 from .errors import MismatchError, PathcondError, VerificationError
 from .evaluate import forward
 from .graph import Graph, Input
 from .groups import build_groups
 from .model import LoadedModel
 from .pathlift import (
-    PRUNING_CRITERIA, PathMetric, SignComparison, compare_signs, ln_difference, magnitude_keys, non_relu_activations,
+    PRUNING_CRITERIA, PathMetric, SignComparison, compare_signs, exp_or_none, ln_difference, magnitude_keys, non_relu_activations,
     path_metric, prunable, select_pruned, stored_weight_mask,
 )
 
@@ -142,14 +142,7 @@ class Comparison:
     @property
     def output_change_bound(self) -> float | None:
         ln = self.ln_output_change_bound
-        return None if ln is None else _exp(ln)
-
-
-def _exp(ln: float) -> float | None:
-    try:
-        return math.exp(ln)
-    except OverflowError:
-        return None
+        return None if ln is None else exp_or_none(ln)
 
 
 def _bound_note(graph: Graph, signs: SignComparison | None) -> str | None:
@@ -184,12 +177,14 @@ def compare_models(a: LoadedModel, b: LoadedModel, *, input_bound: float = 1.0, 
     groups_b = build_groups(b.graph, b.params).to(device)
     seconds["groups"] = time.perf_counter() - start
     start = time.perf_counter()
-    norms_a = path_norms_of(groups_a, orders, device=device)
-    norms_b = path_norms_of(groups_b, orders, device=device)
+    # One balancing per model serves its path norms and the metric's upper bound.
+    u_a, u_b = (groups.extend(balancing_exponents(groups)) for groups in (groups_a, groups_b))
+    norms_a = path_norms_of(groups_a, orders, device=device, u_ext=u_a)
+    norms_b = path_norms_of(groups_b, orders, device=device, u_ext=u_b)
     seconds["path_norms"] = time.perf_counter() - start
     start = time.perf_counter()
     signs = compare_signs(groups_a, groups_b)
-    metric = path_metric(groups_a, groups_b, norms_a["l1"], norms_b["l1"], signs, device=device)
+    metric = path_metric(groups_a, groups_b, norms_a["l1"], norms_b["l1"], signs, device=device, u_a=u_a, u_b=u_b)
     seconds["path_metric"] = time.perf_counter() - start
     start = time.perf_counter()
     measured = measured_output_change(a.graph, a.params, b.graph, b.params, input_bound)
@@ -211,7 +206,7 @@ def _check_bound(ln_bound: float | None, measured: float, ln_scale: float, name:
     allowed = float(np.logaddexp(ln_bound + math.log1p(EVALUATION_SLACK), ln_scale + math.log(EVALUATION_SLACK)))
     if measured > 0 and math.log(measured) > allowed:
         raise VerificationError(f"{name}: the measured output change, {measured:.6g}, exceeds its bound "
-                                f"{_exp(ln_bound) or 0.0:.6g} (seed 004's Theorem 4.1); this is a bug in pathcond: "
+                                f"{exp_or_none(ln_bound) or 0.0:.6g} (seed 004's Theorem 4.1); this is a bug in pathcond: "
                                 "please report it. Nothing was written.")
 
 
@@ -267,11 +262,11 @@ class PruneResult:
 
     @property
     def score_bound(self) -> float | None:
-        return _exp(self.ln_score_sum + math.log(max(self.input_bound, 1.0)))
+        return exp_or_none(self.ln_score_sum + math.log(max(self.input_bound, 1.0)))
 
     @property
     def output_change_bound(self) -> float | None:
-        return _exp(self.metric.ln_upper + math.log(max(self.input_bound, 1.0)))
+        return exp_or_none(self.metric.ln_upper + math.log(max(self.input_bound, 1.0)))
 
 
 def prune(model: LoadedModel, sparsity: float, *, criterion: str = "path-magnitude", per_layer: bool = False,
@@ -296,7 +291,9 @@ def prune(model: LoadedModel, sparsity: float, *, criterion: str = "path-magnitu
     groups = build_groups(model.graph, model.params).to(device)
     seconds["groups"] = time.perf_counter() - start
     start = time.perf_counter()
-    scores = path_magnitude_scores(groups, device=device)
+    # One balancing serves the scores and the path norms.
+    u_ext = groups.extend(balancing_exponents(groups))
+    scores = path_magnitude_scores(groups, device=device, u_ext=u_ext)
     seconds["scores"] = time.perf_counter() - start
     candidates = prunable(model.graph, groups)
     keys = [scores[index] if criterion == "path-magnitude" else
@@ -314,7 +311,7 @@ def prune(model: LoadedModel, sparsity: float, *, criterion: str = "path-magnitu
         layers.append(PrunedLayer(dp.layer, key, original.numel(), int((original == 0).sum()), int((pruned == 0).sum())))
     seconds["select"] = time.perf_counter() - start - seconds["scores"]
     start = time.perf_counter()
-    norms_before = path_norms_of(groups, orders, device=device)
+    norms_before = path_norms_of(groups, orders, device=device, u_ext=u_ext)
     pruned_params = ChainMap(changed, model.params)
     norms_after, metric = _pruned_metric(model.graph, pruned_params, norms_before, orders, device)
     measured = measured_output_change(model.graph, model.params, model.graph, pruned_params, input_bound)
@@ -341,8 +338,8 @@ def _check_pruned(result: PruneResult, name: str) -> None:
     ln_d, ln_sum = result.metric.ln_upper, result.ln_score_sum
     allowed = float(np.logaddexp(ln_sum + math.log1p(EVALUATION_SLACK), ln_l1 + math.log(EVALUATION_SLACK)))
     if ln_d > allowed:
-        raise VerificationError(f"{name}: the pruned network's path-metric {_exp(ln_d) or math.inf:.6g} exceeds the "
-                                f"sum of the pruned weights' scores {_exp(ln_sum) or 0.0:.6g} (seed 004 eq. 13); this "
+        raise VerificationError(f"{name}: the pruned network's path-metric {exp_or_none(ln_d) or math.inf:.6g} exceeds the "
+                                f"sum of the pruned weights' scores {exp_or_none(ln_sum) or 0.0:.6g} (seed 004 eq. 13); this "
                                 "is a bug in pathcond: please report it. Nothing was written.")
     _check_bound(ln_d + math.log(max(result.input_bound, 1.0)), result.measured_output_change,
                  _ln_output_scale(result.input_bound, result.path_norms_before["l1"]), name)
