@@ -20,6 +20,7 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 import pathcond_cli
+import pathcond_cli.api
 import pathcond_cli.verify
 from cli_support import (
     assert_clean_exit, assert_unchanged, check_report, invoke, mlp_spec, mlp_tensors, parse_single_json, snapshot,
