@@ -156,7 +156,7 @@ DeviceOpt = Annotated[str, typer.Option(
     "--device", metavar="[auto|cpu|cuda|cuda:N]", autocompletion=_complete_device,
     help="auto (CUDA when present), cpu, cuda or cuda:N.",
 )]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema in the README).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema: docs/json.md).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
     "--plot", metavar="FILE", help="Also draw log10 diag(G) per layer (rescale: before and after, and F per iteration) to "

@@ -1,4 +1,4 @@
-"""Reports as plain data: the stable JSON schema (documented in the README) and rich tables.
+"""Reports as plain data: the stable JSON schema (documented in docs/json.md) and rich tables.
 
 Both views are built from the same dictionary, so what people read and what pipelines
 parse never disagree.

@@ -25,6 +25,7 @@ from cli_support import (
     ROOT, SAMPLES, assert_clean_exit, invoke, leftovers, mlp_spec, mlp_tensors, parse_single_json, write_onnx_mlp,
     write_sharded_mlp,
 )
+from docs_support import section
 from families import FAMILIES
 from pathcond_cli.api import analyse, module_model, resolve_device
 from pathcond_cli.cli import app
@@ -239,15 +240,14 @@ def test_help_shows_choices_and_every_exit_code_without_typer_placeholders(comma
     assert "{MODEL}" not in text and "<str>" not in text and "<int range>" not in text and "<path>" not in text
     assert "[auto|cpu|cuda|cuda:N]" in text or command == "spec"
     assert "<float" not in text and "<text>" not in text
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = readme.split("### Exit codes", 1)[1].split("\n### ", 1)[0]
+    table = section("Exit codes")
     documented = {int(code) for code in re.findall(r"^\| (\d+) \|", table, re.MULTILINE)}
     assert {1, 8, 9} <= documented
     assert {int(code) for code in re.findall(r"(?:Exit codes: |· |else )(\d+)\b", text)} == documented
     if command == "rescale":
         assert "--solver [newton|block|lbfgs|sequential]" in text and "--criterion [pathcond|enorm]" in text
         assert "--max-log-scale [auto|none|U]" in text and "--output-dir DIR" in text
-        low, high = re.search(r"(\d+)–(\d+) gradient-equivalent passes", readme).groups()
+        low, high = re.search(r"(\d+)–(\d+) gradient-equivalent passes", section("Solver options")).groups()
         assert f"{low}-{high} gradient-equivalent passes" in text and "25-140" not in text
 
 

@@ -16,10 +16,10 @@ from cli_support import (
     CLEAN_ENV, ROOT, SAMPLES, assert_clean_exit, check_report, invoke, mlp_spec, mlp_tensors, parse_single_json,
     write_mlp, write_onnx_mlp,
 )
+from docs_support import all_blocks
 from pathcond_cli import __version__
 from pathcond_cli.api import resolve_device
 from pathcond_cli.cli import app
-from pathcond_cli.formats.spec import graph_from_spec, parse_spec_text
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -157,17 +157,13 @@ def test_the_cli_module_imports_neither_torch_nor_onnx():
     assert version.returncode == 0 and version.stdout == f"pathcond {__version__}\n"
 
 
-def test_the_readme_minimal_spec_is_valid_and_runs(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```yaml\n(.*?)```", readme, flags=re.S)
-    assert blocks, "the README has a YAML spec example"
-    for block in blocks:
-        graph_from_spec(parse_spec_text(block, source="README.md"), source="README.md")
-    spec = yaml.safe_load(blocks[0])
+def test_the_documented_minimal_spec_runs(tmp_path):
+    minimal = [yaml.safe_load(block.text) for block in all_blocks() if block.language == "yaml"]
+    spec = next(spec for spec in minimal if len(spec["layers"][0]["shape"]) == 1)
     dims = (spec["layers"][0]["shape"][0], 7, 4)
     tensors = mlp_tensors(dims)
     checkpoint, spec_path = write_mlp(tmp_path, tensors=tensors, spec=spec)
-    assert mlp_spec(dims)["layers"][1]["name"] == "fc1"  # the README's tensor names are the tests' names
+    assert mlp_spec(dims)["layers"][1]["name"] == "fc1"  # the documented tensor names are the tests' names
     assert_clean_exit(invoke("rescale", checkpoint, "--arch", spec_path, "-o", tmp_path / "o.safetensors", "-q"), 0)
 
 
