@@ -1,4 +1,4 @@
-"""The model families pathcond must rescale exactly (issue 11 item 4), as plain ``torch.nn``.
+"""The model families pathcond must rescale exactly, as plain ``torch.nn``.
 
 No torchvision: every architecture is written here, or imported from
 :mod:`reference_models` where that file already has it (ResNet, VGG, AlexNet, MnasNet,

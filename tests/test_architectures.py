@@ -1,4 +1,4 @@
-"""Issue 5: modern ReLU architectures, exactly.
+"""Modern ReLU architectures, exactly.
 
 Table 1 counts through both entry points (ONNX with BatchNormalization nodes kept, and
 safetensors + spec through the real CLI), function preservation in eval and train mode, and

@@ -1,4 +1,4 @@
-"""``--max-log-scale auto`` (the default), ``none`` and the JSON error document (issue 19 point 1).
+"""``--max-log-scale auto`` (the default), ``none`` and the JSON error document.
 
 The auto bound is checked against a brute force over the corners of the box |u_h| ≤ U (every
 element's factor e^{(Bu)_i} is extreme at a corner): at U every corner passes the storage

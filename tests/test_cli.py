@@ -1,4 +1,4 @@
-"""The command-line contract of the README (issue 4), driven through the real CLI.
+"""The command-line contract of the README, driven through the real CLI.
 
 In-process runs use typer's ``CliRunner`` (stdout and stderr kept apart); a few runs go
 through a real process (``python -m pathcond_cli.cli`` or the ``pathcond`` console script)

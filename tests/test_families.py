@@ -1,4 +1,4 @@
-"""Issue 11 item 4: the model families pathcond must rescale exactly (``tests/families.py``).
+"""The model families pathcond must rescale exactly (``tests/families.py``).
 
 For every family (small widths by default, the published size under ``-m slow``):
 

@@ -1,4 +1,4 @@
-"""Fault behaviour of the command line (issue 7).
+"""Fault behaviour of the command line.
 
 Every failure must: name the problem (file, tensor, node or key), exit with its README code,
 show no traceback, leave no output and no temporary file behind, and leave the input

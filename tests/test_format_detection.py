@@ -1,4 +1,4 @@
-"""Formats are recognised by their structure, never by two bytes (issue 27.4b).
+"""Formats are recognised by their structure, never by two bytes.
 
 A safetensors file starts with its header's length, 8 bytes little-endian: a length of
 0x80 + 256·k (k = 2..5, modulo 2^16) makes those bytes 0x80 0x02..0x05, the start of a

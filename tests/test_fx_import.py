@@ -324,7 +324,7 @@ def test_cat_along_another_dim_is_refused():
         graph_from_module(Batched(), (2, 3, 3), source="cat")
 
 
-# -- modules written as timm writes them (issue 27.2) ------------------------------------------
+# -- modules written as timm writes them ------------------------------------------
 
 sys.path.insert(0, str(Path(__file__).parent))
 import timm_like  # noqa: E402

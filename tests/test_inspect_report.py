@@ -1,4 +1,4 @@
-"""``inspect --report FILE`` (issue 27.5): like rescale's, the JSON report written to FILE, atomically,
+"""``inspect --report FILE``: like rescale's, the JSON report written to FILE, atomically,
 refused with several MODELs (exit 2) or onto a file the run reads (exit 6); a failed inspect leaves no file."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Many checkpoints in one process (``rescale A B C --output-dir DIR``, ``inspect A B C``) and the
-cluster recipes of docs/clusters.md, run for real (issue 20, points 2 and 3).
+cluster recipes of docs/clusters.md, run for real.
 
 The oracle for every written file is the network itself: the tiny MLP evaluated with plain torch
 from the input's tensors and from the output's, and the tensors a single run writes.
@@ -313,7 +313,7 @@ def test_an_interrupt_between_files_keeps_every_finished_file(tmp_path, signum, 
     match = re.search(label + r": (\d+) of 40 outputs were completely written and verified", stderr)
     assert match and int(match.group(1)) == len(written), stderr
     documents = _json_lines(stdout)
-    assert len(documents) == len(written)  # every finished file has its line (issue 27.4d)
+    assert len(documents) == len(written)  # every finished file has its line
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert re.match(label + r": \d+ of 40 outputs", lines[-1]) and sum(label.split(" ")[0] in line for line in lines) == 1
     for document in documents:
@@ -345,7 +345,7 @@ def test_a_library_error_raised_by_an_interrupt_is_reported_as_the_interrupt(tmp
     assert [path.name for path in out.iterdir()] == [paths[0].name.replace(".safetensors", ".pathcond.safetensors")]
 
 
-# -- issue 27.4d: an interrupted batch ends with one line, the batch's, and reports every finished file
+# -- an interrupted batch ends with one line, the batch's, and reports every finished file
 
 
 def _interrupted_batch(result) -> str:

@@ -1,4 +1,4 @@
-"""ONNX models with several graph inputs (issue 21 point 6): read, rescaled and verified with
+"""ONNX models with several graph inputs: read, rescaled and verified with
 every input fed.
 
 Oracles: the torch module the model was exported from, run on the same random inputs as the

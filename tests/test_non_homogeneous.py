@@ -90,7 +90,7 @@ def test_onnx_refuses_with_every_offender_grouped(name, exporter):
     _check(info.value, expected["onnx"])
 
 
-# -- issue 27.5: a refusal of many non-homogeneous nodes fits a screen and says why once --------
+# -- a refusal of many non-homogeneous nodes fits a screen and says why once --------
 
 
 def _clipped_chain(count: int) -> onnx.ModelProto:

@@ -1,4 +1,4 @@
-"""ONNX weights produced by every form of ``Constant`` (issue 27.4a): ``value_floats``,
+"""ONNX weights produced by every form of ``Constant``: ``value_floats``,
 ``value_ints``, ``value_float`` and ``sparse_value`` are read as the stored tensors they are, and
 written back (as a ``value`` tensor when rescaled); a weight computed by a node with no inputs
 (``RandomNormal``) is refused naming that node, exit 4, nothing written."""

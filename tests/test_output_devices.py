@@ -1,4 +1,4 @@
-"""Text outputs may go to a character device (issue 27.5): ``spec -o /dev/null`` and
+"""Text outputs may go to a character device: ``spec -o /dev/null`` and
 ``--report /dev/null`` work (written directly, nothing staged beside them); a checkpoint, which
 is read back to be verified, still needs a regular file, and the refusal names its option."""
 

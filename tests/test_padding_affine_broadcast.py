@@ -195,7 +195,7 @@ def test_an_index_map_no_torch_pad_computes_is_refused():
         movement_layer((2, 4, 4), torch.cat([index] * 4, dim=2))  # a wrap longer than the axis
 
 
-# -- issue 27.4e: one tensor in two roles of a node is named once; circular padding beyond an axis is unsupported
+# -- one tensor in two roles of a node is named once; circular padding beyond an axis is unsupported
 
 
 def test_one_tensor_as_weight_and_bias_of_one_node_names_that_node_once():

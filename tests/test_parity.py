@@ -32,7 +32,7 @@ ARCHITECTURES = {
     "small_densenet": lambda: (reference_models.small_densenet(), (3, 16, 16)),
     "small_inception": lambda: (reference_models.small_inception(), (3, 16, 16)),
     "small_mnasnet": lambda: (reference_models.small_mnasnet(), (3, 32, 32)),
-    # Written as timm writes them (issue 27.2): each reads the same through fx (torch.export for
+    # Written as timm writes them: each reads the same through fx (torch.export for
     # the shape branch) as through both ONNX exporters. BatchNormAct2d's F.batch_norm is folded
     # by the TorchScript exporter like a BatchNorm2d; BlurPool's persistent filter buffer is a
     # stored conv weight on both routes; the unused projection is dropped on both.

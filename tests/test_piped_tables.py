@@ -1,4 +1,4 @@
-"""Tables printed off a terminal stay readable (issue 27.5): the summary, ~170 columns as a
+"""Tables printed off a terminal stay readable: the summary, ~170 columns as a
 table, is stacked as one ``name  value`` line per row, values wrapped to COLUMNS (100 when unknown)."""
 
 from __future__ import annotations

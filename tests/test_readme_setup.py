@@ -1,4 +1,4 @@
-"""The README's set-up (issue 27.5): a virtual environment first, and the onnx-check extra (onnxruntime,
+"""The README's set-up: a virtual environment first, and the onnx-check extra (onnxruntime,
 the independent check of written ONNX files), which pyproject.toml defines."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The conditioning measure D and the after-rescaling state (issue 13 item 1).
+"""The conditioning measure D and the after-rescaling state.
 
 D(θ) = p · ln(mean g / geomean g) over g > 0 (SPEC §4). Checked against a direct numpy
 formula, against F (F(u) − F(0) = D(θ_u) − D(θ) when every g > 0), and the predicted

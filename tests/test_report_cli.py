@@ -1,4 +1,4 @@
-"""What people and pipelines see (issue 13 items 2, 3, 6): header and summary line, the
+"""What people and pipelines see: header and summary line, the
 not-converged warning, where the architecture came from, --plot, --version/-h, completion,
 lazy imports, and the README's own examples."""
 

@@ -1,4 +1,4 @@
-"""The objective on the support of diag(G) (issue 27, point 1; SPEC §4 corrected).
+"""The objective on the support of diag(G) (SPEC §4 corrected).
 
 Every sum of F (p, S, k_h, and A_h, C_h of SPEC §5) runs over the parameters with g > 0, so
 

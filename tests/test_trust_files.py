@@ -1,4 +1,4 @@
-"""Trust, files on disk (issue 10): a model is never read from outside its folder, never lost,
+"""Trust, files on disk: a model is never read from outside its folder, never lost,
 never overwritten without --in-place, and every message tells the truth about what is on disk.
 
 Each failure is checked for its exit code, its message, that nothing was written and that

@@ -1,4 +1,4 @@
-"""Trust, inputs and verification (issue 10): hostile inputs fail fast with their documented
+"""Trust, inputs and verification: hostile inputs fail fast with their documented
 code, a spec that does not describe the checkpoint is refused, verification runs against the
 real thing (the user's module, the reloaded file, an independent runtime), and a bug stays a
 bug (exit 1) instead of being blamed on the input.

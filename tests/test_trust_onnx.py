@@ -1,4 +1,4 @@
-"""Trust, ONNX files (issue 18, points 1, 2, 3 and 6): "verified" means that a runtime other than
+"""Trust, ONNX files: "verified" means that a runtime other than
 pathcond's, run on the written file, computes the original function; the file loads wherever the
 original loads; what goes to stdout stands alone; replacing an output deletes only its own data
 (the same rule holds for the shards of a replaced safetensors index).
@@ -390,7 +390,7 @@ def test_replacing_its_own_earlier_index_leaves_no_stale_shards(tmp_path):
         assert {p.name for p in tmp_path.iterdir()} == expected
 
 
-# -- issue 27.4c: the copy of a shared parameter never takes a name the graph already has --------
+# -- the copy of a shared parameter never takes a name the graph already has --------
 
 
 @pytest.mark.parametrize("where", ["input", "value_info", "output"])
@@ -427,7 +427,7 @@ def test_the_copy_of_a_shared_parameter_avoids_every_name_in_the_graph(tmp_path,
         assert np.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-# -- issue 27.4e: a tensor as both scale and shift is named once; a wrap pad beyond its axis is unsupported
+# -- a tensor as both scale and shift is named once; a wrap pad beyond its axis is unsupported
 
 
 def _conv_model(path: Path, middle: list, tensors: list, x_shape, y_shape, opset: int = 17) -> Path:

@@ -1,4 +1,4 @@
-"""Trust, paths written (issue 18, points 4, 5, 8 and 11): every path a run writes is named by
+"""Trust, paths written: every path a run writes is named by
 the user as that output or is a companion pathcond creates; it is never a file the run reads
 (exit 6) nor another output of the same run (exit 2), and that is decided before any work.
 Every message about a failed write tells the truth about what is on disk.

@@ -1,4 +1,4 @@
-"""Property-based trust tests (issue 10), with hypothesis (derandomized, small example counts).
+"""Property-based trust tests, with hypothesis (derandomized, small example counts).
 
 - Any valid ReLU DAG written as a spec (MLPs with BatchNorm and residual adds, small conv
   nets with pooling, concat and flatten) is rescaled by the CLI with exit 0, and the written

@@ -1,9 +1,8 @@
-"""Review of the bounded-memory change (issue 20), one test per defect found.
+"""Block-by-block passes allocate blocks, not tensors, whatever the stored layout.
 
-The block-by-block passes must really run in blocks, whatever the stored layout: the largest
-tensor a pass creates is measured with a dispatch mode that sees every tensor torch allocates
-(views excluded), with ``BLOCK_ELEMENTS`` set to a few elements so that each tensor is cut into
-many blocks. ``diag_after`` must read like ``analysis.diag``, slices included."""
+The largest tensor a pass creates is measured with a dispatch mode that sees every tensor torch
+allocates (views excluded), with ``BLOCK_ELEMENTS`` set to a few elements so that each tensor is
+cut into many blocks. ``diag_after`` reads like ``analysis.diag``, slices included."""
 
 from __future__ import annotations
 
@@ -82,7 +81,7 @@ def test_rescaling_a_weight_holds_float64_of_a_block_not_of_the_tensor(build, mo
 
 def test_storage_check_reads_the_block_size_when_it_runs(monkeypatch):
     """check_storage took ``BLOCK_ELEMENTS`` by value when dtype_limits was imported, so the block
-    size set at run time (as tests/test_blocks.py sets it) never reached it: its block test ran
+    size set at run time (as tests/test_block_passes.py sets it) never reached it: its block test ran
     the whole tensor as one block."""
     monkeypatch.setattr(groups_module, "BLOCK_ELEMENTS", 4)
     original = {"w": torch.ones(6, 5, dtype=torch.float32)}

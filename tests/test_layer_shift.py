@@ -324,7 +324,7 @@ def test_diag_g_with_concatenated_branches_scaled_apart(nets):
     assert np.allclose(engine, np.log(dag.diag_G().numpy()), rtol=1e-9, atol=1e-9)
 
 
-# -- issue 18, point 10: the sparse construction equals the dense one, and scales to deep nets ------
+# -- the sparse construction equals the dense one, and scales to deep nets ------
 
 
 def _dense_minimise(log_s, into, out_of, k, count, p):

@@ -1,5 +1,5 @@
-"""Issue 20's guarantees under a cluster user's faults (review20): inputs that change while
-they are read, the streaming writer against safetensors' own, many files in one process."""
+"""A cluster user's faults: inputs that change while they are read, the streaming writer against
+safetensors' own, staging directories of other processes and machines, a file given twice."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Layer-sized passes run block by block (issue 20): the results must not depend on the block size.
+"""Layer-sized passes run block by block: the results must not depend on the block size.
 
 Each check runs once with blocks so small that every tensor is cut into many (``BLOCK_ELEMENTS``
 set to a few elements) and once with one block per tensor, and compares: bit for bit where the
@@ -97,7 +97,7 @@ def test_histogram_of_an_outer_product_in_blocks_equals_the_dense_one(tiny_block
 
 @pytest.mark.parametrize("arch", ["mlp", "conv_bn", "mlp_nobias_transposed", "conv_transpose"])
 def test_dag_values_are_read_from_the_checkpoint_when_used_and_not_held(nets, arch):
-    """The groups hold no weights (issue 20): each DAG weight is computed from the checkpoint's
+    """The groups hold no weights: each DAG weight is computed from the checkpoint's
     tensors when a pass asks for it, and the analysis gives what eagerly held values give."""
     import dataclasses
 

@@ -1,4 +1,4 @@
-"""Issue 21 (points 1-7): habits users bring from other tools.
+"""Conventions users bring from other tools.
 
 Spec export that round-trips for every family, choices that complete, refusals that lead
 with their root causes, one verdict per model, names users recognise, named input shapes and
@@ -155,7 +155,7 @@ def test_spec_of_a_dynamo_export_reads_the_modules_own_state_dict(tmp_path):
 
 
 class _NewLayerTypes(nn.Module):
-    """The layer types 0.3.0 added: padding modes, a per-channel scale and shift by stored
+    """Padding modes, a per-channel scale and shift by stored
     tensors (channel_affine), a broadcasting add and −inf padding before max pooling."""
 
     def __init__(self):
@@ -541,7 +541,7 @@ def test_sharded_output_into_a_directory_has_the_loader_layout(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-# -- review of issue 21: what a new user met ------------------------------------------------------
+# -- what a new user met ------------------------------------------------------
 
 
 class _ConvBatchNorm(nn.Module):

@@ -1,5 +1,6 @@
-"""Integration review of 0.4.0: what a user of 0.3.0's Python API does with the lazily
-rescaled tensors of ``RescaleResult.changed``."""
+"""``RescaleResult.changed``, the lazily rescaled tensors, used as a dict is used: saved with
+``torch.save`` after the input is gone, copied, compared with the rescaled module, and asked
+for membership without reading any tensor."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def _rescaled(tmp_path):
 
 
 def test_changed_saved_with_torch_save_after_the_input_is_deleted_reloads_as_the_rescaled_tensors(tmp_path):
-    """0.3.0's ``changed`` was a dict that torch.save wrote; 0.4.0's failed with "cannot pickle
-    'builtins.safe_open' object" (the open checkpoint) and left a truncated .pt behind."""
+    """``changed`` pickles without the open checkpoint (a ``safe_open`` handle cannot be pickled)
+    and leaves no truncated .pt behind."""
     checkpoint, result = _rescaled(tmp_path)
     checkpoint.unlink()
     torch.save(result.changed, tmp_path / "changed.pt")
