@@ -51,8 +51,8 @@ def export_safetensors(name: str, directory: Path) -> list[str]:
     import yaml
     from safetensors.torch import save_file
 
-    from pathcond_cli.formats.fx_import import graph_from_module
-    from pathcond_cli.formats.spec import spec_from_graph
+    from pathcond_cli.io.formats.fx_import import graph_from_module
+    from pathcond_cli.io.formats.spec import spec_from_graph
     from reference_models import REFERENCE_MODELS
 
     torch.manual_seed(0)

@@ -42,7 +42,7 @@ def build_mlp(directory: Path, *, inputs: int, width: int, depth: int, outputs: 
     import torch
     from safetensors.torch import save_file
 
-    from pathcond_cli.formats.safetensors_format import SPEC_METADATA_KEY
+    from pathcond_cli.io.formats.safetensors_format import SPEC_METADATA_KEY
 
     sizes = [inputs] + [width] * depth + [outputs]
     layers = [{"name": "x", "type": "input", "shape": [inputs]}]

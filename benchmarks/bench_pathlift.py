@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import reference_models  # noqa: E402
 from pathcond_cli.api import module_model  # noqa: E402
-from pathcond_cli.diag import balancing_exponents, path_count, path_magnitude_scores, path_norm  # noqa: E402
-from pathcond_cli.evaluate import forward  # noqa: E402
-from pathcond_cli.groups import build_groups  # noqa: E402
-from pathcond_cli.pathlift import telescoped_sum  # noqa: E402
+from pathcond_cli.engine.diag import balancing_exponents, path_count, path_magnitude_scores, path_norm  # noqa: E402
+from pathcond_cli.engine.evaluate import forward  # noqa: E402
+from pathcond_cli.engine.groups import build_groups  # noqa: E402
+from pathcond_cli.engine.pathlift import telescoped_sum  # noqa: E402
 
 MODELS = {
     "mlp3": (lambda: reference_models.mlp(3), (3072,)),

@@ -67,7 +67,7 @@ def peak_rss_gib() -> float:
 
 def run_one(name: str, args) -> dict:
     from pathcond_cli.api import analyse, module_model
-    from pathcond_cli.solvers import solve
+    from pathcond_cli.solve.solvers import solve
 
     module, shape = build(name)
     start = time.perf_counter()

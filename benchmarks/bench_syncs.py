@@ -31,7 +31,7 @@ def main() -> None:
     import fake_cuda
     from bench_solvers import build
     from pathcond_cli.api import analyse, module_model
-    from pathcond_cli.solvers import solve
+    from pathcond_cli.solve.solvers import solve
 
     print(f"{'model':<14}{'tensors':>8}{'passes':>8}{'analysis':>10}{'solve':>8}{'per pass':>10}  solve reads by kind")
     for name in args.models:

@@ -9,7 +9,7 @@ groups; one all-reduce of the element-wise maximum and one of the sums of exp(x 
 combine them in the log domain (nothing overflows, the result is the single-process one up
 to rounding); every rank then takes the same step of u (H numbers, replicated). The test
 (tests/test_distributed_pass.py) runs it on 2 CPU processes over gloo and compares it with
-:meth:`pathcond_cli.objective.Objective.evaluate` in one process.
+:meth:`pathcond_cli.solve.objective.Objective.evaluate` in one process.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from pathcond_cli.diag import DiagG  # noqa: E402
-from pathcond_cli.groups import DagParam, RescalingGroups  # noqa: E402
-from pathcond_cli.objective import Objective, support  # noqa: E402
+from pathcond_cli.engine.diag import DiagG  # noqa: E402
+from pathcond_cli.engine.groups import DagParam, RescalingGroups  # noqa: E402
+from pathcond_cli.solve.objective import Objective, support  # noqa: E402
 
 
 def row_share(groups: RescalingGroups, diag: DiagG, rank: int, world: int) -> tuple[RescalingGroups, DiagG]:
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8)
     args = parser.parse_args()
     import pathcond_cli.api as api
-    from pathcond_cli.groups import build_groups
+    from pathcond_cli.engine.groups import build_groups
     from reference_models import REFERENCE_MODELS
 
     factory, shape, _, _ = REFERENCE_MODELS["resnet50"]

@@ -3,7 +3,7 @@
 Ctrl-C and SIGTERM are handled from this module's first instructions on: the handler is
 installed when the module is imported, through the C-level ``_signal`` module (loaded at interpreter start-up,
 unlike ``signal``, whose enum classes take a moment to build), before the command line modules
-(typer, rich) are imported; :func:`pathcond_cli.cli.main` replaces it with the one that knows
+(typer, rich) are imported; :func:`pathcond_cli.cli.app.main` replaces it with the one that knows
 what a command has written.
 """
 
@@ -22,7 +22,7 @@ _signal.signal(_signal.SIGTERM, _interrupted_while_starting)
 
 
 def main() -> None:
-    from .cli import main as run
+    from .cli.app import main as run
 
     run()
 

@@ -20,19 +20,19 @@ from typing import TypeVar
 import torch
 
 from . import __version__
-from .calibration import calibration_warnings
-from .bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
-from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
-from .diag import (
+from .engine.calibration import calibration_warnings
+from .engine.diag import (
     DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g, path_count, path_norm, zeros_per_layer,
 )
-from .dtype_limits import ensure_storable
+from .engine.graph import BatchNorm, Graph
+from .engine.groups import DagParam, RescalingGroups, build_groups
+from .engine.model import LoadedModel
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
-from .graph import BatchNorm, Graph
-from .groups import DagParam, RescalingGroups, build_groups
-from .enorm import enorm
-from .model import LoadedModel
-from .solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
+from .solve.bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
+from .solve.defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
+from .solve.dtype_limits import ensure_storable
+from .solve.enorm import enorm
+from .solve.solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
 from .verify import Verification, compare
 
 LOG10_E = 1 / math.log(10)
@@ -306,7 +306,7 @@ def _nearest(graph: Graph, layer: str, gammas: list[ZeroGamma]) -> ZeroGamma | N
 
 def zero_causes(analysis: Analysis, unused: dict[str, int]) -> list[ZeroCause]:
     """Per layer with g = 0, in network order, how many and why (``unused``: the parameters on
-    no path at this input shape, :func:`~pathcond_cli.diag.unused_parameters`). Costs one
+    no path at this input shape, :func:`~pathcond_cli.engine.diag.unused_parameters`). Costs one
     path-count pass when some BatchNorm has γ = 0, none otherwise."""
     if not any(spread.zeros for spread in analysis.summary.layers):
         return []
@@ -583,7 +583,7 @@ def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str, tol
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
     """Wrap an ``nn.Module`` (traced with torch.fx) as a :class:`LoadedModel`."""
-    from .formats.fx_import import module_import
+    from .io.formats.fx_import import module_import
 
     source = name or type(module).__name__
     graph, params, notes = module_import(module, tuple(input_shape), source=source)
@@ -660,7 +660,7 @@ def load(
     Checkpoint tensors the architecture does not read raise :class:`InputError` unless
     ``allow_unused`` (then they are carried through and named in ``warnings``).
     """
-    from .formats import load_model
+    from .io.formats import load_model
 
     return load_model(Path(source) if isinstance(source, str) else source, arch=arch, input_shape=input_shape,
                       allow_unused=allow_unused)
@@ -739,8 +739,8 @@ def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destin
     ``destination``, run ``verify(staged_path, shown_name)`` on what was written, and only if it
     returns rename the file onto ``destination`` (the rules of :func:`save`): a failed check
     raises and leaves nothing behind. Returns what ``verify`` returned."""
-    from .fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
-    from .formats import replaced_companions, write_model
+    from .io.fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
+    from .io.formats import replaced_companions, write_model
 
     timed = timed or Stopwatch({})
     destination = resolve_destination(Path(destination))
@@ -766,7 +766,7 @@ def _verify_written(model: LoadedModel, target: Path, input_shape, *,
     """Reload what was written (its architecture is embedded) and compare it with the original;
     returns the verification and the model read back. ``name`` is how the file is called in
     messages (default: ``target``)."""
-    from .formats import load_model
+    from .io.formats import load_model
     from .verify import independent_check
 
     name = name or str(target)

@@ -22,16 +22,16 @@ import torch
 
 from . import __version__
 from .api import DEFAULT_PATH_NORMS, LOG10_E, Stopwatch, path_norm_orders, path_norms_of, resolve_device, write_staged
-from .diag import PathNorm, balancing_exponents, path_magnitude_scores
-from .errors import MismatchError, PathcondError, VerificationError
-from .evaluate import forward
-from .graph import Graph, Input
-from .groups import build_groups
-from .model import LoadedModel
-from .pathlift import (
+from .engine.diag import PathNorm, balancing_exponents, path_magnitude_scores
+from .engine.evaluate import forward
+from .engine.graph import Graph, Input
+from .engine.groups import build_groups
+from .engine.model import LoadedModel
+from .engine.pathlift import (
     PRUNING_CRITERIA, PathMetric, SignComparison, compare_signs, exp_or_none, ln_difference, magnitude_keys, non_relu_activations,
     path_metric, prunable, select_pruned, stored_weight_mask,
 )
+from .errors import MismatchError, PathcondError, VerificationError
 
 # Inputs drawn in the box ‖x‖∞ ≤ R to measure an output change: half uniform, half corners (±R).
 SAMPLED_INPUTS = 16
@@ -375,7 +375,7 @@ def save_pruned(result: PruneResult, destination: str | Path, *, in_place: bool 
 
 
 def _verify_pruned(result: PruneResult, target: Path, input_shape, name: str) -> dict[str, str]:
-    from .formats import load_model
+    from .io.formats import load_model
     from .verify import independent_agreement
 
     model = result.model

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from .engine.evaluate import forward
+from .engine.graph import BatchNorm, Graph
+from .engine.model import LoadedModel
 from .errors import VerificationError
-from .evaluate import forward
-from .fileio import interrupts_deferred
-from .formats import exception_line
-from .graph import BatchNorm, Graph
-from .model import LoadedModel
+from .io.fileio import interrupts_deferred
+from .io.formats import exception_line
 
 # A rescaled ONNX model run by onnxruntime/onnx.reference in its own float type is compared
 # with the original run the same way; never tighter than this (float32 kernels differ by ULPs).
@@ -338,7 +338,7 @@ def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
     import numpy as np
     import onnx
 
-    from .formats.onnx_format import declared_batch, fed_inputs
+    from .io.formats.onnx_format import declared_batch, fed_inputs
 
     graph_inputs = fed_inputs(model.payload, model.source)
     batch = declared_batch(graph_inputs) or 1

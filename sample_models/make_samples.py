@@ -18,8 +18,8 @@ import yaml
 from safetensors.torch import save_file
 from torch import nn
 
-from pathcond_cli.formats.fx_import import graph_from_module
-from pathcond_cli.formats.spec import spec_from_graph
+from pathcond_cli.io.formats.fx_import import graph_from_module
+from pathcond_cli.io.formats.spec import spec_from_graph
 
 HERE = Path(__file__).resolve().parent
 

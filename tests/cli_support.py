@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 import fake_cuda
 
-from pathcond_cli.cli import app
+from pathcond_cli.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = ROOT / "sample_models"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import fake_cuda
 
-from pathcond_cli.graph import (
+from pathcond_cli.engine.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
     ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
     Scale, Upsample,

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pathcond_cli.graph import (
+from pathcond_cli.engine.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat,
     Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
     Scale, Upsample,
@@ -44,7 +44,7 @@ _ADAP = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_p
 
 
 # ----------------------------------------------------------------------------------------------
-# Plain torch forward (reference semantics, independent of pathcond_cli.evaluate)
+# Plain torch forward (reference semantics, independent of pathcond_cli.engine.evaluate)
 # ----------------------------------------------------------------------------------------------
 
 def _bn_for(graph: Graph, name: str) -> BatchNorm | None:

@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 import pathcond_cli as pathcond
 from pathcond_cli.api import module_model
-from pathcond_cli.cli import app
-from pathcond_cli.formats.spec import spec_from_graph
-from pathcond_cli.groups import build_groups
+from pathcond_cli.cli.app import app
+from pathcond_cli.io.formats.spec import spec_from_graph
+from pathcond_cli.engine.groups import build_groups
 from pathcond_cli.verify import compare
 
 from reference_models import REFERENCE_MODELS, SMALL_MODELS, TABLE1

@@ -20,9 +20,9 @@ import pathcond_cli.api as api
 from cli_support import assert_clean_exit, check_error_output, check_report, invoke, parse_single_json, write_mlp
 from families import small_googlenet
 from pathcond_cli.api import module_model, rescale
-from pathcond_cli.dtype_limits import lost_values, safe_log_scale
+from pathcond_cli.solve.dtype_limits import lost_values, safe_log_scale
 from pathcond_cli.errors import StorageError
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.groups import build_groups
 from pathcond_cli.verify import Verification
 
 SHAPE = (3, 32, 32)
@@ -191,7 +191,7 @@ def test_cli_failure_before_reading_prints_no_document(tmp_path):
 
 
 def test_error_document_keys():
-    from pathcond_cli.report import error_document
+    from pathcond_cli.report.render import error_document
 
     document = error_document({"command": "rescale", "output": "x"}, StorageError("m"), 8, "m")
     assert document == {"command": "rescale", "output": None,

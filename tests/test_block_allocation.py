@@ -11,12 +11,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import NetBuilder
-from pathcond_cli import groups as groups_module
+from pathcond_cli.engine import groups as groups_module
 from pathcond_cli.api import rescale
-from pathcond_cli.diag import OuterLog, diag_g
-from pathcond_cli.dtype_limits import check_storage
-from pathcond_cli.groups import build_groups
-from pathcond_cli.model import LoadedModel
+from pathcond_cli.engine.diag import OuterLog, diag_g
+from pathcond_cli.solve.dtype_limits import check_storage
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.engine.model import LoadedModel
 
 
 class _LargestAllocation(TorchDispatchMode):

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from pathcond_cli import groups as groups_module
+from pathcond_cli.engine import groups as groups_module
 from pathcond_cli.api import histogram
-from pathcond_cli.diag import OuterLog, balancing_exponents
-from pathcond_cli.dtype_limits import check_storage
-from pathcond_cli.groups import blocks, build_groups
+from pathcond_cli.engine.diag import OuterLog, balancing_exponents
+from pathcond_cli.solve.dtype_limits import check_storage
+from pathcond_cli.engine.groups import blocks, build_groups
 
 from cli_support import CountingReads
 
@@ -101,8 +101,8 @@ def test_dag_values_are_read_from_the_checkpoint_when_used_and_not_held(nets, ar
     tensors when a pass asks for it, and the analysis gives what eagerly held values give."""
     import dataclasses
 
-    from pathcond_cli.diag import diag_g
-    from pathcond_cli.groups import Reread
+    from pathcond_cli.engine.diag import diag_g
+    from pathcond_cli.engine.groups import Reread
 
     graph, params = nets.catalogue[arch](seed=4)
     counting = CountingReads(params)

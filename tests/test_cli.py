@@ -1,7 +1,7 @@
 """The command-line contract of the README, driven through the real CLI.
 
 In-process runs use typer's ``CliRunner`` (stdout and stderr kept apart); a few runs go
-through a real process (``python -m pathcond_cli.cli`` or the ``pathcond`` console script)
+through a real process (``python -m pathcond_cli.cli.app`` or the ``pathcond`` console script)
 to check what only a process shows: piping through stdin/stdout, exit statuses, and that a
 non-terminal stderr carries no progress or colour codes.
 """

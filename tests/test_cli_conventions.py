@@ -28,13 +28,13 @@ from cli_support import (
 from docs_support import section
 from families import FAMILIES
 from pathcond_cli.api import analyse, module_model, resolve_device
-from pathcond_cli.cli import app
-from pathcond_cli.dtype_limits import ensure_storable
+from pathcond_cli.cli.app import app
+from pathcond_cli.solve.dtype_limits import ensure_storable
 from pathcond_cli.errors import UnsupportedModelError, UsageError
-from pathcond_cli.formats import load_model
-from pathcond_cli.formats.onnx_format import load_onnx
-from pathcond_cli.formats.spec import parse_spec_text, spec_from_graph, spec_text
-from pathcond_cli.groups import build_groups
+from pathcond_cli.io.formats import load_model
+from pathcond_cli.io.formats.onnx_format import load_onnx
+from pathcond_cli.io.formats.spec import parse_spec_text, spec_from_graph, spec_text
+from pathcond_cli.engine.groups import build_groups
 
 
 def _signature(model) -> tuple:
@@ -355,7 +355,7 @@ def test_convnext_module_refusal_leads_with_its_root_causes():
 def test_flushed_values_of_many_tensors_are_one_warning():
     graph_spec = {"layers": [{"name": "x", "type": "input", "shape": [4]}, {"name": "fc1", "type": "linear"},
                              {"name": "relu", "type": "relu"}, {"name": "fc2", "type": "linear"}]}
-    from pathcond_cli.formats.spec import graph_from_spec
+    from pathcond_cli.io.formats.spec import graph_from_spec
 
     graph = graph_from_spec(graph_spec, source="s")
     tiny = torch.finfo(torch.float16).tiny

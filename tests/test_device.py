@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import fake_cuda
-from pathcond_cli import solvers
+from pathcond_cli.solve import solvers
 from pathcond_cli.api import analyse, rescale
-from pathcond_cli.diag import diag_g
-from pathcond_cli.groups import build_groups
-from pathcond_cli.model import LoadedModel
-from pathcond_cli.objective import Objective, degenerate_mask
+from pathcond_cli.engine.diag import diag_g
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.engine.model import LoadedModel
+from pathcond_cli.solve.objective import Objective, degenerate_mask
 
 
 def _model(nets, arch="mlp", dead=False) -> LoadedModel:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from oracle import build_neuron_dag, engine_blocks, to_theta_order
-from pathcond_cli.diag import diag_g, path_count
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.diag import diag_g, path_count
+from pathcond_cli.engine.groups import build_groups
 
 ARCHS = [
     "mlp", "mlp_nobias_transposed", "mlp_leaky", "conv_maxpool", "conv_maxpool_strided", "residual",

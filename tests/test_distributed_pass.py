@@ -67,7 +67,7 @@ def _free_port() -> int:
 
 
 def test_two_gloo_ranks_give_the_single_process_objective_and_gradient(tmp_path):
-    from pathcond_cli.objective import Objective
+    from pathcond_cli.solve.objective import Objective
 
     out = str(tmp_path / "rank")
     mp.spawn(_rank, args=(_free_port(), out), nprocs=WORLD, join=True)

@@ -21,7 +21,7 @@ import pytest
 
 from cli_support import CLEAN_ENV
 from docs_support import FENCE, PAGES, ROOT, Block, all_blocks
-from pathcond_cli.formats.spec import graph_from_spec, parse_spec_text
+from pathcond_cli.io.formats.spec import graph_from_spec, parse_spec_text
 
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:e[-+]?\d+)?")
 _EXPECTED_EXIT = re.compile(r"\s+# exit (\d+)$")

@@ -16,8 +16,8 @@ from scipy.special import logsumexp
 import pathcond_cli
 from cli_support import SAMPLES, assert_clean_exit, check_report, invoke, parse_single_json, write_mlp
 from oracle import build_neuron_dag
-from pathcond_cli.enorm import enorm
-from pathcond_cli.groups import build_groups
+from pathcond_cli.solve.enorm import enorm
+from pathcond_cli.engine.groups import build_groups
 from pathcond_cli.verify import compare
 from test_invariance import assert_same_tensors, max_output_error, random_u
 

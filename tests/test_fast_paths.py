@@ -22,12 +22,12 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-import pathcond_cli.formats.onnx_format as onnx_format
+import pathcond_cli.io.formats.onnx_format as onnx_format
 from cli_support import assert_clean_exit, assert_unchanged, invoke, onnx_mlp_model, snapshot, write_onnx_mlp
 from onnx_models import export
-from pathcond_cli.dtype_limits import StorageCheck, check_storage
+from pathcond_cli.solve.dtype_limits import StorageCheck, check_storage
 from pathcond_cli.errors import InputError
-from pathcond_cli.formats import load_model
+from pathcond_cli.io.formats import load_model
 from pathcond_cli.verify import independent_check
 
 

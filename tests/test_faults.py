@@ -26,8 +26,8 @@ import yaml
 
 import pathcond_cli
 import pathcond_cli.api
-import pathcond_cli.fileio
-import pathcond_cli.formats.safetensors_format as safetensors_format
+import pathcond_cli.io.fileio
+import pathcond_cli.io.formats.safetensors_format as safetensors_format
 from cli_support import (
     assert_clean_exit, assert_unchanged, check_report, invoke, leftovers, mlp_spec, mlp_tensors,
     onnx_mlp_model, parse_single_json, snapshot, write_mlp, write_onnx_mlp, write_sharded_mlp,
@@ -410,16 +410,16 @@ def test_one_huge_weight_succeeds(tmp_path, solver, where):
 
 def _corrupting_apply(monkeypatch):
     """Make the rescaling wrong on purpose: fc2's weights come out doubled."""
-    import pathcond_cli.groups
+    import pathcond_cli.engine.groups
 
-    real_apply = pathcond_cli.groups.RescalingGroups.apply
+    real_apply = pathcond_cli.engine.groups.RescalingGroups.apply
 
     def apply(self, params, u):
         changed = real_apply(self, params, u)
         changed["fc2.weight"] = changed.get("fc2.weight", params["fc2.weight"]) * 2
         return changed
 
-    monkeypatch.setattr(pathcond_cli.groups.RescalingGroups, "apply", apply)
+    monkeypatch.setattr(pathcond_cli.engine.groups.RescalingGroups, "apply", apply)
 
 
 def test_a_wrong_rescaling_is_caught_exit_5(tmp_path, monkeypatch):
@@ -469,7 +469,7 @@ def test_output_directory_without_write_permission_exit_6(tmp_path):
 def test_no_write_permission_reported_before_any_work_exit_6(tmp_path, monkeypatch):
     checkpoint, spec = write_mlp(tmp_path)
     real_access = os.access
-    monkeypatch.setattr(pathcond_cli.fileio.os, "access",
+    monkeypatch.setattr(pathcond_cli.io.fileio.os, "access",
                         lambda path, mode, **kw: False if mode & os.W_OK else real_access(path, mode, **kw))
     _fails_cleanly(tmp_path, 6, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"],
                    "permission", str(tmp_path))
@@ -483,7 +483,7 @@ def test_permission_denied_creating_temporary_files_exit_6(tmp_path, monkeypatch
     def denied(*args, **kwargs):
         raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(pathcond_cli.fileio.tempfile, where, denied)
+    monkeypatch.setattr(pathcond_cli.io.fileio.tempfile, where, denied)
     _fails_cleanly(tmp_path, 6, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"],
                    "out.safetensors", "permission denied")
 
@@ -519,7 +519,7 @@ def test_rename_failure_exit_6(tmp_path, monkeypatch):
     def full(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pathcond_cli.fileio.os, "replace", full)
+    monkeypatch.setattr(pathcond_cli.io.fileio.os, "replace", full)
     _fails_cleanly(tmp_path, 6, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors"], "disk is full")
 
 

@@ -16,10 +16,10 @@ import pytest
 import safetensors.torch
 import torch
 
-import pathcond_cli.formats.safetensors_format as safetensors_format
+import pathcond_cli.io.formats.safetensors_format as safetensors_format
 from cli_support import assert_clean_exit, assert_unchanged, invoke, mlp_spec, mlp_tensors, parse_single_json, snapshot
 from pathcond_cli.errors import InputError
-from pathcond_cli.formats import detect_format
+from pathcond_cli.io.formats import detect_format
 
 import yaml
 

@@ -31,7 +31,7 @@ from cli_support import (
     DOCUMENTED_ERRORS, SAMPLES, assert_unchanged, check_error_output, check_report, invoke, leftovers, mlp_spec,
     mlp_tensors, onnx_mlp_model, snapshot,
 )
-from pathcond_cli.formats.spec import dump_spec
+from pathcond_cli.io.formats.spec import dump_spec
 from pathcond_cli.verify import compare
 
 BYTE_CASES = 24

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from pathcond_cli.api import module_model, rescale_module
 from pathcond_cli.errors import InputError, UnsupportedModelError
-from pathcond_cli.evaluate import forward
-from pathcond_cli.formats.fx_import import graph_from_module, load_factory
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.io.formats.fx_import import graph_from_module, load_factory
+from pathcond_cli.engine.groups import build_groups
 
 
 class MLP(nn.Module):

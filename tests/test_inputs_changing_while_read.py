@@ -16,17 +16,17 @@ import safetensors
 import safetensors.torch
 import torch
 
-import pathcond_cli.fileio as fileio
-import pathcond_cli.formats.safetensors_format as formats
+import pathcond_cli.io.fileio as fileio
+import pathcond_cli.io.formats.safetensors_format as formats
 from cli_support import CLEAN_ENV, assert_clean_exit, invoke, mlp_tensors, write_mlp, write_sharded_mlp
-from pathcond_cli.formats.safetensors_format import MappedTensors, write_tensors
+from pathcond_cli.io.formats.safetensors_format import MappedTensors, write_tensors
 
 # Runs the CLI with the input truncated by "another process" just before the output is written,
 # after the solver has read every tensor once: the writer and the verification read them again.
 _TRUNCATE_THEN_RUN = textwrap.dedent("""
     import os, sys
     import pathcond_cli.__main__
-    import pathcond_cli.formats.safetensors_format as formats
+    import pathcond_cli.io.formats.safetensors_format as formats
     victim, *argv = sys.argv[1:]
     write = formats.write_tensors
 
@@ -36,7 +36,7 @@ _TRUNCATE_THEN_RUN = textwrap.dedent("""
 
     formats.write_tensors = truncating
     sys.argv = ["pathcond", *argv]
-    from pathcond_cli.cli import main
+    from pathcond_cli.cli.app import main
     main()
 """)
 

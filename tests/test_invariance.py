@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from oracle import build_neuron_dag, rel_err, torch_forward
-from pathcond_cli.diag import diag_g
-from pathcond_cli.evaluate import forward
-from pathcond_cli.graph import BatchNorm
-from pathcond_cli.groups import build_groups
-from pathcond_cli.solvers import solve
+from pathcond_cli.engine.diag import diag_g
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.engine.graph import BatchNorm
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.solve.solvers import solve
 
 ARCHS = [
     "mlp", "mlp_nobias_transposed", "cnn_bn_residual", "conv_bn", "residual", "concat", "bottleneck", "grouped_conv",

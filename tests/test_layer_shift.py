@@ -11,13 +11,13 @@ import torch
 from scipy.optimize import minimize
 
 from oracle import DenseObjective, build_neuron_dag, oracle_objective, to_theta_order
-from pathcond_cli.curvature import CoarseCorrection, LayerAggregates, ScaledHessian
-from pathcond_cli.diag import diag_g
-from pathcond_cli.groups import build_groups
-from pathcond_cli import layer_shift
-from pathcond_cli.layer_shift import _minimise, layer_shift_start
-from pathcond_cli.objective import Objective, degenerate_mask
-from pathcond_cli.solvers import solve
+from pathcond_cli.solve.curvature import CoarseCorrection, LayerAggregates, ScaledHessian
+from pathcond_cli.engine.diag import diag_g
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.solve import layer_shift
+from pathcond_cli.solve.layer_shift import _minimise, layer_shift_start
+from pathcond_cli.solve.objective import Objective, degenerate_mask
+from pathcond_cli.solve.solvers import solve
 
 OUTLIER = 2e37
 

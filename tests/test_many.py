@@ -21,8 +21,8 @@ import safetensors.torch
 import torch
 import yaml
 
-import pathcond_cli.cli
-import pathcond_cli.formats
+import pathcond_cli.cli.app
+import pathcond_cli.io.formats
 from cli_support import (
     CLEAN_ENV, ROOT, SAMPLES, assert_clean_exit, assert_unchanged, check_report, invoke, leftovers, mlp_spec,
     mlp_tensors, module_command, snapshot, write_mlp,
@@ -166,7 +166,7 @@ def test_colliding_outputs_are_refused_before_any_work(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     loads = []
-    monkeypatch.setattr(pathcond_cli.formats, "load_model", lambda *args, **kwargs: loads.append(args))
+    monkeypatch.setattr(pathcond_cli.io.formats, "load_model", lambda *args, **kwargs: loads.append(args))
     before = snapshot(tmp_path)
     for arguments in (
         [first, second, "--output-dir", out],  # one stem in two folders
@@ -223,7 +223,7 @@ def test_an_output_that_is_a_shard_of_another_input_is_refused(tmp_path, monkeyp
     plain, spec = write_mlp(tmp_path, "a")
     index = _sharded(tmp_path, ("a.pathcond.safetensors", "rest.safetensors"))  # a's output is index's shard
     loads = []
-    monkeypatch.setattr(pathcond_cli.formats, "load_model", lambda *args, **kwargs: loads.append(args))
+    monkeypatch.setattr(pathcond_cli.io.formats, "load_model", lambda *args, **kwargs: loads.append(args))
     before = snapshot(tmp_path)
     result = invoke("rescale", index, plain, "--arch", spec)
     assert_clean_exit(result, 6, "refusing to overwrite", "a.pathcond.safetensors", "nothing was written")
@@ -330,15 +330,15 @@ def test_a_library_error_raised_by_an_interrupt_is_reported_as_the_interrupt(tmp
     paths, spec = _models(tmp_path / "in", 3)
     out = tmp_path / "out"
     out.mkdir()
-    real_rescale_to = pathcond_cli.cli._rescale_to
+    real_rescale_to = pathcond_cli.cli.app._rescale_to
 
     def interrupted_in_the_second_file(model, *args):
         if Path(model) == paths[1]:
-            pathcond_cli.cli._signal_received = signal.SIGTERM
+            pathcond_cli.cli.app._signal_received = signal.SIGTERM
             raise RuntimeError("read interrupted inside the C extension")
         return real_rescale_to(model, *args)
 
-    monkeypatch.setattr(pathcond_cli.cli, "_rescale_to", interrupted_in_the_second_file)
+    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted_in_the_second_file)
     result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "-q")
     stderr = assert_clean_exit(result, 143, "terminated (SIGTERM): 1 of 3 outputs were completely written")
     assert "unreadable" not in stderr
@@ -363,15 +363,15 @@ def test_an_interrupted_batch_ends_with_the_batch_line_alone(tmp_path, monkeypat
     paths, spec = _models(tmp_path / "in", 3)
     out = tmp_path / "out"
     out.mkdir()
-    real_rescale_to = pathcond_cli.cli._rescale_to
+    real_rescale_to = pathcond_cli.cli.app._rescale_to
 
     def interrupted_in_the_second_file(model, *args):
         if Path(model) == paths[1]:
-            pathcond_cli.cli._signal_received = signal.SIGINT
+            pathcond_cli.cli.app._signal_received = signal.SIGINT
             raise KeyboardInterrupt
         return real_rescale_to(model, *args)
 
-    monkeypatch.setattr(pathcond_cli.cli, "_rescale_to", interrupted_in_the_second_file)
+    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted_in_the_second_file)
     result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "--json")
     stderr = _interrupted_batch(result)
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -386,7 +386,7 @@ def test_a_file_written_before_the_interrupt_has_its_json_line(tmp_path, monkeyp
     paths, spec = _models(tmp_path / "in", 3)
     out = tmp_path / "out"
     out.mkdir()
-    real_rescale_to = pathcond_cli.cli._rescale_to
+    real_rescale_to = pathcond_cli.cli.app._rescale_to
 
     def interrupted_once_written(model, *args):
         report = real_rescale_to(model, *args)
@@ -394,8 +394,8 @@ def test_a_file_written_before_the_interrupt_has_its_json_line(tmp_path, monkeyp
             signal.raise_signal(signal.SIGINT)
         return report
 
-    monkeypatch.setattr(pathcond_cli.cli, "_rescale_to", interrupted_once_written)
-    monkeypatch.setattr(pathcond_cli.cli, "_signal_received", None)
+    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted_once_written)
+    monkeypatch.setattr(pathcond_cli.cli.app, "_signal_received", None)
     result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "--json")
     stderr = _interrupted_batch(result)
     assert "2 of 3 outputs were completely written and verified" in stderr

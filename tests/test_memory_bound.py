@@ -23,7 +23,7 @@ import torch
 import yaml
 
 import pathcond_cli.api
-import pathcond_cli.formats.safetensors_format as safetensors_format
+import pathcond_cli.io.formats.safetensors_format as safetensors_format
 from cli_support import (
     assert_clean_exit, invoke, mlp_spec, mlp_tensors, write_mlp, write_onnx_mlp, write_sharded_mlp,
 )

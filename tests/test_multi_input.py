@@ -24,9 +24,9 @@ from torch import nn
 import fake_cuda
 from cli_support import assert_clean_exit, invoke, leftovers, parse_single_json
 from oracle import build_neuron_dag, to_theta_order
-from pathcond_cli.diag import diag_g
-from pathcond_cli.formats.onnx_format import load_onnx
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.diag import diag_g
+from pathcond_cli.io.formats.onnx_format import load_onnx
+from pathcond_cli.engine.groups import build_groups
 
 IMAGE, VECTOR = (3, 8, 8), (5,)
 SHAPES = ("--input-shape", "img:3,8,8", "--input-shape", "vec:5")

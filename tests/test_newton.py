@@ -13,15 +13,15 @@ from scipy.optimize import minimize
 
 from oracle import build_neuron_dag, oracle_objective
 from pathcond_cli.api import rescale
-from pathcond_cli.curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
-from pathcond_cli.diag import diag_g
-from pathcond_cli.dtype_limits import check_storage, ensure_storable, safe_log_scale
+from pathcond_cli.solve.curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
+from pathcond_cli.engine.diag import diag_g
+from pathcond_cli.solve.dtype_limits import check_storage, ensure_storable, safe_log_scale
 from pathcond_cli.errors import StorageError
-from pathcond_cli.groups import build_groups
-from pathcond_cli.layer_shift import layer_shift_start
-from pathcond_cli.model import LoadedModel
-from pathcond_cli.objective import Objective, degenerate_mask
-from pathcond_cli.solvers import BOUNDED_SOLVERS, solve
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.solve.layer_shift import layer_shift_start
+from pathcond_cli.engine.model import LoadedModel
+from pathcond_cli.solve.objective import Objective, degenerate_mask
+from pathcond_cli.solve.solvers import BOUNDED_SOLVERS, solve
 
 ARCHS = ["mlp", "conv_bn", "residual", "bottleneck", "concat", "self_loop", "grouped_conv"]
 

@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from onnx_models import export
 from pathcond_cli.errors import UnsupportedModelError
-from pathcond_cli.formats.fx_import import graph_from_module
-from pathcond_cli.formats.onnx_format import load_onnx
+from pathcond_cli.io.formats.fx_import import graph_from_module
+from pathcond_cli.io.formats.onnx_format import load_onnx
 
 
 class ViTBlock(nn.Module):

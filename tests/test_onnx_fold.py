@@ -1,4 +1,4 @@
-"""Folding run-time shape arithmetic (pathcond_cli.formats.onnx_fold) on hand-built graphs."""
+"""Folding run-time shape arithmetic (pathcond_cli.io.formats.onnx_fold) on hand-built graphs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from pathcond_cli.errors import UnsupportedModelError
-from pathcond_cli.evaluate import forward
-from pathcond_cli.formats.onnx_fold import fold_shape_arithmetic
-from pathcond_cli.formats.onnx_format import _infer_shapes, load_onnx
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.io.formats.onnx_fold import fold_shape_arithmetic
+from pathcond_cli.io.formats.onnx_format import _infer_shapes, load_onnx
 
 
 def _shuffle_view(extra_nodes=(), output="shuffled") -> onnx.ModelProto:

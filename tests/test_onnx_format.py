@@ -13,10 +13,10 @@ from onnx import TensorProto, helper, numpy_helper
 import ops_models
 from onnx_models import EXPORTERS, MODELS, build, example_input, export, exported
 from pathcond_cli.errors import InputError, UnsupportedModelError, UsageError
-from pathcond_cli.evaluate import forward
-from pathcond_cli.formats.onnx_format import load_onnx, reference_outputs, write_onnx
-from pathcond_cli.graph import BatchNorm, Identity, Linear
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.io.formats.onnx_format import load_onnx, reference_outputs, write_onnx
+from pathcond_cli.engine.graph import BatchNorm, Identity, Linear
+from pathcond_cli.engine.groups import build_groups
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -10,7 +10,7 @@ import torch
 
 from ops_models import OPS_MODELS, build
 from pathcond_cli.api import module_model, rescale_module
-from pathcond_cli.evaluate import forward
+from pathcond_cli.engine.evaluate import forward
 
 
 @pytest.mark.parametrize("name", sorted(OPS_MODELS))

@@ -17,8 +17,8 @@ import torch
 
 from conftest import NEW_OPS
 from oracle import build_neuron_dag, rel_err, to_theta_order, torch_forward
-from pathcond_cli.diag import diag_g, path_count
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.diag import diag_g, path_count
+from pathcond_cli.engine.groups import build_groups
 
 ARCHS = sorted(NEW_OPS)
 
@@ -58,7 +58,7 @@ def test_rescaling_preserves_the_function(nets, arch):
 def test_parameters_on_no_path_are_counted_per_layer(nets):
     """A 3×3 conv with padding 1 on a 1×1 input: only the centre tap ever sees the input, so
     the other 8 taps of each output channel lie on no path (counted per layer, as brute force says)."""
-    from pathcond_cli.diag import unused_parameters
+    from pathcond_cli.engine.diag import unused_parameters
 
     b = nets.builder((1, 1, 1), 0)
     b.conv(2, 3, padding=1); b.relu(); b.flatten(); b.linear(2)

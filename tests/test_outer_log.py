@@ -24,15 +24,15 @@ import torch
 from conftest import NetBuilder
 from oracle import NeuronDAG, build_neuron_dag, engine_blocks, oracle_objective, to_theta_order
 from pathcond_cli.api import conditioning, histogram, rescaled_diag, summarise
-from pathcond_cli.curvature import CoarseCorrection, LayerAggregates, ScaledHessian
-from pathcond_cli.defaults import SOLVERS
-from pathcond_cli.diag import DiagG, OuterLog, dense, diag_g, unused_parameters
-from pathcond_cli.graph import Graph, Linear
-from pathcond_cli.groups import RescalingGroups, build_groups
-from pathcond_cli.layer_shift import _log_rows_by_source, layer_shift_start
-from pathcond_cli.objective import Coupling, Objective, degenerate_mask
-from pathcond_cli.plot import _layer_boxes, _strided
-from pathcond_cli.solvers import solve
+from pathcond_cli.solve.curvature import CoarseCorrection, LayerAggregates, ScaledHessian
+from pathcond_cli.solve.defaults import SOLVERS
+from pathcond_cli.engine.diag import DiagG, OuterLog, dense, diag_g, unused_parameters
+from pathcond_cli.engine.graph import Graph, Linear
+from pathcond_cli.engine.groups import RescalingGroups, build_groups
+from pathcond_cli.solve.layer_shift import _log_rows_by_source, layer_shift_start
+from pathcond_cli.solve.objective import Coupling, Objective, degenerate_mask
+from pathcond_cli.report.plot import _layer_boxes, _strided
+from pathcond_cli.solve.solvers import solve
 
 ALTERNATING_30 = (1e30, 1e-30, 1e30, 1e-30)
 # products of these overflow float64 (g of the last layer ≈ 1e600): only the log domain holds them
@@ -534,7 +534,7 @@ def test_summary_conditioning_and_histogram_from_factors_equal_expanded_and_plai
     assert bins == histogram(case.expanded.parts, got.ln_low, got.ln_high, bins=7)
     assert sum(count for *_, count in bins) == got.conditioning.counted
     # an outer product expanded a row or two at a time, as a large one is
-    monkeypatch.setattr("pathcond_cli.groups.BLOCK_ELEMENTS", 5)
+    monkeypatch.setattr("pathcond_cli.engine.groups.BLOCK_ELEMENTS", 5)
     assert histogram(case.factored.parts, got.ln_low, got.ln_high, bins=7) == bins
 
 

@@ -21,10 +21,10 @@ import ops_models
 from onnx_models import EXPORTERS, export
 from pathcond_cli.api import module_model, rescale
 from pathcond_cli.errors import InputError, UnsupportedModelError
-from pathcond_cli.formats.onnx_format import load_onnx, write_onnx
-from pathcond_cli.formats.spec import graph_from_spec
-from pathcond_cli.graph import ChannelAffine, Pad
-from pathcond_cli.groups import build_groups
+from pathcond_cli.io.formats.onnx_format import load_onnx, write_onnx
+from pathcond_cli.io.formats.spec import graph_from_spec
+from pathcond_cli.engine.graph import ChannelAffine, Pad
+from pathcond_cli.engine.groups import build_groups
 from test_onnx_format import TOLERANCE, only_output, random_rescaling, relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -180,7 +180,7 @@ def test_a_stored_shift_without_a_scale_is_refused_by_fx_and_onnx():
 
 @pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])
 def test_an_index_map_that_copies_pixels_is_the_pad_torch_computes(mode):
-    from pathcond_cli.formats.movement import movement_layer
+    from pathcond_cli.io.formats.movement import movement_layer
 
     index = torch.arange(2 * 4 * 5, dtype=torch.float64).reshape(1, 2, 4, 5)
     padded = F.pad(index, (2, 1, 0, 3), mode=mode).long()
@@ -188,7 +188,7 @@ def test_an_index_map_that_copies_pixels_is_the_pad_torch_computes(mode):
 
 
 def test_an_index_map_no_torch_pad_computes_is_refused():
-    from pathcond_cli.formats.movement import UnsupportedMovement, movement_layer
+    from pathcond_cli.io.formats.movement import UnsupportedMovement, movement_layer
 
     index = torch.arange(2 * 4 * 4).reshape(1, 2, 4, 4)
     with pytest.raises(UnsupportedMovement, match="reflect, replicate or circular padding"):

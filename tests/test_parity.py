@@ -17,10 +17,10 @@ import onnx_models
 import ops_models
 from pathcond_cli.api import analyse, module_model, rescale
 from pathcond_cli.errors import UnsupportedModelError
-from pathcond_cli.objective import support
-from pathcond_cli.formats.onnx_format import load_onnx
-from pathcond_cli.formats.spec import graph_from_spec, spec_from_graph
-from pathcond_cli.model import LoadedModel
+from pathcond_cli.solve.objective import support
+from pathcond_cli.io.formats.onnx_format import load_onnx
+from pathcond_cli.io.formats.spec import graph_from_spec, spec_from_graph
+from pathcond_cli.engine.model import LoadedModel
 
 sys.path.insert(0, str(Path(__file__).parent))
 import reference_models  # noqa: E402

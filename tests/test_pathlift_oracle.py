@@ -29,11 +29,11 @@ import torch
 
 from conftest import CATALOGUE
 from oracle import _bn_for, build_neuron_dag, engine_blocks, fold, to_theta_order
-from pathcond_cli.diag import balanced_value, balancing_exponents, path_count, path_magnitude_scores, path_norm
-from pathcond_cli.evaluate import forward
-from pathcond_cli.graph import BatchNorm, ChannelAffine, Conv, ConvTranspose, LeakyReLU, Linear, MaxPool, PReLU
-from pathcond_cli.groups import build_groups
-from pathcond_cli.pathlift import compare_signs, path_metric, telescoped_sum
+from pathcond_cli.engine.diag import balanced_value, balancing_exponents, path_count, path_magnitude_scores, path_norm
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.engine.graph import BatchNorm, ChannelAffine, Conv, ConvTranspose, LeakyReLU, Linear, MaxPool, PReLU
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.engine.pathlift import compare_signs, path_metric, telescoped_sum
 
 MAX_PATHS = 20000
 # Every catalogue network is small enough (the largest has ~12k paths); the oracle's own

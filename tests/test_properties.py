@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from oracle import build_neuron_dag, rel_err, to_theta_order, torch_forward
-from pathcond_cli.diag import diag_g, path_count
-from pathcond_cli.graph import BatchNorm
-from pathcond_cli.groups import build_groups
-from pathcond_cli.solvers import solve
+from pathcond_cli.engine.diag import diag_g, path_count
+from pathcond_cli.engine.graph import BatchNorm
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.solve.solvers import solve
 
 SETTINGS = dict(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 

@@ -18,9 +18,9 @@ from cli_support import SAMPLES, assert_clean_exit, check_report, invoke, mlp_te
 from oracle import build_neuron_dag, to_theta_order
 from pathcond_cli import analyse, load, rescale
 from pathcond_cli.api import conditioning, rescaled_diag
-from pathcond_cli.groups import build_groups
-from pathcond_cli.model import LoadedModel
-from pathcond_cli.objective import Objective
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.engine.model import LoadedModel
+from pathcond_cli.solve.objective import Objective
 
 ORACLE_ARCHS = ["mlp", "conv_bn", "residual", "conv_maxpool"]
 

@@ -19,7 +19,7 @@ from cli_support import (
 from docs_support import all_blocks
 from pathcond_cli import __version__
 from pathcond_cli.api import resolve_device
-from pathcond_cli.cli import app
+from pathcond_cli.cli.app import app
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -143,7 +143,7 @@ def test_the_cli_module_imports_neither_torch_nor_onnx():
     """--help, --version and completion stay instant because nothing heavy loads until a command runs;
     the package's public names still resolve (lazily)."""
     code = (
-        "import sys, pathcond_cli.cli, pathcond_cli\n"
+        "import sys, pathcond_cli.cli.app, pathcond_cli\n"
         "heavy = sorted(m for m in ('torch', 'onnx', 'numpy', 'safetensors', 'matplotlib') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
         "assert callable(pathcond_cli.rescale_module) and 'torch' in sys.modules\n"

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pathcond_cli import graph as g
-from pathcond_cli.formats import fx_import, onnx_format
-from pathcond_cli.formats.spec import LAYER_TYPES
-from pathcond_cli.rules import RULES
+from pathcond_cli.engine import graph as g
+from pathcond_cli.io.formats import fx_import, onnx_format
+from pathcond_cli.io.formats.spec import LAYER_TYPES
+from pathcond_cli.engine.rules import RULES
 
 # node class -> (ONNX op types, torch modules / functions / Tensor methods); a string states a route's absence.
 ROUTES = {
@@ -89,5 +89,5 @@ def test_graph_is_the_ground_floor():
     import subprocess
     import sys
 
-    code = "import sys, pathcond_cli.graph; print('pathcond_cli.rules' in sys.modules)"
+    code = "import sys, pathcond_cli.engine.graph; print('pathcond_cli.engine.rules' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

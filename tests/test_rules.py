@@ -8,12 +8,12 @@ from typing import ClassVar
 import pytest
 import torch
 
-from pathcond_cli import rules
-from pathcond_cli.diag import diag_g, path_count
+from pathcond_cli.engine import rules
+from pathcond_cli.engine.diag import diag_g, path_count
 from pathcond_cli.errors import UnsupportedModelError
-from pathcond_cli.evaluate import forward
-from pathcond_cli.graph import NODE_TYPES, Graph, Input, Linear, Node, ReLU
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.engine.graph import NODE_TYPES, Graph, Input, Linear, Node, ReLU
+from pathcond_cli.engine.groups import build_groups
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ import torch
 import yaml
 
 from pathcond_cli.errors import InputError, InvalidWeightsError, OutputError, UsageError
-from pathcond_cli.evaluate import forward
-from pathcond_cli.formats.safetensors_format import (
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.io.formats.safetensors_format import (
     SPEC_METADATA_KEY, SafetensorsPayload, load_safetensors, write_safetensors,
 )
-from pathcond_cli.groups import build_groups
+from pathcond_cli.engine.groups import build_groups
 
 SPEC = {
     "layers": [

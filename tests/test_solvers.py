@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from oracle import DenseObjective, build_neuron_dag, oracle_objective, to_theta_order
-from pathcond_cli.diag import DiagG, diag_g
-from pathcond_cli.groups import build_groups
-from pathcond_cli.objective import block_step, paper_step, support
-from pathcond_cli.solvers import solve
+from pathcond_cli.engine.diag import DiagG, diag_g
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.solve.objective import block_step, paper_step, support
+from pathcond_cli.solve.solvers import solve
 
 METHODS = ["newton", "block", "lbfgs", "sequential"]
 ARCHS = [

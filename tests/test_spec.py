@@ -11,11 +11,11 @@ import torch.nn.functional as F
 import yaml
 
 from pathcond_cli.errors import InputError, UnsupportedModelError
-from pathcond_cli.evaluate import forward
-from pathcond_cli.formats.spec import (
+from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.io.formats.spec import (
     LAYER_TYPES, dump_spec, graph_from_spec, load_spec_file, spec_from_graph,
 )
-from pathcond_cli.graph import (
+from pathcond_cli.engine.graph import (
     NODE_TYPES, AdaptiveAvgPool, Conv, Identity, Input, Linear, MaxPool, node_attributes,
 )
 
@@ -306,7 +306,7 @@ def test_upsample_layers_compute_torch_interpolate_and_round_trip():
     ({"size": [4, 4, 4]}, "3 resize values for 2 spatial axes"),
 ])
 def test_upsample_problems_name_the_layer(fields, message):
-    from pathcond_cli.evaluate import infer_shapes
+    from pathcond_cli.engine.evaluate import infer_shapes
 
     spec = {"format_version": 1, "layers": [{"name": "x", "type": "input", "shape": [1, 3, 4]},
                                             {"name": "up", "type": "upsample", **fields}]}

@@ -23,11 +23,11 @@ from torch import nn
 from families import FAMILIES, small_regnet_x
 from oracle import build_neuron_dag, oracle_objective
 from pathcond_cli.api import analyse, module_model, rescale
-from pathcond_cli.diag import diag_g
-from pathcond_cli.groups import build_groups
-from pathcond_cli.model import LoadedModel
-from pathcond_cli.objective import Objective, support
-from pathcond_cli.solvers import solve
+from pathcond_cli.engine.diag import diag_g
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.engine.model import LoadedModel
+from pathcond_cli.solve.objective import Objective, support
+from pathcond_cli.solve.solvers import solve
 
 IDENTITY = 1e-9  # relative, on F(u) − F(0) against D(θ_u) − D(θ)
 SOLVERS = ["newton", "lbfgs", "block", "sequential"]
@@ -246,7 +246,7 @@ def test_d_never_rises_on_a_family(family, zeroed):
 
 
 def _zeros_report(graph, params) -> dict:
-    from pathcond_cli.report import analysis_report
+    from pathcond_cli.report.render import analysis_report
 
     return analysis_report(analyse(_model(graph, params), device="cpu"))["diag_g_zeros"]
 

@@ -25,14 +25,14 @@ import torch
 import yaml
 
 import pathcond_cli
-import pathcond_cli.cli
-import pathcond_cli.formats
-import pathcond_cli.formats.safetensors_format as safetensors_format
+import pathcond_cli.cli.app
+import pathcond_cli.io.formats
+import pathcond_cli.io.formats.safetensors_format as safetensors_format
 from cli_support import (
     CLEAN_ENV, assert_clean_exit, assert_unchanged, invoke, leftovers, mlp_spec, mlp_tensors, module_command,
     onnx_mlp_model, parse_single_json, snapshot, write_mlp, write_onnx_mlp,
 )
-from pathcond_cli.fileio import interrupts_deferred
+from pathcond_cli.io.fileio import interrupts_deferred
 from pathcond_cli.verify import compare
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,7 +359,7 @@ def test_output_suffix_of_another_format_is_a_usage_error_before_any_work(tmp_pa
         raise AssertionError("the work started")
 
     monkeypatch.setattr(pathcond_cli.api, "solve", never)
-    monkeypatch.setattr(pathcond_cli.formats, "load_model", never)
+    monkeypatch.setattr(pathcond_cli.io.formats, "load_model", never)
     _fails_cleanly(tmp_path, 2, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "x.onnx"], "safetensors")
     _fails_cleanly(tmp_path, 2, ["rescale", model, "-o", tmp_path / "x.safetensors"], "ONNX")
     _fails_cleanly(tmp_path, 2, ["rescale", model, "-o", tmp_path / "x.pt"], "torch pickle")
@@ -455,7 +455,7 @@ def test_interrupt_after_the_output_was_written_says_so(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pathcond_cli.cli, "_emit", interrupted)
+    monkeypatch.setattr(pathcond_cli.cli.app, "_emit", interrupted)
     result = invoke("rescale", checkpoint, "--arch", spec, "-o", out)
     assert_clean_exit(result, 130, "completely written", str(out))
     assert "nothing was written" not in result.stderr
@@ -515,15 +515,15 @@ def test_commands_import_the_libraries_with_sigint_held_back(monkeypatch):
     """torch and the library load before the command's guard with Ctrl-C held back: an interrupt
     raised inside their C++ initialisation aborted the process or was swallowed (exit 0)."""
     handlers = {}
-    real_import = pathcond_cli.cli.importlib.import_module
+    real_import = pathcond_cli.cli.app.importlib.import_module
 
     def recording_import(name, *args):
         handlers[name] = signal.getsignal(signal.SIGINT)
         return real_import(name, *args)
 
-    monkeypatch.setattr(pathcond_cli.cli.importlib, "import_module", recording_import)
+    monkeypatch.setattr(pathcond_cli.cli.app.importlib, "import_module", recording_import)
     outside = signal.getsignal(signal.SIGINT)
-    with pathcond_cli.cli._errors_to_exit_codes():
+    with pathcond_cli.cli.app._errors_to_exit_codes():
         assert signal.getsignal(signal.SIGINT) is outside
     assert handlers and next(iter(handlers)) == "torch"
     assert all(handler is not outside for handler in handlers.values())

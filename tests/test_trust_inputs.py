@@ -27,7 +27,7 @@ from cli_support import (
     write_mlp, write_onnx_mlp,
 )
 from pathcond_cli.errors import InputError, UnsupportedModelError, VerificationError
-from pathcond_cli.formats import onnx_format
+from pathcond_cli.io.formats import onnx_format
 
 
 def _fails_cleanly(directory, code: int, args, *needles: str, input: bytes | None = None) -> str:
@@ -114,9 +114,9 @@ def test_deeply_nested_documents_exit_3(tmp_path, where):
 
 
 def test_endless_stdin_is_cut_off_exit_3(tmp_path, monkeypatch):
-    import pathcond_cli.formats
+    import pathcond_cli.io.formats
 
-    monkeypatch.setattr(pathcond_cli.formats, "available_memory", lambda: 40_000)
+    monkeypatch.setattr(pathcond_cli.io.formats, "available_memory", lambda: 40_000)
     _fails_cleanly(tmp_path, 3, ["inspect", "-"], "<stdin>", "more than 10000 bytes", input=b"\x00" * 50_000)
 
 

@@ -30,8 +30,8 @@ from cli_support import (
     assert_clean_exit, assert_unchanged, invoke, onnx_mlp_model, parse_single_json, snapshot, write_sharded_mlp,
 )
 from onnx_models import exported
-from pathcond_cli.formats import onnx_format
-from pathcond_cli.graph import Graph
+from pathcond_cli.io.formats import onnx_format
+from pathcond_cli.engine.graph import Graph
 from pathcond_cli.verify import compare
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)

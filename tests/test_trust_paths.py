@@ -21,7 +21,7 @@ import yaml
 
 import pathcond_cli
 import pathcond_cli.api
-import pathcond_cli.formats
+import pathcond_cli.io.formats
 from cli_support import (
     CLEAN_ENV, assert_clean_exit, assert_unchanged, invoke, leftovers, mlp_spec, mlp_tensors, module_command,
     onnx_mlp_model, snapshot, write_mlp, write_onnx_mlp, write_sharded_mlp,
@@ -41,7 +41,7 @@ def _no_work_allowed(monkeypatch) -> None:
         raise AssertionError("the work started before the paths were checked")
 
     monkeypatch.setattr(pathcond_cli.api, "solve", never)
-    monkeypatch.setattr(pathcond_cli.formats, "load_model", never)
+    monkeypatch.setattr(pathcond_cli.io.formats, "load_model", never)
 
 
 def _refused(directory: Path, code: int, args, *needles: str) -> str:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .diag import DiagG
-from .groups import RescalingGroups
+from ..engine.diag import DiagG
+from ..engine.groups import RescalingGroups
 from .objective import Objective
 from .solvers import DEFAULT_MAX_ITER, DEFAULT_TOL, ProgressCallback, SolveResult
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import OutputError
+from ..errors import OutputError
 
 # Every temporary file or directory pathcond creates beside an output ends with this.
 TMP_SUFFIX = ".pathcond-tmp"

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import StorageError
-from .groups import RescalingGroups, blocks
+from ..engine.groups import RescalingGroups, blocks
+from ..errors import StorageError
 
 LOST_FRACTION = 0.01
 ROUNDING_MARGIN = 1e-9

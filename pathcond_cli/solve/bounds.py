@@ -1,8 +1,8 @@
 """``max_log_scale``: which bound on |u_h|, if any, a PathCond rescaling uses.
 
 - ``auto`` (the default): the unbounded optimum, unless the checkpoint's dtypes cannot hold it
-  (:func:`~pathcond_cli.dtype_limits.check_storage` refuses it); then the optimum over
-  |u_h| ≤ U with U = :func:`~pathcond_cli.dtype_limits.safe_log_scale`, the largest bound for
+  (:func:`~pathcond_cli.solve.dtype_limits.check_storage` refuses it); then the optimum over
+  |u_h| ≤ U with U = :func:`~pathcond_cli.solve.dtype_limits.safe_log_scale`, the largest bound for
   which every u in the box is storable, so the bounded optimum always is;
 - a number U ≥ 0 (``user``): the optimum over |u_h| ≤ U, refused if it cannot be stored;
 - ``none`` (or None): the unbounded optimum, refused if it cannot be stored.
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.groups import RescalingGroups
 from .dtype_limits import StorageCheck, lost_values, safe_log_scale
-from .groups import RescalingGroups
 from .solvers import SolveResult
 
 AUTO, USER, NONE = "auto", "user", "none"

@@ -30,15 +30,15 @@ import typer.core
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from . import __version__
-from .defaults import (
-    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
-)
-from .errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError, batch_exit_code
-from .fileio import (
+from .. import __version__
+from ..errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError, batch_exit_code
+from ..io.fileio import (
     INTERRUPTING_SIGNALS, NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations,
     check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, is_character_device,
     printable, resolve_destination, written_files,
+)
+from ..solve.defaults import (
+    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
 )
 
 EXIT_HELP = (
@@ -276,7 +276,7 @@ def _import_library() -> None:
     """Import what every command's work needs (torch first) with Ctrl-C held back until it is
     loaded: delivered then, at most a second late, before any command code has run."""
     with interrupts_deferred():
-        for name in ("torch", "pathcond_cli.api", "pathcond_cli.formats", "pathcond_cli.report"):
+        for name in ("torch", "pathcond_cli.api", "pathcond_cli.io.formats", "pathcond_cli.report.render"):
             importlib.import_module(name)
 
 
@@ -324,7 +324,7 @@ def _failure(exc: Exception, *, complete: bool = False) -> tuple[int, str, str]:
     """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure;
     ``complete`` (``--json``) lists every problem of a refused network, consequences included.
     A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
-    from .formats import exception_line
+    from ..io.formats import exception_line
 
     if isinstance(exc, UnsupportedModelError) and complete:
         return exc.exit_code, "error", _true_to_disk(exc.complete)
@@ -357,7 +357,7 @@ def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: 
     """With --json, the report so far and its ``error`` on stdout (once the input was read)."""
     if not as_json or _report_so_far is None:
         return
-    from .report import error_document
+    from ..report.render import error_document
 
     with contextlib.suppress(OSError, ValueError):
         document = error_document(_report_so_far, exc, exit_code, _shown_message(message))
@@ -455,7 +455,7 @@ class _Stages:
 
 
 def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
-    from .formats import check_readable
+    from ..io.formats import check_readable
 
     if model == "-":
         if _closed(sys.stdin):
@@ -475,7 +475,7 @@ def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
 
 def _stdin_limit() -> int:
     """Most bytes read from stdin: a quarter of the available memory (the model is held in memory)."""
-    from .formats import available_memory
+    from ..io.formats import available_memory
 
     available = available_memory()
     return available // 4 if available is not None else 2**40
@@ -503,7 +503,7 @@ def _scratch_directory() -> Iterator[Path]:
 
 def _default_output(path: Path, tag: str = "pathcond") -> Path:
     """``<stem>.<tag><suffix>`` beside ``path`` (a shard index keeps its double suffix)."""
-    from .formats import SHARD_INDEX_SUFFIX
+    from ..io.formats import SHARD_INDEX_SUFFIX
 
     if path.name.endswith(SHARD_INDEX_SUFFIX):
         return path.with_name(path.name[: -len(SHARD_INDEX_SUFFIX)] + f".{tag}" + SHARD_INDEX_SUFFIX)
@@ -514,7 +514,7 @@ def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, qu
           render: Callable[[dict[str, Any], Console], None] | None = None) -> None:
     """JSON on stdout (--json) or tables on stderr (``render``, the command's; by default
     rescale's and inspect's); warnings and the summary line close stderr."""
-    from .report import render as render_analysis, render_warnings, summary_line
+    from ..report.render import render as render_analysis, render_warnings, summary_line
 
     render = render or render_analysis
     text = json.dumps(report, indent=2, allow_nan=False)
@@ -537,7 +537,7 @@ def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> N
     """Drawn after the report is out, so a plot that cannot be written costs nothing else."""
     if plot is None:
         return
-    from .plot import draw
+    from ..report.plot import draw
 
     atomic_write(plot, lambda tmp: draw(report, analysis, result, tmp, plot.suffix.lower().lstrip(".")))
 
@@ -639,10 +639,10 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
     """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
     ``path_norms`` are the orders q reported beside ℓ1 and ℓ2. Returns the JSON report, the
     result, and where the report and the plot go."""
-    from .api import analyse, rescale as rescale_model, save
-    from .destinations import check_destinations, written
-    from .formats import check_streamable, detect_format, files_read, load_model, output_format_mismatch
-    from .report import analysis_report, loaded_report, rescale_report
+    from ..api import analyse, rescale as rescale_model, save
+    from ..io.destinations import check_destinations, written
+    from ..io.formats import check_streamable, detect_format, files_read, load_model, output_format_mismatch
+    from ..report.render import analysis_report, loaded_report, rescale_report
 
     global _stdout_started, _report_so_far
     started = time.perf_counter()
@@ -723,7 +723,7 @@ def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in
     """Where each of several MODELs is written: ``<stem>.pathcond<suffix>`` in ``output_dir``,
     beside the input without it, the input itself with ``in_place``. Refuses, before any work, a
     missing ``output_dir`` and outputs that collide with each other or with an input."""
-    from .formats import files_read
+    from ..io.formats import files_read
 
     if output_dir is not None:
         check_output_directory(output_dir)
@@ -764,7 +764,7 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
     """Process each MODEL in turn (``process(i)`` returns the report of ``models[i]``): with --json
     one JSON line per file, in order; on stderr a line per file; a failure is reported with its
     exit code and the next file processed; the exit status is :func:`batch_exit_code`'s."""
-    from .report import error_document, failure_report, render_warnings, summary_line
+    from ..report.render import error_document, failure_report, render_warnings, summary_line
 
     global _report_so_far
 
@@ -876,10 +876,10 @@ def inspect(
 def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, report_file=None, orders=()):
     """Load and analyse one model (``orders``: the path norms asked for beside ℓ1 and ℓ2);
     returns the JSON report, the analysis and where the plot and the report file go."""
-    from .api import analyse
-    from .destinations import check_destinations, written
-    from .formats import files_read, load_model
-    from .report import analysis_report, loaded_report
+    from ..api import analyse
+    from ..io.destinations import check_destinations, written
+    from ..io.formats import files_read, load_model
+    from ..report.render import analysis_report, loaded_report
 
     global _report_so_far
     started = time.perf_counter()
@@ -913,7 +913,7 @@ def _parse_input_bound(radius: float) -> float:
 
 def _load_one(model: str, arch, shape, allow_unused):
     """Read MODEL (a file, or - for stdin) as every command does."""
-    from .formats import load_model
+    from ..io.formats import load_model
 
     source, _, name = _read_source(model)
     return load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
@@ -947,8 +947,8 @@ def compare(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
-        from .report import compare_report, failure_report, render_compare
-        from .toolkit import compare_models
+        from ..report.render import compare_report, failure_report, render_compare
+        from ..toolkit import compare_models
 
         global _report_so_far
         started = time.perf_counter()
@@ -999,7 +999,7 @@ def prune(
 
     Biases, BatchNorm and per-channel scales are kept. Example: pathcond prune model.onnx --sparsity 0.5 -o pruned.onnx
     """
-    from .pathlift import PRUNING_CRITERIA
+    from ..engine.pathlift import PRUNING_CRITERIA
 
     if criterion not in PRUNING_CRITERIA:
         raise typer.BadParameter(f"'{criterion}' is not one of {', '.join(PRUNING_CRITERIA)}", param_hint="--criterion")
@@ -1015,10 +1015,10 @@ def prune(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
-        from .destinations import check_destinations, written
-        from .formats import detect_format, files_read, output_format_mismatch
-        from .report import loaded_report, prune_report, render_prune
-        from .toolkit import prune as prune_model, save_pruned
+        from ..io.destinations import check_destinations, written
+        from ..io.formats import detect_format, files_read, output_format_mismatch
+        from ..report.render import loaded_report, prune_report, render_prune
+        from ..toolkit import prune as prune_model, save_pruned
 
         global _report_so_far
         started = time.perf_counter()
@@ -1077,11 +1077,11 @@ def spec_command(
     if output is None and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but the spec is printed there; use -o FILE", param_hint="-o")
     with _errors_to_exit_codes():
-        from .destinations import check_destinations, written
-        from .formats import files_read, load_model
-        from .formats.onnx_format import batchnorm_folded_tensors
-        from .formats.spec import spec_from_graph, spec_text, spec_warnings
-        from .report import print_warnings
+        from ..io.destinations import check_destinations, written
+        from ..io.formats import files_read, load_model
+        from ..io.formats.onnx_format import batchnorm_folded_tensors
+        from ..io.formats.spec import spec_from_graph, spec_text, spec_warnings
+        from ..report.render import print_warnings
 
         source, source_path, name = _read_source(model)
         destination, = check_destinations([written("-o", output, devices=True)], files_read(source_path, arch),

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .errors import InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from .graph import Graph, Input, broadcast_problem
 from .rules import rule_for
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import OutputError, UsageError
+from ..errors import OutputError, UsageError
 from .fileio import NAME_MAX, check_destination, describe, resolve_destination, same_file
 
 # Messages quote this many characters of a path at most.

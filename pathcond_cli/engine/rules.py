@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 from .graph import (
     COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle,
     ChannelSlice, Concat, Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node,

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.diag import DiagG
+from ..engine.groups import RescalingGroups
 from .curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
-from .diag import DiagG
 from .defaults import BOUNDED_SOLVERS, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
-from .groups import RescalingGroups
 from .layer_shift import layer_shift_start
 from .objective import Evaluation, Objective, block_step, paper_step
 MIN_STEP = 1e-10

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .api import LOG10_E, DiagSummary
-from .diag import LogG, OuterLog
+from ..api import LOG10_E, DiagSummary
+from ..engine.diag import LogG, OuterLog
 
 QUARTILE_SAMPLE = 200_000
 BEFORE_COLOUR, AFTER_COLOUR = "#9e9e9e", "#1f77b4"

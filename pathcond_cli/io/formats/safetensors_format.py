@@ -27,10 +27,10 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ..errors import InputError, InvalidWeightsError, OutputError, UsageError
+from ...engine.graph import Graph
+from ...engine.model import LoadedModel
+from ...errors import InputError, InvalidWeightsError, OutputError, UsageError
 from ..fileio import atomic_write, describe, file_state, is_companion_name
-from ..graph import Graph
-from ..model import LoadedModel
 from . import InputShape, check_weight_types, contained_file, named_by_another_file, parse_json, shapes_by_input, shown
 from .fx_import import load_factory, module_import
 from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph

@@ -26,8 +26,8 @@ from functools import partial
 
 import torch
 
-from .diag import DiagG, LogG, OuterLog, dense, zero_count
-from .groups import RescalingGroups
+from ..engine.diag import DiagG, LogG, OuterLog, dense, zero_count
+from ..engine.groups import RescalingGroups
 
 LOG2 = math.log(2.0)
 LOG4 = math.log(4.0)

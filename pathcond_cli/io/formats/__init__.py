@@ -13,14 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import InputError, UsageError
+from ...engine.model import LoadedModel
+from ...errors import InputError, UsageError
 from ..fileio import describe, file_state
-from ..model import LoadedModel
 
 if TYPE_CHECKING:
     import torch
 
-    from ..graph import Graph
+    from ...engine.graph import Graph
 
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -331,7 +331,7 @@ def check_weight_types(graph: Graph, params: Mapping[str, torch.Tensor], source:
 def _bias_size_problem(node, params: Mapping[str, torch.Tensor]) -> str | None:
     """A layer's bias holds one value per output unit: a bias broadcast from fewer values (ONNX
     allows a [1] bias for Gemm) ties the units together, and cannot be rescaled unit by unit."""
-    from ..rules import rule_for
+    from ...engine.rules import rule_for
 
     rule = rule_for(node)
     keys = node.parameter_keys()
@@ -410,7 +410,7 @@ def check_streamable(model: LoadedModel) -> None:
     model whose tensors, all inline, exceed what protobuf holds in one message (2 GiB)."""
     if model.format != "onnx":
         return
-    from ..errors import OutputError
+    from ...errors import OutputError
     from .onnx_format import PROTOBUF_MAX_BYTES
 
     size = model.payload.ByteSize()

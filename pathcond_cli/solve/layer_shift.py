@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .diag import OuterLog
+from ..engine.diag import OuterLog
 from .objective import Objective, group_logsumexp
 
 #: per-variable damping |∂F/∂c_I| / REACH caps a step near REACH while far from the optimum

@@ -29,9 +29,9 @@ from typing import Any
 
 import yaml
 
-from ..errors import InputError, UnsupportedModelError, UsageError
-from ..graph import NODE_TYPES, AdaptiveAvgPool, Graph, Identity, Input, Node, node_attributes
-from ..schema import REQUIRED, ints
+from ...engine.graph import NODE_TYPES, AdaptiveAvgPool, Graph, Identity, Input, Node, node_attributes
+from ...engine.schema import REQUIRED, ints
+from ...errors import InputError, UnsupportedModelError, UsageError
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 
 FORMAT_VERSION = 1

@@ -18,12 +18,12 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
-from .api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, ZeroCause, histogram, zero_causes
-from .diag import LogG, PathNorm, unused_parameters
-from .fileio import printable
-from .model import LoadedModel
-from .objective import degenerate_mask
+from .. import __version__
+from ..api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, ZeroCause, histogram, zero_causes
+from ..engine.diag import LogG, PathNorm, unused_parameters
+from ..engine.model import LoadedModel
+from ..io.fileio import printable
+from ..solve.objective import degenerate_mask
 
 SCHEMA_VERSION = 2
 

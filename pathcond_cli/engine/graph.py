@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from .errors import InputError, InvalidWeightsError, UnsupportedModelError
+from ..errors import InputError, InvalidWeightsError, UnsupportedModelError
 from .schema import REQUIRED, boolean, choice, hyper, integer, ints, number, optional_sizes, positive_floats
 
 

@@ -26,16 +26,16 @@ import torch
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
-from ..errors import InputError, OutputError, UnsupportedModelError, UsageError
-from ..fileio import atomic_write, describe, output_error_from
-from ..graph import (
+from ...engine.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
     Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
 )
-from ..model import LoadedModel
+from ...engine.model import LoadedModel
+from ...errors import InputError, OutputError, UnsupportedModelError, UsageError
+from ..fileio import atomic_write, describe, output_error_from
 from .movement import UnsupportedMovement, movement_layer
-from .onnx_fold import SHAPE_QUERIES, fold_shape_arithmetic
 from .offenders import grouped, offender_note
+from .onnx_fold import SHAPE_QUERIES, fold_shape_arithmetic
 from .spec import LAYER_TYPES
 
 MIN_OPSET = 13

@@ -24,11 +24,11 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import InputError, UnsupportedModelError, UsageError
-from ..graph import Graph
+from ...engine.graph import Graph
+from ...errors import InputError, UnsupportedModelError, UsageError
+from . import shown
 from .export_graph import exported_graph
 from .movement import UnsupportedMovement, movement_layer
-from . import shown
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 from .spec import graph_from_spec
 
