@@ -185,7 +185,9 @@ COPYING_PAD_MODES = ("reflect", "replicate", "circular")
 class Pad(Node):
     """Padding of the spatial axes: ``begin``/``end`` elements per axis.
 
-    ``mode``: ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
+    A negative ``begin``/``end`` crops that many elements instead, as ONNX Pad and torch's
+    F.pad read negative pads: the crop comes first and the mode pads the cropped tensor (a
+    crop is a selection: each output pixel copies one input pixel of its channel). ``mode``: ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
     ``replicate`` or ``circular`` as torch's F.pad (each padded pixel copies one input pixel of
     its channel: a fixed edge of weight 1, like upsample); ``-inf`` (no incoming edge, value
     −inf: positively homogeneous, and read only by a max-pool, whose window it extends exactly
@@ -193,8 +195,8 @@ class Pad(Node):
     neurons output c whatever the scale of their channel, which is not homogeneous.
     """
 
-    begin: tuple[int, ...] = hyper((0,), ints(0))
-    end: tuple[int, ...] = hyper((0,), ints(0))
+    begin: tuple[int, ...] = hyper((0,), ints(None))
+    end: tuple[int, ...] = hyper((0,), ints(None))
     mode: str = hyper("zeros", choice(*PAD_MODES))
     op: ClassVar[str] = "pad"
     per_axis_fields = ("begin", "end")

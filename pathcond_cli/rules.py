@@ -467,7 +467,9 @@ class ScaleRule(PassThrough):
 class PadRule(PassThrough):
     """Zero and −inf padding: padded positions are neurons without incoming edges (0 in the
     squared network). Reflect, replicate, circular: each padded position copies one input
-    position of its channel through a fixed edge of weight 1 (the same copy in the squared network)."""
+    position of its channel through a fixed edge of weight 1 (the same copy in the squared network).
+    Negative widths crop, in every mode: F.pad crops before it pads, as ONNX runtimes do, and a
+    cropped-away position has no outgoing edge."""
 
     node_type = Pad
 

@@ -29,11 +29,13 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def ints(minimum: int) -> Callable[[Any], tuple[int, ...]]:
+def ints(minimum: int | None) -> Callable[[Any], tuple[int, ...]]:
+    """Integers of at least ``minimum`` (None: of any sign), one or a list."""
     def convert(value: Any) -> tuple[int, ...]:
         items = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not items or not all(is_int(v) and v >= minimum for v in items):
-            raise ValueError(f"must be an integer >= {minimum} or a list of them")
+        if not items or not all(is_int(v) and (minimum is None or v >= minimum) for v in items):
+            bound = "" if minimum is None else f" >= {minimum}"
+            raise ValueError(f"must be an integer{bound} or a list of them")
         return tuple(items)
 
     return convert

@@ -416,6 +416,18 @@ def pad_net(seed=0, dtype=torch.float64):
     return b.build()
 
 
+def crop_net(seed=0, dtype=torch.float64):
+    """Negative pad widths crop (NASNet's ``ZeroPad2d((-1, 1, -1, 1))``, a spatial slice): a crop
+    then a zero pad, a reflect pad of a cropped axis, a crop then −inf padding before a max-pool."""
+    b = NetBuilder((1, 4, 5), seed, dtype)
+    b.relu(b.conv(2, 1))
+    b.pad((-1, -1), (1, 1)); b.conv(2, 3, padding=1); b.relu()
+    b.pad((1, -2), (-1, 1), mode="reflect"); b.conv(2, 1); b.relu()
+    b.pad((0, -1), (-1, 1), mode="-inf"); b.maxpool(2, stride=1)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
 def shuffle_split_net(seed=0, dtype=torch.float64):
     """ShuffleNetV2's unit: split the channels, transform one half, concat, shuffle."""
     b = NetBuilder((1, 3, 3), seed, dtype)
@@ -561,6 +573,7 @@ NEW_OPS = {
     "broadcast_add": broadcast_add_net,
     "prelu_scale": prelu_scale_net,
     "pad": pad_net,
+    "crop": crop_net,
     "shuffle_split": shuffle_split_net,
     "gather": gather_net,
     "conv_transpose": conv_transpose_net,

@@ -575,11 +575,14 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             C, sp = ishape[0], ishape[1:]
             r = len(sp)
             osp = tuple(sp[j] + node.begin[j] + node.end[j] for j in range(r))
-            # padded positions: no incoming edge, value 0 (or -inf); the other modes copy one input pixel
+            # padded positions: no incoming edge, value 0 (or -inf); the other modes copy one input pixel.
+            # Negative widths crop first, and the mode pads what is left.
             numpy_mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}.get(node.mode)
             out = new_neurons(node.name, (C, *osp), "sum")
-            sources_of = [np.pad(np.arange(n), (b, e), mode=numpy_mode) if numpy_mode else
-                          np.pad(np.arange(n), (b, e), constant_values=-1) for n, b, e in zip(sp, node.begin, node.end)]
+            kept = [np.arange(n)[max(-b, 0): n - max(-e, 0)] for n, b, e in zip(sp, node.begin, node.end)]
+            widths = [(max(b, 0), max(e, 0)) for b, e in zip(node.begin, node.end)]
+            sources_of = [np.pad(k, w, mode=numpy_mode) if numpy_mode else np.pad(k, w, constant_values=-1)
+                          for k, w in zip(kept, widths)]
             for c in range(C):
                 for opos in itertools.product(*(range(n) for n in osp)):
                     ipos = tuple(int(sources_of[j][opos[j]]) for j in range(r))

@@ -36,7 +36,7 @@ ROUTES = {
     g.AvgPool: (("AveragePool",), (nn.AvgPool2d, F.avg_pool2d)),
     g.AdaptiveAvgPool: (("GlobalAveragePool", "ReduceMean"), (nn.AdaptiveAvgPool2d, torch.mean, "mean")),
     g.Pad: (("Pad", "Concat", "Slice"), (nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
-                                         nn.CircularPad2d, nn.Conv2d, F.pad)),
+                                         nn.CircularPad2d, nn.Conv2d, F.pad, "__getitem__", operator.getitem)),
     g.Flatten: (("Flatten", "Reshape"), (nn.Flatten, torch.flatten, "view")),
     g.Add: (("Add", "Sum"), (operator.add, torch.add, "add")),
     g.Concat: (("Concat",), (torch.cat,)),

@@ -108,6 +108,30 @@ class DlaLikeNet(nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
+class NasnetCropNet(nn.Module):
+    """NASNet's factorised reduction (timm's ``nasnet.FirstCell.path_2``): ``nn.ZeroPad2d((-1, 1, -1, 1))``
+    crops one row and column at the top left and zero-pads one at the bottom right before a
+    strided 1×1 average pool; a second branch crops by slicing and a third crops and
+    reflect-pads in one ``F.pad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.path_1 = nn.Sequential(nn.AvgPool2d(1, stride=2, count_include_pad=False), nn.Conv2d(4, 3, 1, bias=False))
+        self.path_2 = nn.Sequential(nn.ZeroPad2d((-1, 1, -1, 1)), nn.AvgPool2d(1, stride=2, count_include_pad=False),
+                                    nn.Conv2d(4, 3, 1, bias=False))
+        self.final = nn.Conv2d(4, 2, 3)
+        self.fc = nn.Linear(9, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv(x))
+        sliced = F.relu(self.final(x[:, :, 1:, :-1]))
+        cropped = F.pad(x, [-1, 2, 1, -2], mode="reflect")
+        reduced = torch.cat([self.path_1(x), self.path_2(x)], dim=1)
+        pooled = [reduced.mean((2, 3)), sliced.mean((2, 3)), F.relu(cropped).mean((2, 3))[:, :1]]
+        return self.fc(torch.cat(pooled, dim=1))
+
+
 class ShapeBranchNet(nn.Module):
     """A forward that branches on the input's shape: torch.fx cannot trace it."""
 
@@ -140,4 +164,5 @@ TIMM_LIKE = {
     "timm_blur": lambda: (randomized(BlurNet()), (3, 8, 8)),
     "timm_dla_unused": lambda: (randomized(DlaLikeNet()), (3, 8, 8)),
     "timm_shape_branch": lambda: (randomized(ShapeBranchNet()), (3, 16, 16)),
+    "timm_nasnet_crop": lambda: (randomized(NasnetCropNet()), (3, 8, 8)),
 }

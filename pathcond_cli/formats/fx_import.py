@@ -35,7 +35,7 @@ from .spec import graph_from_spec
 SUPPORTED_SUMMARY = (
     "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
     "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
-    "and circular padding, -inf padding before max pooling, multiplication or division by a constant, a "
+    "and circular padding, spatial crops, -inf padding before max pooling, multiplication or division by a constant, a "
     "per-channel scale and shift by stored tensors, nearest and (bi/tri)linear Upsample/interpolate, flatten, channel slices/chunks/splits and shuffles, "
     "residual add and torch.cat(dim=1)"
 )
@@ -853,7 +853,8 @@ def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> _Fu
 
 
 def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
-    """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end."""
+    """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end (a
+    negative width crops, as in timm's NASNet ``nn.ZeroPad2d((-1, 1, -1, 1))``)."""
     mode, value = args.get("mode", "constant"), args.get("value") or 0
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise _Unsupported(f"mode={mode!r} is not supported (constant, reflect, replicate, circular)")
@@ -864,8 +865,8 @@ def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
         mode = "-inf" if value == -math.inf else "zeros"
     pad = list(args["pad"])
     spatial = rank - 2
-    if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) or v < 0 for v in pad):
-        raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pad={tuple(pad)})")
+    if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) for v in pad):
+        raise _Unsupported(f"only integer padding or cropping of the spatial axes is supported (pad={tuple(pad)})")
     pairs = [(0, 0)] * (spatial - len(pad) // 2) + [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
     return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs], "mode": mode}
 
