@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from .errors import InputError, InvalidWeightsError, UnsupportedModelError
-from .schema import REQUIRED, boolean, choice, hyper, integer, ints, number, optional_sizes, positive_floats
+from .schema import REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats
 
 
 SPATIAL_RANKS = (1, 2, 3)
@@ -223,6 +223,28 @@ class ChannelAffine(Node):
 
 
 @dataclass(frozen=True)
+class FixedFilter(Node):
+    """A depthwise convolution by constant coefficients: output channel c is input channel c
+    convolved with its own filter, which is no parameter (a module's buffer, as timm's
+    BlurPool2d holds its binomial filter).
+
+    Each tap is a fixed edge whose weight is its coefficient, like an average pool with
+    non-uniform weights: it commutes with a positive scale of its channel (output channel c is
+    tied to input channel c), and enters the path products, diag(G) and the path norms as a
+    constant (|c|^q). ``coefficients`` are the filters ``[C, 1, *kernel]`` flattened.
+    """
+
+    kernel: tuple[int, ...] = hyper((1,), ints(1), spec_default=REQUIRED)
+    coefficients: tuple[float, ...] = hyper((1.0,), finite_floats, spec_default=REQUIRED)
+    stride: tuple[int, ...] = hyper((1,), ints(1))
+    padding: tuple[int, ...] = hyper((0,), ints(0))
+    dilation: tuple[int, ...] = hyper((1,), ints(1))
+    op: ClassVar[str] = "fixed_filter"
+    per_axis_fields = ("kernel", "stride", "padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
+
+
+@dataclass(frozen=True)
 class Upsample(Node):
     """Nearest or (bi/tri)linear resize (nn.Upsample, F.interpolate, ONNX Resize).
 
@@ -341,7 +363,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather, ChannelAffine,
+        ChannelGather, ChannelAffine, FixedFilter,
     )
 }
 

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 from .errors import UnsupportedModelError
 from .graph import (
     COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle,
-    ChannelSlice, Concat, Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node,
-    Pad, PReLU, ReLU, Scale, Upsample,
+    ChannelSlice, Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear,
+    MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
@@ -488,6 +488,34 @@ class PadRule(PassThrough):
         return F.pad(xs[0], self._pads(node))
 
 
+class FixedFilterRule(PassThrough):
+    """A depthwise convolution by constant coefficients: one fixed edge per tap, of weight the
+    coefficient; in the squared network of power q each becomes |c|^q (for q = 0 the 0/1
+    pattern of the non-zero coefficients: one edge per non-zero tap)."""
+
+    node_type = FixedFilter
+
+    @staticmethod
+    def filters(node: FixedFilter, x: torch.Tensor) -> torch.Tensor:
+        """The ``[C, 1, *kernel]`` filters for batched ``x``, in its dtype and on its device."""
+        kernel = _expand(node.kernel, spatial_rank(x))
+        channels = x.shape[1]
+        if len(node.coefficients) != channels * prod(kernel):
+            raise ValueError(f"{len(node.coefficients)} coefficients are not one {kernel} filter for each of "
+                             f"{channels} channels")
+        return torch.tensor(node.coefficients, dtype=x.dtype, device=x.device).reshape(channels, 1, *kernel)
+
+    def _convolve(self, node: FixedFilter, x: torch.Tensor, filters: torch.Tensor) -> torch.Tensor:
+        return _CONV[spatial_rank(x)](x, filters, None, node.stride, node.padding, node.dilation, x.shape[1])
+
+    def forward(self, node: FixedFilter, xs, param, train):
+        return self._convolve(node, xs[0], self.filters(node, xs[0]))
+
+    def squared(self, node: FixedFilter, xs, power):
+        filters = self.filters(node, xs[0])
+        return self._convolve(node, xs[0], filters.abs() ** power if power else (filters != 0).to(filters.dtype))
+
+
 class ChannelShuffleRule(Rule):
     node_type = ChannelShuffle
 
@@ -748,7 +776,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(), ChannelAffineRule(),
+        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(),
     )
 }
 

@@ -75,12 +75,20 @@ def optional_sizes(value: Any) -> tuple[int, ...]:
 
 def positive_floats(value: Any) -> tuple[float, ...]:
     """Scale factors, or none (``null`` or ``[]``) when an output size is given instead."""
-    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-    convert = number("a number > 0", lambda x: x > 0)
+    return _floats([] if value is None else value, number("a number > 0", lambda x: x > 0), "a number > 0")
+
+
+def finite_floats(value: Any) -> tuple[float, ...]:
+    """Finite numbers, one or a list (a fixed filter's coefficients)."""
+    return _floats(value, number("a finite number"), "a finite number")
+
+
+def _floats(value: Any, convert: Callable[[Any], float], requirement: str) -> tuple[float, ...]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
     try:
-        return tuple(convert(v) for v in items) if items else ()
+        return tuple(convert(v) for v in items)
     except ValueError:
-        raise ValueError("must be a number > 0 or a list of them") from None
+        raise ValueError(f"must be {requirement} or a list of them") from None
 
 
 def choice(*choices: str) -> Callable[[Any], str]:

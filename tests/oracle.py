@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 from pathcond_cli.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat,
-    Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
-    Scale, Upsample,
+    Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
+    ReLU, Scale, Upsample,
 )
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
@@ -95,6 +95,9 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
                 y = F.pad(xs[0], pads, mode=node.mode)
             else:
                 y = F.pad(xs[0], pads, value=-math.inf if node.mode == "-inf" else 0.0)
+        elif isinstance(node, FixedFilter):
+            w = torch.tensor(node.coefficients, dtype=dt).reshape(xs[0].shape[1], 1, *node.kernel)
+            y = _CONV[w.dim()](xs[0], w, None, node.stride, node.padding, node.dilation, xs[0].shape[1])
         elif isinstance(node, ChannelAffine):
             view = (1, -1, *([1] * (xs[0].dim() - 2)))
             y = xs[0] * P[node.weight].reshape(view)
@@ -348,7 +351,7 @@ class NeuronDAG:
         # weight sharing: all positions of one conv channel share one λ
         # zero padding: the constant-zero padded neurons take their channel's scale (any is admissible)
         for node in self.graph.nodes:
-            if isinstance(node, (Conv, ConvTranspose, Pad, ChannelAffine)):
+            if isinstance(node, (Conv, ConvTranspose, Pad, ChannelAffine, FixedFilter)):
                 elems = self.elements[node.name]
                 C = self.shapes[node.name][0]
                 per = len(elems) // C
@@ -590,6 +593,23 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                         edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))], const=1.0)
                     elif node.mode == "-inf":
                         G.nodes[out[_flat((c, *opos), (C, *osp))]]["kind"] = "neginf"
+        elif isinstance(node, FixedFilter):
+            # one fixed edge per non-zero tap, of weight the coefficient, within the input channel
+            C, sp = ishape[0], ishape[1:]
+            r = len(sp)
+            ks, s, p, d = _tup(node.kernel, r), _tup(node.stride, r), _tup(node.padding, r), _tup(node.dilation, r)
+            taps = np.asarray(node.coefficients).reshape(C, *ks)
+            osp = tuple(conv_out_size(sp[j], ks[j], s[j], p[j], d[j]) for j in range(r))
+            out = new_neurons(node.name, (C, *osp), "sum")
+            for c in range(C):
+                for kpos in itertools.product(*(range(k) for k in ks)):
+                    if taps[(c, *kpos)] == 0:
+                        continue
+                    for opos in itertools.product(*(range(n) for n in osp)):
+                        ipos = tuple(opos[j] * s[j] - p[j] + kpos[j] * d[j] for j in range(r))
+                        if all(0 <= ipos[j] < sp[j] for j in range(r)):
+                            edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))],
+                                 const=float(taps[(c, *kpos)]))
         elif isinstance(node, (ChannelShuffle, ChannelSlice, ChannelGather)):
             C, sp = ishape[0], ishape[1:]
             per = math.prod(sp)

@@ -31,7 +31,9 @@ from conftest import CATALOGUE
 from oracle import _bn_for, build_neuron_dag, engine_blocks, fold, to_theta_order
 from pathcond_cli.diag import balanced_value, balancing_exponents, path_count, path_magnitude_scores, path_norm
 from pathcond_cli.evaluate import forward
-from pathcond_cli.graph import BatchNorm, ChannelAffine, Conv, ConvTranspose, LeakyReLU, Linear, MaxPool, PReLU
+from pathcond_cli.graph import (
+    BatchNorm, ChannelAffine, Conv, ConvTranspose, FixedFilter, LeakyReLU, Linear, MaxPool, PReLU,
+)
 from pathcond_cli.groups import build_groups
 from pathcond_cli.pathlift import compare_signs, path_metric, telescoped_sum
 
@@ -44,7 +46,9 @@ ARCHS = sorted(CATALOGUE)
 CEIL_KEPT = {"ceil_max1d_pad1", "ceil_max2d_pad1", "ceil_max3d_pad0", "ceil_avg2d_pad1_excl", "ceil_avg3d_pad1_incl"}
 PAIR_ARCHS = [a for a in ARCHS if not a.startswith("ceil_") or a in CEIL_KEPT]
 RELU_ARCHS = [a for a in PAIR_ARCHS if not any(isinstance(n, (LeakyReLU, PReLU)) for n in CATALOGUE[a](0)[0].nodes)]
-NO_MAXPOOL_RELU_ARCHS = [a for a in RELU_ARCHS if not any(isinstance(n, MaxPool) for n in CATALOGUE[a](0)[0].nodes)]
+# The bound is attained with every edge non-negative: fixed constants too (a signed fixed filter's are not).
+NO_MAXPOOL_RELU_ARCHS = [a for a in RELU_ARCHS if not any(
+    isinstance(n, MaxPool) or (isinstance(n, FixedFilter) and min(n.coefficients) < 0) for n in CATALOGUE[a](0)[0].nodes)]
 REL = 1e-9
 
 _CACHE: dict = {}

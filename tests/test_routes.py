@@ -45,9 +45,12 @@ ROUTES = {
     g.Upsample: (("Resize",), (nn.Upsample, F.interpolate)),
     g.ChannelGather: (("Reshape", "Transpose", "Slice"), (torch.reshape, torch.transpose, "view")),
     g.ChannelAffine: (("Mul", "Add"), (operator.mul, operator.add, "mul", "add")),
+    g.FixedFilter: ("none: an ONNX Conv's filter is an initializer, a parameter, so the Conv is a conv layer",
+                    (torch.conv1d, torch.conv2d, torch.conv3d)),
 }
 
-_FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS)
+_FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS,
+                  fx_import._STORED_READERS)
 _FX_MOVEMENTS = (*fx_import._MOVEMENT_FUNCTIONS, *fx_import._MOVEMENT_METHODS)
 
 

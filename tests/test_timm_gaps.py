@@ -1,7 +1,9 @@
 """The timm families issue 27 left refused, rescaled end to end on both routes.
 
 NASNet crops with negative pad widths (``nn.ZeroPad2d((-1, 1, -1, 1))``, ONNX Pad pads
-``[0, 0, -1, -1, 0, 0, 1, 1]``) and by slicing. Each family is rescaled through
+``[0, 0, -1, -1, 0, 0, 1, 1]``) and by slicing. resnetblur's BlurPool2d convolves with a
+``persistent=False`` filter buffer, a constant (a fixed filter on the fx route, a stored weight
+in ONNX: test_parity.py states the relation). Each family is rescaled through
 ``rescale_module`` (torch.fx) and through its ONNX export by both exporters; the module keeps
 its outputs, and the written file is verified by pathcond and by onnxruntime.
 """
@@ -88,3 +90,20 @@ def test_nasnet_crop_module_is_rescaled_in_place():
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_nasnet_crop_export_is_rescaled_and_verified(exporter, tmp_path):
     assert_export_rescaled_and_verified(*timm_like.TIMM_LIKE["timm_nasnet_crop"](), exporter, tmp_path)
+
+
+# --------------------------------------------------------------------------- (c) fixed filters
+
+
+def test_blur_module_is_rescaled_in_place_and_its_filter_buffer_kept():
+    module = timm_like.randomized(timm_like.BlurNet(persistent=False))
+    filt = module.aa.filt.clone()
+    assert_module_rescaled_in_place(module, (3, 8, 8))
+    rescale_module(module, (3, 8, 8))
+    assert torch.equal(module.aa.filt, filt)
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_blur_export_is_rescaled_and_verified(exporter, tmp_path):
+    assert_export_rescaled_and_verified(timm_like.randomized(timm_like.BlurNet(persistent=False)), (3, 8, 8),
+                                        exporter, tmp_path)

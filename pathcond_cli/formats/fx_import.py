@@ -79,7 +79,8 @@ def module_import(
     _check_one_input(traced, source)
     values, failure = _run_on_zeros(module, traced, tuple(input_shape))
     state = module.state_dict()
-    spec, problems, follow_on, dropped, note = _spec_from_trace(traced, values, frozenset(state))
+    parameters = frozenset(name for name, _ in module.named_parameters(remove_duplicate=False))
+    spec, problems, follow_on, dropped, note = _spec_from_trace(traced, values, frozenset(state), parameters)
     if failure is not None and (problems or follow_on):
         reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]  # fx appends its own context
         raise UsageError(
@@ -247,14 +248,15 @@ def _input_dtype(module: nn.Module) -> torch.dtype:
 
 
 def _spec_from_trace(
-    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]
+    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str],
+    parameter_keys: frozenset[str],
 ) -> tuple[dict[str, Any], list[str], list[str], list[str], str | None]:
     """The architecture spec of a traced module, every reason it is not a ReLU DAG (each
     root cause once per module type), the problems of nodes that read (directly or not) the
     output of a node already refused, the names of the operations dropped because their
     result reaches no output, and why the non-homogeneous operations are refused (None without
-    any). ``state_keys`` are the module's ``state_dict`` keys: the stored tensors a layer may
-    read through ``get_attr``."""
+    any). ``state_keys`` are the module's ``state_dict`` keys and ``parameter_keys`` its
+    parameters' names: a layer reads parameters and buffers through ``get_attr``."""
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
@@ -266,6 +268,7 @@ def _spec_from_trace(
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
     dead = _reaching_no_output(traced.graph, modules)
+    stored = _StoredTensors(values, state_keys, parameter_keys)
     dropped: list[str] = []
     for node in traced.graph.nodes:
         follows_refusal = any(arg in after_refusal for arg in node.all_input_nodes)
@@ -286,7 +289,7 @@ def _spec_from_trace(
             if _is_movement(node):
                 moves.record(node)
                 continue
-            steps = _translate(node, modules, traced, values, state_keys)
+            steps = _translate(node, modules, traced, values, stored)
             for index, layer in enumerate(steps):
                 name = names[node] if index == len(steps) - 1 else f"{names[node]}/{layer['type']}"
                 inputs = ([layers[-1]["name"]] if index else
@@ -524,7 +527,7 @@ def _tensor(arg: Any) -> torch.fx.Node:
 
 
 def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.Module,
-               values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]) -> list[dict[str, Any]]:
+               values: Mapping[torch.fx.Node, Any], stored: _StoredTensors) -> list[dict[str, Any]]:
     """The spec layers (without names; ``inputs`` of the first as fx nodes) for one fx node."""
     if node.op == "placeholder":
         return [{"type": "input", "inputs": []}]
@@ -545,7 +548,6 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         translate_reader = _STORED_READERS.get(node.target)
         if translate_reader is not None:
             kwargs = _keyword_arguments(node, root)
-            stored = _StoredTensors(values, state_keys)
             return [{**translate_reader(kwargs, stored), "inputs": [kwargs["input"]]}]
         translate_function = _FUNCTIONS.get(node.target)
         if translate_function is None:
@@ -650,42 +652,78 @@ def _conv_padding(padding: Any, dilation: Any, kernel_size: Sequence[int]) -> in
 
 
 class _StoredTensors:
-    """The ``state_dict`` keys of the tensors a functional layer reads through ``get_attr``
-    (timm's BatchNormAct2d calls ``F.batch_norm`` on its own parameters and buffers)."""
+    """The tensors a functional layer reads through ``get_attr``: parameters, which it may
+    rescale, and buffers, which are constants (timm's BatchNormAct2d calls ``F.batch_norm`` on
+    its own parameters and statistics, BlurPool2d convolves with a filter buffer)."""
 
-    def __init__(self, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]):
+    def __init__(self, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str],
+                 parameter_keys: frozenset[str]):
         self.values = values
         self.state_keys = state_keys
+        self.parameter_keys = parameter_keys
 
     def key(self, arg: Any, role: str) -> str:
-        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
-            raise _Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
-                               "tensors are layer parameters")
-        if arg.target not in self.state_keys:
-            # The ONNX route rescales a stored conv filter like any weight; here the rescaled
-            # tensor must go back into the state_dict, or a saved checkpoint would reload the old one.
-            raise _Unsupported(
-                f"its {role} '{arg.target}' is a buffer registered with persistent=False, so the module's "
-                "state_dict does not hold it: pathcond rescales it as a weight (as it rescales that tensor in the "
-                "module's ONNX export, where it is stored), and a state_dict saved afterwards would reload the "
-                "original tensor and compute another function. Register it with persistent=True, or rescale the "
-                "module's ONNX export")
-        return arg.target
+        """The ``state_dict`` key of a parameter the layer reads as its ``role``."""
+        target = self._target(arg, role)
+        if target not in self.parameter_keys:
+            raise _Unsupported(_constant_outside_filter(target, role))
+        return target
 
     def optional_key(self, arg: Any, role: str) -> str | None:
         return None if arg is None else self.key(arg, role)
 
-    def shape(self, arg: torch.fx.Node) -> tuple[int, ...]:
-        return tuple(self.values[arg].shape)
+    def statistic(self, arg: Any, role: str) -> str:
+        """The ``state_dict`` key of a BatchNorm statistic (a buffer: read, never rescaled)."""
+        target = self._target(arg, role)
+        if target not in self.state_keys:
+            raise _Unsupported(f"its {role} '{target}' is a buffer registered with persistent=False, which the "
+                               "module's state_dict, where pathcond reads the network's tensors, does not hold")
+        return target
+
+    def is_buffer(self, arg: Any) -> bool:
+        return isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and arg.target not in self.parameter_keys
+
+    def value(self, arg: torch.fx.Node) -> torch.Tensor:
+        return self.values[arg]
+
+    @staticmethod
+    def _target(arg: Any, role: str) -> str:
+        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
+            raise _Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
+                               "tensors are layer parameters")
+        return arg.target
+
+
+def _constant_outside_filter(target: str, role: str) -> str:
+    return (f"its {role} '{target}' is a buffer of the module, a constant and not a parameter: pathcond reads a "
+            "buffer as BatchNorm statistics, or as the filter of a depthwise convolution without bias (groups = "
+            "channels, one filter per channel, as timm's BlurPool2d: a fixed per-channel filter), and nowhere "
+            "else. Register it as an nn.Parameter to have it rescaled as a weight, or rescale the module's ONNX "
+            "export, which stores it as a weight")
 
 
 def _conv_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    """``F.conv1d/2d/3d`` on a stored weight (a parameter, or a buffer such as BlurPool's filter)."""
-    weight = stored.key(kwargs["weight"], "weight")
-    conv = _conv_layer(weight, stored.optional_key(kwargs.get("bias"), "bias"), kwargs.get("stride", 1),
-                       kwargs.get("dilation", 1), kwargs.get("groups", 1))
-    padding = _conv_padding(kwargs.get("padding", 0), conv["dilation"], stored.shape(kwargs["weight"])[2:])
+    """``F.conv1d/2d/3d`` on a stored weight: a parameter, or a buffer holding fixed filters."""
+    if stored.is_buffer(kwargs["weight"]):
+        return _fixed_filter(kwargs, stored)
+    conv = _conv_layer(stored.key(kwargs["weight"], "weight"), stored.optional_key(kwargs.get("bias"), "bias"),
+                       kwargs.get("stride", 1), kwargs.get("dilation", 1), kwargs.get("groups", 1))
+    padding = _conv_padding(kwargs.get("padding", 0), conv["dilation"], stored.value(kwargs["weight"]).shape[2:])
     return {**conv, "padding": padding}
+
+
+def _fixed_filter(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
+    """A depthwise convolution by a buffer (timm's BlurPool2d): a filter of constants per channel."""
+    weight = kwargs["weight"]
+    filters = stored.value(weight)
+    x = stored.values.get(kwargs["input"])
+    channels = x.shape[1] if isinstance(x, torch.Tensor) else None
+    if kwargs.get("groups", 1) != channels or tuple(filters.shape[:2]) != (channels, 1) or kwargs.get("bias") is not None:
+        raise _Unsupported(_constant_outside_filter(weight.target, "weight"))
+    dilation = kwargs.get("dilation", 1)
+    return {"type": "fixed_filter", "kernel": list(filters.shape[2:]),
+            "coefficients": filters.detach().double().flatten().tolist(), "stride": kwargs.get("stride", 1),
+            "padding": _conv_padding(kwargs.get("padding", 0), dilation, filters.shape[2:]), "dilation": dilation}
 
 
 def _linear_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
@@ -700,7 +738,8 @@ def _batch_norm_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> d
     if kwargs.get("weight") is None or kwargs.get("bias") is None:
         raise _Unsupported("without weight and bias (affine=False) there is nothing to rescale; not supported")
     return _batchnorm_layer(
-        *(stored.key(kwargs.get(role), role) for role in ("weight", "bias", "running_mean", "running_var")),
+        stored.key(kwargs["weight"], "weight"), stored.key(kwargs["bias"], "bias"),
+        *(stored.statistic(kwargs.get(role), role) for role in ("running_mean", "running_var")),
         eps=kwargs.get("eps", 1e-5), momentum=kwargs.get("momentum", 0.1),
     )
 
