@@ -223,6 +223,22 @@ class ChannelAffine(Node):
 
 
 @dataclass(frozen=True)
+class ChannelBias(Node):
+    """A stored per-channel constant added to a tensor, ``y_c = x_c + bias_c``, where no layer
+    takes it as its own bias (a constant added to a sum of branches, ``x + self.shift``).
+
+    ``bias_c`` is the bias of neuron c, and the edge from x_c to y_c is a fixed edge of weight
+    1: y_c keeps x_c's scale, and the bias rescales with it (a parameter with one +1 in B).
+    The tensor holds one value per channel, stored in any shape with at most one axis longer
+    than 1 (``[C]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``).
+    """
+
+    bias: str = ""
+    op: ClassVar[str] = "channel_bias"
+    roles = {"bias": ()}
+
+
+@dataclass(frozen=True)
 class FixedFilter(Node):
     """A depthwise convolution by constant coefficients: output channel c is input channel c
     convolved with its own filter, which is no parameter (a module's buffer, as timm's
@@ -363,7 +379,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather, ChannelAffine, FixedFilter,
+        ChannelGather, ChannelAffine, FixedFilter, ChannelBias,
     )
 }
 

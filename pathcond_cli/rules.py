@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from .errors import UnsupportedModelError
 from .graph import (
-    COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle,
-    ChannelSlice, Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear,
-    MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
+    COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather,
+    ChannelShuffle, ChannelSlice, Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input,
+    LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
@@ -149,14 +149,15 @@ class Affine:
     their own dtype (no float64 copy of the checkpoint is held: each pass casts one tensor
     at a time); a folded layer's are computed in float64.
 
-    ``weight`` is ``[O, I/groups, *kernel]``, ``bias`` ``[O]`` (or None). ``output`` is the
-    node whose channels are the weight's destinations (a folded BatchNorm's).
+    ``weight`` is ``[O, I/groups, *kernel]``, ``bias`` ``[O]``; either may be None (a layer
+    without bias, a bias alone on fixed edges). ``output`` is the node whose channels are the
+    weight's destinations (a folded BatchNorm's).
     """
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     bias: torch.Tensor | None
     groups: int
-    weight_label: str
+    weight_label: str | None
     bias_label: str | None
     output: str
     stored: list[Stored]
@@ -420,6 +421,21 @@ class ChannelAffineRule(Rule):
 
     def weighted(self, node, x, weight):
         return x * per_channel(weight.reshape(-1), x)
+
+
+class ChannelBiasRule(PassThrough):
+    """A per-channel constant added on fixed edges of weight 1: the layer's only DAG parameter is
+    its bias, whose neuron keeps its input channel's scale (the squared network adds ψ_bias)."""
+
+    node_type = ChannelBias
+
+    def forward(self, node: ChannelBias, xs, param, train):
+        x = xs[0]
+        return x + per_channel(channel_values(param(node.bias), x.shape[1]), x)
+
+    def affine(self, node: ChannelBias, graph, params):
+        bias = params[node.bias].to(torch.float64).reshape(-1)
+        return Affine(None, bias, len(bias), None, node.bias, node.name, [Stored(node.bias, "vector", True, False)])
 
 
 class ReLURule(HomogeneousActivation):
@@ -776,7 +792,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(),
+        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(), ChannelBiasRule(),
     )
 }
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 import fake_cuda
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
-    ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
-    Scale, Upsample,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
+    Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
+    ReLU, Scale, Upsample,
 )
 
 
@@ -144,6 +144,14 @@ class NetBuilder:
         node = Pad(self._name("pad"), (self.cur,), begin=tup(begin), end=tup(end), mode=mode)
         pads = [v for b, e in reversed(list(zip(node.begin, node.end))) for v in (b, e)]
         return self._push(node, F.pad(self.dummy[self.cur], pads))
+
+    def channel_bias(self, src: str | None = None) -> str:
+        """A stored per-channel constant added (stored ``[C, 1, ..., 1]``, as ONNX constants are)."""
+        src = src or self.cur
+        name = self._name("bias")
+        shape = self.shape(src)
+        self.params[f"{name}.bias"] = self._rand(shape[0], *([1] * (len(shape) - 1)))
+        return self._push(ChannelBias(name, (src,), bias=f"{name}.bias"), self.dummy[src])
 
     def fixed_filter(self, k, stride=1, padding=0, dilation=1, zero_taps: int = 0) -> str:
         """A depthwise filter of constants (not parameters), signed, its first ``zero_taps`` taps 0."""
@@ -442,6 +450,18 @@ def crop_net(seed=0, dtype=torch.float64):
     return b.build()
 
 
+def channel_bias_net(seed=0, dtype=torch.float64):
+    """MobileOne's train-time block: bias-free conv branches summed, a stored per-channel
+    constant added to the sum, then ReLU; and a constant added straight to the input (fixed)."""
+    b = NetBuilder((2, 3, 3), seed, dtype)
+    shifted = b.channel_bias()
+    left = b.conv(3, 3, padding=1, bias=False)
+    right = b.conv(3, 1, bias=False, src=shifted)
+    b.add(left, right); b.channel_bias(); b.relu()
+    b.conv(2, 1, bias=False); b.channel_bias(); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
 def fixed_filter_net(seed=0, dtype=torch.float64):
     """resnetblur's anti-aliased downsampling: reflect padding, then a strided depthwise filter
     of constants (signed here, one tap 0), and a dilated one in a residual branch."""
@@ -600,6 +620,7 @@ NEW_OPS = {
     "pad": pad_net,
     "crop": crop_net,
     "fixed_filter": fixed_filter_net,
+    "channel_bias": channel_bias_net,
     "shuffle_split": shuffle_split_net,
     "gather": gather_net,
     "conv_transpose": conv_transpose_net,

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
+    Concat,
     Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
     ReLU, Scale, Upsample,
 )
@@ -95,6 +96,8 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
                 y = F.pad(xs[0], pads, mode=node.mode)
             else:
                 y = F.pad(xs[0], pads, value=-math.inf if node.mode == "-inf" else 0.0)
+        elif isinstance(node, ChannelBias):
+            y = xs[0] + P[node.bias].reshape(1, -1, *([1] * (xs[0].dim() - 2)))
         elif isinstance(node, FixedFilter):
             w = torch.tensor(node.coefficients, dtype=dt).reshape(xs[0].shape[1], 1, *node.kernel)
             y = _CONV[w.dim()](xs[0], w, None, node.stride, node.padding, node.dilation, xs[0].shape[1])
@@ -593,6 +596,12 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                         edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))], const=1.0)
                     elif node.mode == "-inf":
                         G.nodes[out[_flat((c, *opos), (C, *osp))]]["kind"] = "neginf"
+        elif isinstance(node, ChannelBias):
+            # input neuron (c, pos) to output neuron (c, pos) on a fixed edge of 1, and one bias per channel
+            out = new_neurons(node.name, ishape, "sum")
+            for a, b_ in zip(src, out):
+                edge(a, b_, const=1.0)
+            add_bias(node.name, params[node.bias].to(torch.float64).flatten(), out)
         elif isinstance(node, FixedFilter):
             # one fixed edge per non-zero tap, of weight the coefficient, within the input channel
             C, sp = ishape[0], ishape[1:]
@@ -726,14 +735,15 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
 # ----------------------------------------------------------------------------------------------
 
 def engine_blocks(dag: NeuronDAG, engine_groups) -> list[ParamBlock]:
-    """The oracle block of each engine DagParam (per layer: weight first, then bias), checking
-    that the engine's canonical, BatchNorm-folded values equal the oracle's."""
+    """The oracle block of each engine DagParam (per layer: weight first, then bias; a layer the
+    oracle gives no weight has its bias alone), checking that the engine's canonical,
+    BatchNorm-folded values equal the oracle's."""
     roles: dict[str, int] = {}
     out = []
     for dp in engine_groups.dag_params:
         k = roles.get(dp.layer, 0)
         roles[dp.layer] = k + 1
-        blk = dag.block(dp.layer, "weight" if k == 0 else "bias")
+        blk = dag.block(dp.layer, "weight" if k == 0 and dag.block(dp.layer, "weight") is not None else "bias")
         assert blk is not None, f"engine DAG parameter {dp.name} has no oracle counterpart"
         assert tuple(dp.value.shape) == blk.shape, (dp.name, tuple(dp.value.shape), blk.shape)
         mine = dag.theta[blk.start: blk.start + blk.size]

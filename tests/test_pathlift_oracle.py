@@ -32,7 +32,7 @@ from oracle import _bn_for, build_neuron_dag, engine_blocks, fold, to_theta_orde
 from pathcond_cli.diag import balanced_value, balancing_exponents, path_count, path_magnitude_scores, path_norm
 from pathcond_cli.evaluate import forward
 from pathcond_cli.graph import (
-    BatchNorm, ChannelAffine, Conv, ConvTranspose, FixedFilter, LeakyReLU, Linear, MaxPool, PReLU,
+    BatchNorm, ChannelAffine, ChannelBias, Conv, ConvTranspose, FixedFilter, LeakyReLU, Linear, MaxPool, PReLU,
 )
 from pathcond_cli.groups import build_groups
 from pathcond_cli.pathlift import compare_signs, path_metric, telescoped_sum
@@ -99,7 +99,7 @@ class Base:
         parts = []
         for blk in self.dag.blocks:
             node = self.graph[blk.layer]
-            if isinstance(node, ChannelAffine):
+            if isinstance(node, (ChannelAffine, ChannelBias)):
                 t = params[node.weight if blk.role == "weight" else node.bias]
             else:
                 W, b = fold(self.graph, node, params)
@@ -146,6 +146,9 @@ def _scaled_pair(graph, params, gen, *, low: float, high: float, zero_prob: floa
             r = torch.where(torch.rand(shape, generator=gen, dtype=torch.float64) < zero_prob, torch.zeros_like(r), r)
         return r
 
+    for node in graph.nodes:
+        if isinstance(node, ChannelBias):
+            out[node.bias] = params[node.bias] * draw(params[node.bias].shape, True)
     for node in _weighted(graph):
         W = params[node.weight]
         out[node.weight] = W * draw(W.shape, True)
@@ -170,13 +173,14 @@ def _flip_signs(graph, groups, params, gen):
     layers = list(dict.fromkeys(dp.layer for dp in groups.dag_params))
     for j, layer in enumerate(layers):
         node = graph[layer]
-        W = params[node.weight]
+        key = node.bias if isinstance(node, ChannelBias) else node.weight  # a bias alone: its only parameter
+        W = params[key]
         k = min(j % 3 + 1, W.numel())
         pick = torch.randperm(W.numel(), generator=gen)[:k]
         flat = W.clone().reshape(-1)
         assert bool((flat[pick] != 0).all())
         flat[pick] = -flat[pick]
-        out[node.weight] = flat.reshape(W.shape)
+        out[key] = flat.reshape(W.shape)
         expected[layer] = k
     return out, expected
 

@@ -45,6 +45,7 @@ ROUTES = {
     g.Upsample: (("Resize",), (nn.Upsample, F.interpolate)),
     g.ChannelGather: (("Reshape", "Transpose", "Slice"), (torch.reshape, torch.transpose, "view")),
     g.ChannelAffine: (("Mul", "Add"), (operator.mul, operator.add, "mul", "add")),
+    g.ChannelBias: (("Add",), (operator.add, torch.add, "add")),
     g.FixedFilter: ("none: an ONNX Conv's filter is an initializer, a parameter, so the Conv is a conv layer",
                     (torch.conv1d, torch.conv2d, torch.conv3d)),
 }

@@ -1,7 +1,9 @@
 """The timm families issue 27 left refused, rescaled end to end on both routes.
 
 NASNet crops with negative pad widths (``nn.ZeroPad2d((-1, 1, -1, 1))``, ONNX Pad pads
-``[0, 0, -1, -1, 0, 0, 1, 1]``) and by slicing. resnetblur's BlurPool2d convolves with a
+``[0, 0, -1, -1, 0, 0, 1, 1]``) and by slicing. MobileOne's train-time stem adds the number 0
+(an ONNX ``Add`` of a Constant), and a stored per-channel constant added to a sum of branches
+is a bias of its own (a ChannelBias), written back rescaled. resnetblur's BlurPool2d convolves with a
 ``persistent=False`` filter buffer, a constant (a fixed filter on the fx route, a stored weight
 in ONNX: test_parity.py states the relation). Each family is rescaled through
 ``rescale_module`` (torch.fx) and through its ONNX export by both exporters; the module keeps
@@ -13,6 +15,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import onnx
 import onnxruntime
 import pytest
 import torch
@@ -21,7 +24,8 @@ import onnx_models
 import timm_like
 from pathcond_cli.api import module_model, rescale, rescale_module, save
 from pathcond_cli.formats.onnx_format import load_onnx
-from pathcond_cli.graph import Pad
+from pathcond_cli.errors import UnsupportedModelError
+from pathcond_cli.graph import ChannelBias, Identity, Pad
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -90,6 +94,56 @@ def test_nasnet_crop_module_is_rescaled_in_place():
 @pytest.mark.parametrize("exporter", EXPORTERS)
 def test_nasnet_crop_export_is_rescaled_and_verified(exporter, tmp_path):
     assert_export_rescaled_and_verified(*timm_like.TIMM_LIKE["timm_nasnet_crop"](), exporter, tmp_path)
+
+
+# --------------------------------------------------------------------------- (b) constants added
+
+
+def test_mobileone_constants_are_an_identity_and_a_channel_bias_on_both_routes():
+    module, shape = timm_like.TIMM_LIKE["timm_mobileone"]()
+    fx = module_model(module, shape).graph
+    assert [node.bias for node in fx.nodes if isinstance(node, ChannelBias)] == ["shift"]
+    assert sum(isinstance(node, Identity) for node in fx.nodes) == 1  # the stem's ``out += 0``
+    data = onnx_models.export(module, _example(shape), "torchscript")
+    added = [n for n in onnx.load_from_string(data).graph.node if n.op_type == "Add"
+             and any(v.startswith("/stem/Constant") for v in n.input)]
+    assert len(added) == 1  # the graph constant in the stem that 0.6.0 refused
+    graph = load_onnx(data).graph
+    assert [node.bias for node in graph.nodes if isinstance(node, ChannelBias)] == ["shift"]
+    assert any(isinstance(node, Identity) and node.name == added[0].name for node in graph.nodes)
+
+
+def test_mobileone_module_is_rescaled_in_place():
+    assert_module_rescaled_in_place(*timm_like.TIMM_LIKE["timm_mobileone"]())
+
+
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_mobileone_export_is_rescaled_and_verified_with_its_shift_stored_rescaled(exporter, tmp_path):
+    module, shape = timm_like.TIMM_LIKE["timm_mobileone"]()
+    assert_export_rescaled_and_verified(module, shape, exporter, tmp_path)
+    (written,) = [t for t in onnx.load(str(tmp_path / "model.pathcond.onnx")).graph.initializer if t.name == "shift"]
+    shift = torch.from_numpy(onnx.numpy_helper.to_array(written).copy())
+    assert shift.shape == module.shift.shape and not torch.equal(shift, module.shift.detach())
+
+
+class _NumberAdded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x) + 1.5)
+
+
+def test_a_constant_that_cannot_rescale_with_its_channel_is_refused_on_both_routes():
+    """A number added in forward is no stored tensor; its ONNX export stores one value for all
+    four channels, which would have to rescale by four factors at once."""
+    module = _NumberAdded().eval()
+    with pytest.raises(UnsupportedModelError, match="adding the number 1.5 is not supported"):
+        module_model(module, (3, 4, 4))
+    for exporter in EXPORTERS:
+        with pytest.raises(UnsupportedModelError, match="one value per channel"):
+            load_onnx(onnx_models.export(module, _example((3, 4, 4)), exporter))
 
 
 # --------------------------------------------------------------------------- (c) fixed filters

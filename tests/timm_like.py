@@ -4,7 +4,9 @@ Each family reproduces one reason the fx route refused timm models that the ONNX
 (issue 27.2): a BatchNorm subclass that calls ``F.batch_norm`` on its own tensors then its
 activation (``BatchNormAct2d``), ``torch._assert`` on shapes, anti-aliased pooling that
 convolves with a registered buffer (``BlurPool2d``), a DLA-like projection whose output
-reaches nothing, and a forward that branches on the input's shape.
+reaches nothing, and a forward that branches on the input's shape; or one reason the ONNX
+route refused (issue 27.2's last two): NASNet's crops (negative pads) and MobileOne's constant
+added in the stem.
 """
 
 from __future__ import annotations
@@ -132,6 +134,60 @@ class NasnetCropNet(nn.Module):
         return self.fc(torch.cat(pooled, dim=1))
 
 
+class ConvNorm(nn.Module):
+    """timm's ConvNormAct without its activation: a bias-free conv and its BatchNorm."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding=kernel_size // 2, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+class MobileOneBlock(nn.Module):
+    """timm.models.byobnet.MobileOneBlock at train time (not reparameterised): parallel conv-BN
+    branches, a 1×1 conv-BN scale branch and a BatchNorm identity branch, summed, then ReLU.
+    Where the identity branch is absent (the stem changes the width) it adds the number 0,
+    which the TorchScript exporter writes as an ``Add`` of a Constant."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1, branches: int = 2):
+        super().__init__()
+        has_identity = in_channels == out_channels and stride == 1
+        self.identity = nn.BatchNorm2d(out_channels) if has_identity else None
+        self.conv_kxk = nn.ModuleList([ConvNorm(in_channels, out_channels, 3, stride) for _ in range(branches)])
+        self.conv_scale = ConvNorm(in_channels, out_channels, 1, stride)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = self.identity(x) if self.identity is not None else 0
+        out = self.conv_scale(x)
+        for conv in self.conv_kxk:
+            out += conv(x)
+        out += identity
+        return self.act(out)
+
+
+class MobileOneNet(nn.Module):
+    """mobileone_s0's stem block (no identity branch), a block with one, and a per-channel
+    stored shift added to a sum of branches before a ReLU (no layer's own bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = MobileOneBlock(3, 4, stride=2)
+        self.block = MobileOneBlock(4, 4)
+        self.left = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.right = nn.Conv2d(4, 4, 1, bias=False)
+        self.shift = nn.Parameter(torch.linspace(-0.5, 0.5, 4).reshape(4, 1, 1))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(self.stem(x))
+        x = F.relu(self.left(x) + self.right(x) + self.shift)
+        return self.fc(x.mean((2, 3)))
+
+
 class ShapeBranchNet(nn.Module):
     """A forward that branches on the input's shape: torch.fx cannot trace it."""
 
@@ -165,4 +221,5 @@ TIMM_LIKE = {
     "timm_dla_unused": lambda: (randomized(DlaLikeNet()), (3, 8, 8)),
     "timm_shape_branch": lambda: (randomized(ShapeBranchNet()), (3, 16, 16)),
     "timm_nasnet_crop": lambda: (randomized(NasnetCropNet()), (3, 8, 8)),
+    "timm_mobileone": lambda: (randomized(MobileOneNet()), (3, 8, 8)),
 }

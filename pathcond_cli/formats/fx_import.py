@@ -1011,8 +1011,14 @@ def _cat(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[
 def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}:
         raise _Unsupported("only a plain sum of two tensors is supported")
-    if not all(isinstance(arg, torch.fx.Node) for arg in args):
-        raise _Unsupported("adding a constant is not supported (only tensor + tensor)")
+    numbers = [arg for arg in args if not isinstance(arg, torch.fx.Node)]
+    tensors = [arg for arg in args if isinstance(arg, torch.fx.Node)]
+    if numbers == [0] and tensors:
+        return {"type": "identity", "inputs": tensors}  # MobileOne's ``out += identity`` with identity = 0
+    if numbers:
+        raise _Unsupported(f"adding the number {numbers[0]!r} is not supported: a constant that is no stored tensor "
+                           "cannot rescale with its channel (not positively homogeneous); a stored tensor holding "
+                           "one value per channel can (register it as a parameter or buffer)")
     return {"type": "add", "inputs": list(args)}
 
 
@@ -1027,9 +1033,7 @@ def _add_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[
     product, shift_key = shift
     scaled = _per_channel_pair(product, values) if _is_product(product) and len(product.users) == 1 else None
     if scaled is None:
-        raise _Unsupported(f"adding the stored tensor '{shift_key}' is only supported as the shift after a "
-                           "per-channel scale (x * scale + shift): a constant added to anything else is not "
-                           "positively homogeneous")
+        return [{"type": "channel_bias", "bias": shift_key, "inputs": [product]}]
     x, scale_key = scaled
     return [{"type": "channel_affine", "weight": scale_key, "bias": shift_key, "inputs": [x]}]
 
