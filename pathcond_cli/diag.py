@@ -156,6 +156,10 @@ class ScaledTensor:
     log_scale: float = 0.0
 
 
+# A layer's (weight, bias) in the squared network; either may be absent (a bias alone has no weight).
+LayerPsi = tuple[ScaledTensor | None, ScaledTensor | None]
+
+
 @dataclass
 class SquaredPass:
     """The squared network's activations: true value of node n is ``exp(offsets[n]) · values[n]``."""
@@ -187,7 +191,7 @@ def rescaled_by(tensor: torch.Tensor, log_factor: float) -> torch.Tensor:
 
 def squared_network(
     graph: Graph,
-    layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]],
+    layers: Mapping[str, LayerPsi],
     *,
     power: float,
     dtype: torch.dtype = torch.float64,
@@ -243,7 +247,7 @@ def unit_gain(node: Node) -> tuple[Node, float]:
 
 
 def log_gradients(
-    graph: Graph, layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *,
+    graph: Graph, layers: Mapping[str, LayerPsi], forward: SquaredPass, *,
     power: float = 2, times_value: bool = False
 ) -> dict[str, tuple[LogG, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets;
@@ -330,7 +334,7 @@ def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
     return by_layer
 
 
-class LayerValues(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
+class LayerValues(Mapping[str, LayerPsi]):
     """Each layer's (weight, bias) for the squared network, built from its DAG parameters on
     every access and never kept: the passes hold one layer's ψ at a time, not a float64 copy
     of the whole network (the forward and backward sweeps build the same numbers twice).
@@ -340,9 +344,9 @@ class LayerValues(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
     def __init__(self, groups: RescalingGroups, make: Callable[[DagParam], ScaledTensor], *, keep: bool = False):
         self._tensors = _layer_tensors(groups, groups.dag_params)
         self._make = make
-        self._kept: dict[str, tuple[ScaledTensor, ScaledTensor | None]] | None = {} if keep else None
+        self._kept: dict[str, LayerPsi] | None = {} if keep else None
 
-    def __getitem__(self, layer: str) -> tuple[ScaledTensor | None, ScaledTensor | None]:
+    def __getitem__(self, layer: str) -> LayerPsi:
         if self._kept is not None and layer in self._kept:
             return self._kept[layer]
         weights = [self._make(dp) for dp in self._tensors[layer] if not dp.is_bias] or [None]

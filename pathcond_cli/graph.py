@@ -15,7 +15,9 @@ from typing import ClassVar
 import torch
 
 from .errors import InputError, InvalidWeightsError, UnsupportedModelError
-from .schema import REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats
+from .schema import (
+    REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats,
+)
 
 
 SPATIAL_RANKS = (1, 2, 3)

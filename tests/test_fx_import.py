@@ -218,7 +218,7 @@ def test_configurations_outside_the_dag_are_explained():
     # Nodes that read a refused node's output are explained in the complete list.
     message = info.value.complete
     assert "only concatenation along dim 1" in message
-    assert "adding a constant" in message and any("adding a constant" in p for p in info.value.follow_on)
+    assert "adding the number 1" in message and any("adding the number 1" in p for p in info.value.follow_on)
     assert "_operator.mul ×1: node 'mul'" in message or "operator.mul ×1: node 'mul'" in message
     assert "a parameter or constant used outside its module" in message
 

@@ -48,7 +48,8 @@ PAIR_ARCHS = [a for a in ARCHS if not a.startswith("ceil_") or a in CEIL_KEPT]
 RELU_ARCHS = [a for a in PAIR_ARCHS if not any(isinstance(n, (LeakyReLU, PReLU)) for n in CATALOGUE[a](0)[0].nodes)]
 # The bound is attained with every edge non-negative: fixed constants too (a signed fixed filter's are not).
 NO_MAXPOOL_RELU_ARCHS = [a for a in RELU_ARCHS if not any(
-    isinstance(n, MaxPool) or (isinstance(n, FixedFilter) and min(n.coefficients) < 0) for n in CATALOGUE[a](0)[0].nodes)]
+    isinstance(n, MaxPool) or (isinstance(n, FixedFilter) and min(n.coefficients) < 0)
+    for n in CATALOGUE[a](0)[0].nodes)]
 REL = 1e-9
 
 _CACHE: dict = {}

@@ -35,9 +35,10 @@ from .spec import graph_from_spec
 SUPPORTED_SUMMARY = (
     "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
     "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
-    "and circular padding, spatial crops, -inf padding before max pooling, multiplication or division by a constant, a "
-    "per-channel scale and shift by stored tensors, nearest and (bi/tri)linear Upsample/interpolate, flatten, channel slices/chunks/splits and shuffles, "
-    "residual add and torch.cat(dim=1)"
+    "and circular padding, spatial crops, -inf padding before max pooling, multiplication or division by a "
+    "constant, a per-channel scale and shift by stored tensors (or a shift alone), a depthwise convolution by a "
+    "filter buffer (fixed), nearest and (bi/tri)linear Upsample/interpolate, flatten, channel "
+    "slices/chunks/splits and shuffles, residual add and torch.cat(dim=1)"
 )
 
 
@@ -522,7 +523,7 @@ def _tensor(arg: Any) -> torch.fx.Node:
         raise _Unsupported(f"{arg!r} is not a tensor computed from the network's input")
     if arg.op == "get_attr":
         raise _Unsupported(f"the stored tensor '{arg.target}' is used as an activation; a parameter or constant "
-                           "outside its module is supported only as a per-channel scale (and its shift)")
+                           "outside its module is supported only as a per-channel scale or shift")
     return arg
 
 
@@ -568,7 +569,7 @@ def _stored_reads(node: torch.fx.Node) -> str:
         return ""
     return (f" (it reads the stored tensor {', '.join(keys)}: a parameter or constant used outside its module is "
             "supported only as the weight of F.conv1d/2d/3d, F.linear and F.batch_norm, or as a per-channel "
-            "scale and shift, x * scale + shift)")
+            "scale or shift, x * scale + shift)")
 
 
 def _not_supported(name: str) -> str:

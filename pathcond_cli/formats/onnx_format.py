@@ -1095,7 +1095,8 @@ class _Translator:
         for axis, before, after in zip(axes, pads[:len(axes)], pads[len(axes):]):
             begin[axis % rank], end[axis % rank] = before, after
         if begin[:2] != [0, 0] or end[:2] != [0, 0]:
-            raise _Unsupported(f"only padding or cropping (negative pads) of the spatial axes is supported (pads {pads})")
+            raise _Unsupported(f"only padding or cropping (negative pads) of the spatial axes is supported "
+                               f"(pads {pads})")
         if mode == "circular":
             shape = self.shapes.get(x) or ()
             for axis in range(2, min(rank, len(shape))):
