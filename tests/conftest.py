@@ -17,9 +17,9 @@ import torch.nn.functional as F
 import fake_cuda
 
 from pathcond_cli.engine.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat, Conv,
-    ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
-    Scale, Upsample,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
+    Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
+    ReLU, Scale, Upsample,
 )
 
 
@@ -144,6 +144,28 @@ class NetBuilder:
         node = Pad(self._name("pad"), (self.cur,), begin=tup(begin), end=tup(end), mode=mode)
         pads = [v for b, e in reversed(list(zip(node.begin, node.end))) for v in (b, e)]
         return self._push(node, F.pad(self.dummy[self.cur], pads))
+
+    def channel_bias(self, src: str | None = None) -> str:
+        """A stored per-channel constant added (stored ``[C, 1, ..., 1]``, as ONNX constants are)."""
+        src = src or self.cur
+        name = self._name("bias")
+        shape = self.shape(src)
+        self.params[f"{name}.bias"] = self._rand(shape[0], *([1] * (len(shape) - 1)))
+        return self._push(ChannelBias(name, (src,), bias=f"{name}.bias"), self.dummy[src])
+
+    def fixed_filter(self, k, stride=1, padding=0, dilation=1, zero_taps: int = 0) -> str:
+        """A depthwise filter of constants (not parameters), signed, its first ``zero_taps`` taps 0."""
+        shp = self.shape()
+        r = len(shp) - 1
+        tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
+        k = tup(k)
+        coefficients = self._rand(shp[0] * math.prod(k)).double()
+        coefficients[:zero_taps] = 0.0
+        node = FixedFilter(self._name("filter"), (self.cur,), kernel=k, coefficients=tuple(coefficients.tolist()),
+                           stride=tup(stride), padding=tup(padding), dilation=tup(dilation))
+        y = _CONV[r](self.dummy[self.cur], torch.zeros(shp[0], 1, *k), None, node.stride, node.padding,
+                     node.dilation, shp[0])
+        return self._push(node, y)
 
     def channel_affine(self, bias: bool = True, src: str | None = None) -> str:
         """A per-channel scale (stored ``[C, 1, ..., 1]``, as ONNX constants are) and shift."""
@@ -416,6 +438,41 @@ def pad_net(seed=0, dtype=torch.float64):
     return b.build()
 
 
+def crop_net(seed=0, dtype=torch.float64):
+    """Negative pad widths crop (NASNet's ``ZeroPad2d((-1, 1, -1, 1))``, a spatial slice): a crop
+    then a zero pad, a reflect pad of a cropped axis, a crop then −inf padding before a max-pool."""
+    b = NetBuilder((1, 4, 5), seed, dtype)
+    b.relu(b.conv(2, 1))
+    b.pad((-1, -1), (1, 1)); b.conv(2, 3, padding=1); b.relu()
+    b.pad((1, -2), (-1, 1), mode="reflect"); b.conv(2, 1); b.relu()
+    b.pad((0, -1), (-1, 1), mode="-inf"); b.maxpool(2, stride=1)
+    b.flatten(); b.linear(2)
+    return b.build()
+
+
+def channel_bias_net(seed=0, dtype=torch.float64):
+    """MobileOne's train-time block: bias-free conv branches summed, a stored per-channel
+    constant added to the sum, then ReLU; and a constant added straight to the input (fixed)."""
+    b = NetBuilder((2, 3, 3), seed, dtype)
+    shifted = b.channel_bias()
+    left = b.conv(3, 3, padding=1, bias=False)
+    right = b.conv(3, 1, bias=False, src=shifted)
+    b.add(left, right); b.channel_bias(); b.relu()
+    b.conv(2, 1, bias=False); b.channel_bias(); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
+def fixed_filter_net(seed=0, dtype=torch.float64):
+    """resnetblur's anti-aliased downsampling: reflect padding, then a strided depthwise filter
+    of constants (signed here, one tap 0), and a dilated one in a residual branch."""
+    b = NetBuilder((1, 4, 4), seed, dtype)
+    b.relu(b.conv(2, 1))
+    b.pad(1, 1, mode="reflect"); b.fixed_filter(3, stride=2, zero_taps=1); b.conv(3, 1); stem = b.relu()
+    b.fixed_filter(2, padding=1, dilation=2)
+    b.add(b.cur, stem); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
 def shuffle_split_net(seed=0, dtype=torch.float64):
     """ShuffleNetV2's unit: split the channels, transform one half, concat, shuffle."""
     b = NetBuilder((1, 3, 3), seed, dtype)
@@ -561,6 +618,9 @@ NEW_OPS = {
     "broadcast_add": broadcast_add_net,
     "prelu_scale": prelu_scale_net,
     "pad": pad_net,
+    "crop": crop_net,
+    "fixed_filter": fixed_filter_net,
+    "channel_bias": channel_bias_net,
     "shuffle_split": shuffle_split_net,
     "gather": gather_net,
     "conv_transpose": conv_transpose_net,

@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.engine.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle, ChannelSlice, Concat,
-    Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU, ReLU,
-    Scale, Upsample,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
+    Concat,
+    Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
+    ReLU, Scale, Upsample,
 )
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
@@ -95,6 +96,11 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
                 y = F.pad(xs[0], pads, mode=node.mode)
             else:
                 y = F.pad(xs[0], pads, value=-math.inf if node.mode == "-inf" else 0.0)
+        elif isinstance(node, ChannelBias):
+            y = xs[0] + P[node.bias].reshape(1, -1, *([1] * (xs[0].dim() - 2)))
+        elif isinstance(node, FixedFilter):
+            w = torch.tensor(node.coefficients, dtype=dt).reshape(xs[0].shape[1], 1, *node.kernel)
+            y = _CONV[w.dim()](xs[0], w, None, node.stride, node.padding, node.dilation, xs[0].shape[1])
         elif isinstance(node, ChannelAffine):
             view = (1, -1, *([1] * (xs[0].dim() - 2)))
             y = xs[0] * P[node.weight].reshape(view)
@@ -348,7 +354,7 @@ class NeuronDAG:
         # weight sharing: all positions of one conv channel share one λ
         # zero padding: the constant-zero padded neurons take their channel's scale (any is admissible)
         for node in self.graph.nodes:
-            if isinstance(node, (Conv, ConvTranspose, Pad, ChannelAffine)):
+            if isinstance(node, (Conv, ConvTranspose, Pad, ChannelAffine, FixedFilter)):
                 elems = self.elements[node.name]
                 C = self.shapes[node.name][0]
                 per = len(elems) // C
@@ -575,11 +581,14 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             C, sp = ishape[0], ishape[1:]
             r = len(sp)
             osp = tuple(sp[j] + node.begin[j] + node.end[j] for j in range(r))
-            # padded positions: no incoming edge, value 0 (or -inf); the other modes copy one input pixel
+            # padded positions: no incoming edge, value 0 (or -inf); the other modes copy one input pixel.
+            # Negative widths crop first, and the mode pads what is left.
             numpy_mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}.get(node.mode)
             out = new_neurons(node.name, (C, *osp), "sum")
-            sources_of = [np.pad(np.arange(n), (b, e), mode=numpy_mode) if numpy_mode else
-                          np.pad(np.arange(n), (b, e), constant_values=-1) for n, b, e in zip(sp, node.begin, node.end)]
+            kept = [np.arange(n)[max(-b, 0): n - max(-e, 0)] for n, b, e in zip(sp, node.begin, node.end)]
+            widths = [(max(b, 0), max(e, 0)) for b, e in zip(node.begin, node.end)]
+            sources_of = [np.pad(k, w, mode=numpy_mode) if numpy_mode else np.pad(k, w, constant_values=-1)
+                          for k, w in zip(kept, widths)]
             for c in range(C):
                 for opos in itertools.product(*(range(n) for n in osp)):
                     ipos = tuple(int(sources_of[j][opos[j]]) for j in range(r))
@@ -587,6 +596,29 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                         edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))], const=1.0)
                     elif node.mode == "-inf":
                         G.nodes[out[_flat((c, *opos), (C, *osp))]]["kind"] = "neginf"
+        elif isinstance(node, ChannelBias):
+            # input neuron (c, pos) to output neuron (c, pos) on a fixed edge of 1, and one bias per channel
+            out = new_neurons(node.name, ishape, "sum")
+            for a, b_ in zip(src, out):
+                edge(a, b_, const=1.0)
+            add_bias(node.name, params[node.bias].to(torch.float64).flatten(), out)
+        elif isinstance(node, FixedFilter):
+            # one fixed edge per non-zero tap, of weight the coefficient, within the input channel
+            C, sp = ishape[0], ishape[1:]
+            r = len(sp)
+            ks, s, p, d = _tup(node.kernel, r), _tup(node.stride, r), _tup(node.padding, r), _tup(node.dilation, r)
+            taps = np.asarray(node.coefficients).reshape(C, *ks)
+            osp = tuple(conv_out_size(sp[j], ks[j], s[j], p[j], d[j]) for j in range(r))
+            out = new_neurons(node.name, (C, *osp), "sum")
+            for c in range(C):
+                for kpos in itertools.product(*(range(k) for k in ks)):
+                    if taps[(c, *kpos)] == 0:
+                        continue
+                    for opos in itertools.product(*(range(n) for n in osp)):
+                        ipos = tuple(opos[j] * s[j] - p[j] + kpos[j] * d[j] for j in range(r))
+                        if all(0 <= ipos[j] < sp[j] for j in range(r)):
+                            edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))],
+                                 const=float(taps[(c, *kpos)]))
         elif isinstance(node, (ChannelShuffle, ChannelSlice, ChannelGather)):
             C, sp = ishape[0], ishape[1:]
             per = math.prod(sp)
@@ -703,14 +735,15 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
 # ----------------------------------------------------------------------------------------------
 
 def engine_blocks(dag: NeuronDAG, engine_groups) -> list[ParamBlock]:
-    """The oracle block of each engine DagParam (per layer: weight first, then bias), checking
-    that the engine's canonical, BatchNorm-folded values equal the oracle's."""
+    """The oracle block of each engine DagParam (per layer: weight first, then bias; a layer the
+    oracle gives no weight has its bias alone), checking that the engine's canonical,
+    BatchNorm-folded values equal the oracle's."""
     roles: dict[str, int] = {}
     out = []
     for dp in engine_groups.dag_params:
         k = roles.get(dp.layer, 0)
         roles[dp.layer] = k + 1
-        blk = dag.block(dp.layer, "weight" if k == 0 else "bias")
+        blk = dag.block(dp.layer, "weight" if k == 0 and dag.block(dp.layer, "weight") is not None else "bias")
         assert blk is not None, f"engine DAG parameter {dp.name} has no oracle counterpart"
         assert tuple(dp.value.shape) == blk.shape, (dp.name, tuple(dp.value.shape), blk.shape)
         mine = dag.theta[blk.start: blk.start + blk.size]

@@ -15,6 +15,7 @@ from pathcond_cli.api import module_model, rescale_module
 from pathcond_cli.errors import InputError, UnsupportedModelError
 from pathcond_cli.engine.evaluate import forward
 from pathcond_cli.io.formats.fx_import import graph_from_module, load_factory
+from pathcond_cli.engine.graph import FixedFilter
 from pathcond_cli.engine.groups import build_groups
 
 
@@ -217,7 +218,7 @@ def test_configurations_outside_the_dag_are_explained():
     # Nodes that read a refused node's output are explained in the complete list.
     message = info.value.complete
     assert "only concatenation along dim 1" in message
-    assert "adding a constant" in message and any("adding a constant" in p for p in info.value.follow_on)
+    assert "adding the number 1" in message and any("adding the number 1" in p for p in info.value.follow_on)
     assert "_operator.mul ×1: node 'mul'" in message or "operator.mul ×1: node 'mul'" in message
     assert "a parameter or constant used outside its module" in message
 
@@ -357,15 +358,40 @@ def test_batchnorm_act_reads_its_own_tensors_and_asserts_are_skipped():
     assert not any("assert" in node.name for node in graph.nodes)
 
 
-def test_a_persistent_filter_buffer_is_a_stored_weight_and_a_non_persistent_one_is_refused():
-    graph, params = graph_from_module(timm_like.BlurNet(persistent=True), (3, 8, 8), source="blur")
-    (blur,) = [node for node in graph.nodes if getattr(node, "weight", None) == "aa.filt"]
-    assert blur.groups == 4 and blur.stride == (2, 2) and "aa.filt" in params
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_depthwise_filter_buffer_is_a_fixed_filter(persistent):
+    """A buffer is a constant, persistent or not: timm's BlurPool2d filter is a fixed filter
+    node holding its coefficients, no parameter, and rescale_module leaves it as it is."""
+    module = timm_like.randomized(timm_like.BlurNet(persistent=persistent))
+    graph, params = graph_from_module(module, (3, 8, 8), source="blur")
+    (blur,) = [node for node in graph.nodes if isinstance(node, FixedFilter)]
+    assert blur.name == "aa" and blur.kernel == (3, 3) and blur.stride == (2, 2) and blur.padding == (0, 0)
+    assert torch.equal(torch.tensor(blur.coefficients, dtype=torch.float32).reshape(4, 1, 3, 3), module.aa.filt)
+    assert not any("aa.filt" in node.parameter_keys().values() for node in graph.nodes)
+    filt = module.aa.filt.clone()
+    assert rescale_module(module, (3, 8, 8)).verification.passed
+    assert torch.equal(module.aa.filt, filt)
+
+
+class _BufferWeights(nn.Module):
+    """Buffers read where only parameters are layer weights: a full conv filter, a linear weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("full", torch.rand(4, 3, 3, 3))
+        self.register_buffer("projection", torch.rand(2, 4), persistent=False)
+
+    def forward(self, x):
+        return F.linear(F.relu(F.conv2d(x, self.full, padding=1)).mean((2, 3)), self.projection)
+
+
+def test_a_buffer_read_as_any_other_weight_is_refused_as_a_constant():
     with pytest.raises(UnsupportedModelError) as info:
-        graph_from_module(timm_like.BlurNet(persistent=False), (3, 8, 8), source="blur")
-    message = str(info.value)
-    assert "'aa.filt' is a buffer registered with persistent=False" in message
-    assert "ONNX export" in message and len(info.value.problems) == 1
+        graph_from_module(_BufferWeights(), (3, 8, 8), source="buffers")
+    assert len(info.value.problems) == 2
+    for key in ("full", "projection"):
+        assert any(f"'{key}' is a buffer of the module, a constant and not a parameter" in problem
+                   and "nn.Parameter" in problem for problem in info.value.problems)
 
 
 def test_operations_reaching_no_output_are_dropped_and_counted():

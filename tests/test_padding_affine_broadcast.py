@@ -23,7 +23,7 @@ from pathcond_cli.api import module_model, rescale
 from pathcond_cli.errors import InputError, UnsupportedModelError
 from pathcond_cli.io.formats.onnx_format import load_onnx, write_onnx
 from pathcond_cli.io.formats.spec import graph_from_spec
-from pathcond_cli.engine.graph import ChannelAffine, Pad
+from pathcond_cli.engine.graph import ChannelAffine, ChannelBias, Pad
 from pathcond_cli.engine.groups import build_groups
 from test_onnx_format import TOLERANCE, only_output, random_rescaling, relative_error
 
@@ -164,18 +164,21 @@ class _ShiftAlone(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(1, 2, 1)
         self.shift = nn.Parameter(torch.ones(2, 1, 1))
+        self.fc = nn.Linear(18, 2)
 
     def forward(self, x):
-        return F.relu(self.conv(x) + self.shift).flatten(1)
+        return self.fc(F.relu(self.conv(x) + self.shift).flatten(1))
 
 
-def test_a_stored_shift_without_a_scale_is_refused_by_fx_and_onnx():
+def test_a_stored_shift_without_a_scale_is_a_channel_bias_on_fx_and_onnx():
+    """A per-channel tensor added after a conv that has its own bias: a bias of its own on fixed
+    edges (refused up to 0.6.0), the same layer on every route."""
     module = _ShiftAlone().eval()
-    with pytest.raises(UnsupportedModelError, match="only supported as the shift after a per-channel scale"):
-        module_model(module, (1, 3, 3))
-    for exporter in EXPORTERS:
-        with pytest.raises(UnsupportedModelError, match="per-channel shift after a per-channel scale"):
-            load_onnx(export(module, torch.randn(2, 1, 3, 3), exporter))
+    models = [module_model(module, (1, 3, 3))] + [load_onnx(export(module, torch.randn(2, 1, 3, 3), exporter))
+                                                  for exporter in EXPORTERS]
+    for model in models:
+        assert [n.bias for n in model.graph.nodes if isinstance(n, ChannelBias)] == ["shift"]
+        assert build_groups(model.graph, model.params).num_free == 2
 
 
 @pytest.mark.parametrize("mode", ["circular", "reflect", "replicate"])

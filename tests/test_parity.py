@@ -2,7 +2,8 @@
 
 Each architecture is imported four ways from the same weights; all must give the same
 rescaling groups (counts, and the multiset of each group's incoming/outgoing parameter counts), the same diag(G), the same path
-count and the same optimal objective F*.
+count and the same optimal objective F*. The one difference by design, a filter buffer (a
+constant on the fx route, a stored weight in ONNX), has its exact relation stated below.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 import onnx_models
 import ops_models
 from pathcond_cli.api import analyse, module_model, rescale
-from pathcond_cli.errors import UnsupportedModelError
 from pathcond_cli.solve.objective import support
 from pathcond_cli.io.formats.onnx_format import load_onnx
 from pathcond_cli.io.formats.spec import graph_from_spec, spec_from_graph
+from pathcond_cli.engine.graph import Conv, FixedFilter
 from pathcond_cli.engine.model import LoadedModel
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,10 +35,16 @@ ARCHITECTURES = {
     "small_mnasnet": lambda: (reference_models.small_mnasnet(), (3, 32, 32)),
     # Written as timm writes them: each reads the same through fx (torch.export for
     # the shape branch) as through both ONNX exporters. BatchNormAct2d's F.batch_norm is folded
-    # by the TorchScript exporter like a BatchNorm2d; BlurPool's persistent filter buffer is a
-    # stored conv weight on both routes; the unused projection is dropped on both.
+    # by the TorchScript exporter like a BatchNorm2d; the unused projection is dropped on both;
+    # NASNet's crops are pads of negative width on both. BlurPool's filter buffer differs by
+    # design (see FIXED_FILTER_FAMILIES).
     **timm_like.TIMM_LIKE,
 }
+
+# A filter buffer is a constant on the fx route (a fixed filter node: a buffer is no parameter)
+# and an initializer, a conv weight, in the module's ONNX export. The groups and D differ;
+# test_a_filter_buffer_is_a_constant_on_fx_and_a_weight_in_onnx states the exact relation.
+FIXED_FILTER_FAMILIES = {"timm_blur": 4}  # family: channels of its fixed filter
 
 
 # torch.export turns 1-d linear interpolation into index arithmetic instead of a Resize.
@@ -78,7 +85,8 @@ def _marks(name: str, how: str) -> list:
 
 
 @pytest.mark.parametrize(
-    "name, how", [pytest.param(name, how, marks=_marks(name, how)) for name in sorted(ARCHITECTURES) for how in IMPORTERS]
+    "name, how", [pytest.param(name, how, marks=_marks(name, how)) for name in sorted(ARCHITECTURES) for how in IMPORTERS
+                  if how == "spec" or name not in FIXED_FILTER_FAMILIES]
 )
 def test_every_importer_gives_the_same_analysis(name, how):
     fx, other = _load(name, how)
@@ -92,13 +100,30 @@ def test_every_importer_gives_the_same_analysis(name, how):
     assert other_optimum == pytest.approx(optimum, rel=1e-6, abs=1e-6)
 
 
-def test_a_non_persistent_filter_buffer_is_read_from_onnx_and_refused_by_fx_with_the_onnx_route_named():
-    """timm registers BlurPool2d's filter with persistent=False. Its ONNX export stores the filter,
-    which the ONNX route rescales like any conv weight; the fx route refuses, since the module's
-    state_dict would not carry the rescaled filter, and its message names the ONNX route."""
-    module = timm_like.randomized(timm_like.BlurNet(persistent=False))
-    example = torch.randn((2, 3, 8, 8), generator=torch.Generator().manual_seed(0))
-    onnx_model = load_onnx(onnx_models.export(module, example, "dynamo"), name="blur.onnx")
-    assert analyse(onnx_model, device="cpu").groups.num_free > 0
-    with pytest.raises(UnsupportedModelError, match="persistent=False.*rescale the module's ONNX export"):
-        module_model(module, (3, 8, 8))
+@pytest.mark.parametrize("how", [how for how in IMPORTERS if how != "spec"])
+@pytest.mark.parametrize("name", sorted(FIXED_FILTER_FAMILIES))
+def test_a_filter_buffer_is_a_constant_on_fx_and_a_weight_in_onnx(name, how):
+    """timm's BlurPool2d filter is a buffer: on the fx route a fixed filter, whose taps are
+    constants on the paths; in the ONNX export an initializer, which the ONNX route, reading
+    every stored tensor as a parameter, rescales as a depthwise conv weight. The paths are the
+    same (Φ does not care whether a factor is a parameter or a constant): the same path count
+    and path norms, and the same g for every parameter both routes have. The ONNX route has
+    the filter's C·k² taps as parameters more and its C output channels as free groups more
+    (on fx they are tied to the channels they filter), so its groups, D and F* differ."""
+    fx, onnx_model = _load(name, how)
+    channels = FIXED_FILTER_FAMILIES[name]
+    (fixed,) = [node for node in fx.graph.nodes if isinstance(node, FixedFilter)]
+    (filter_conv,) = [node for node in onnx_model.graph.nodes if isinstance(node, Conv) and node.groups == channels]
+    taps = len(fixed.coefficients)
+    fx_analysis, onnx_analysis = analyse(fx, device="cpu"), analyse(onnx_model, device="cpu")
+    assert onnx_analysis.groups.num_free == fx_analysis.groups.num_free + channels
+    assert onnx_analysis.groups.num_fixed == fx_analysis.groups.num_fixed
+    assert onnx_analysis.groups.p == fx_analysis.groups.p + taps
+    assert onnx_analysis.paths.log10 == pytest.approx(fx_analysis.paths.log10, rel=1e-12)
+    for key, norm in fx_analysis.path_norms.items():
+        assert onnx_analysis.path_norms[key].log10 == pytest.approx(norm.log10, rel=1e-9)
+    shared = [lg.flatten() for dp, lg in zip(onnx_analysis.groups.dag_params, onnx_analysis.diag.log_g)
+              if dp.layer != filter_conv.name]
+    assert torch.allclose(torch.cat(shared).sort().values,
+                          torch.cat([lg.flatten() for lg in fx_analysis.diag.log_g]).sort().values, rtol=0, atol=1e-5)
+    assert onnx_analysis.conditioning.value != pytest.approx(fx_analysis.conditioning.value, rel=1e-3)

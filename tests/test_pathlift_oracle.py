@@ -31,7 +31,9 @@ from conftest import CATALOGUE
 from oracle import _bn_for, build_neuron_dag, engine_blocks, fold, to_theta_order
 from pathcond_cli.engine.diag import balanced_value, balancing_exponents, path_count, path_magnitude_scores, path_norm
 from pathcond_cli.engine.evaluate import forward
-from pathcond_cli.engine.graph import BatchNorm, ChannelAffine, Conv, ConvTranspose, LeakyReLU, Linear, MaxPool, PReLU
+from pathcond_cli.engine.graph import (
+    BatchNorm, ChannelAffine, ChannelBias, Conv, ConvTranspose, FixedFilter, LeakyReLU, Linear, MaxPool, PReLU,
+)
 from pathcond_cli.engine.groups import build_groups
 from pathcond_cli.engine.pathlift import compare_signs, path_metric, telescoped_sum
 
@@ -44,7 +46,10 @@ ARCHS = sorted(CATALOGUE)
 CEIL_KEPT = {"ceil_max1d_pad1", "ceil_max2d_pad1", "ceil_max3d_pad0", "ceil_avg2d_pad1_excl", "ceil_avg3d_pad1_incl"}
 PAIR_ARCHS = [a for a in ARCHS if not a.startswith("ceil_") or a in CEIL_KEPT]
 RELU_ARCHS = [a for a in PAIR_ARCHS if not any(isinstance(n, (LeakyReLU, PReLU)) for n in CATALOGUE[a](0)[0].nodes)]
-NO_MAXPOOL_RELU_ARCHS = [a for a in RELU_ARCHS if not any(isinstance(n, MaxPool) for n in CATALOGUE[a](0)[0].nodes)]
+# The bound is attained with every edge non-negative: fixed constants too (a signed fixed filter's are not).
+NO_MAXPOOL_RELU_ARCHS = [a for a in RELU_ARCHS if not any(
+    isinstance(n, MaxPool) or (isinstance(n, FixedFilter) and min(n.coefficients) < 0)
+    for n in CATALOGUE[a](0)[0].nodes)]
 REL = 1e-9
 
 _CACHE: dict = {}
@@ -95,7 +100,7 @@ class Base:
         parts = []
         for blk in self.dag.blocks:
             node = self.graph[blk.layer]
-            if isinstance(node, ChannelAffine):
+            if isinstance(node, (ChannelAffine, ChannelBias)):
                 t = params[node.weight if blk.role == "weight" else node.bias]
             else:
                 W, b = fold(self.graph, node, params)
@@ -142,6 +147,9 @@ def _scaled_pair(graph, params, gen, *, low: float, high: float, zero_prob: floa
             r = torch.where(torch.rand(shape, generator=gen, dtype=torch.float64) < zero_prob, torch.zeros_like(r), r)
         return r
 
+    for node in graph.nodes:
+        if isinstance(node, ChannelBias):
+            out[node.bias] = params[node.bias] * draw(params[node.bias].shape, True)
     for node in _weighted(graph):
         W = params[node.weight]
         out[node.weight] = W * draw(W.shape, True)
@@ -166,13 +174,14 @@ def _flip_signs(graph, groups, params, gen):
     layers = list(dict.fromkeys(dp.layer for dp in groups.dag_params))
     for j, layer in enumerate(layers):
         node = graph[layer]
-        W = params[node.weight]
+        key = node.bias if isinstance(node, ChannelBias) else node.weight  # a bias alone: its only parameter
+        W = params[key]
         k = min(j % 3 + 1, W.numel())
         pick = torch.randperm(W.numel(), generator=gen)[:k]
         flat = W.clone().reshape(-1)
         assert bool((flat[pick] != 0).all())
         flat[pick] = -flat[pick]
-        out[node.weight] = flat.reshape(W.shape)
+        out[key] = flat.reshape(W.shape)
         expected[layer] = k
     return out, expected
 

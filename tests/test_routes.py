@@ -36,7 +36,7 @@ ROUTES = {
     g.AvgPool: (("AveragePool",), (nn.AvgPool2d, F.avg_pool2d)),
     g.AdaptiveAvgPool: (("GlobalAveragePool", "ReduceMean"), (nn.AdaptiveAvgPool2d, torch.mean, "mean")),
     g.Pad: (("Pad", "Concat", "Slice"), (nn.ZeroPad2d, nn.ConstantPad2d, nn.ReflectionPad2d, nn.ReplicationPad2d,
-                                         nn.CircularPad2d, nn.Conv2d, F.pad)),
+                                         nn.CircularPad2d, nn.Conv2d, F.pad, "__getitem__", operator.getitem)),
     g.Flatten: (("Flatten", "Reshape"), (nn.Flatten, torch.flatten, "view")),
     g.Add: (("Add", "Sum"), (operator.add, torch.add, "add")),
     g.Concat: (("Concat",), (torch.cat,)),
@@ -45,9 +45,13 @@ ROUTES = {
     g.Upsample: (("Resize",), (nn.Upsample, F.interpolate)),
     g.ChannelGather: (("Reshape", "Transpose", "Slice"), (torch.reshape, torch.transpose, "view")),
     g.ChannelAffine: (("Mul", "Add"), (operator.mul, operator.add, "mul", "add")),
+    g.ChannelBias: (("Add",), (operator.add, torch.add, "add")),
+    g.FixedFilter: ("none: an ONNX Conv's filter is an initializer, a parameter, so the Conv is a conv layer",
+                    (torch.conv1d, torch.conv2d, torch.conv3d)),
 }
 
-_FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS)
+_FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS,
+                  fx_import._STORED_READERS)
 _FX_MOVEMENTS = (*fx_import._MOVEMENT_FUNCTIONS, *fx_import._MOVEMENT_METHODS)
 
 

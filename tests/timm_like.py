@@ -4,7 +4,9 @@ Each family reproduces one reason the fx route refused timm models that the ONNX
 (issue 27.2): a BatchNorm subclass that calls ``F.batch_norm`` on its own tensors then its
 activation (``BatchNormAct2d``), ``torch._assert`` on shapes, anti-aliased pooling that
 convolves with a registered buffer (``BlurPool2d``), a DLA-like projection whose output
-reaches nothing, and a forward that branches on the input's shape.
+reaches nothing, and a forward that branches on the input's shape; or one reason the ONNX
+route refused (issue 27.2's last two): NASNet's crops (negative pads) and MobileOne's constant
+added in the stem.
 """
 
 from __future__ import annotations
@@ -108,6 +110,84 @@ class DlaLikeNet(nn.Module):
         return self.fc(y.mean((2, 3)))
 
 
+class NasnetCropNet(nn.Module):
+    """NASNet's factorised reduction (timm's ``nasnet.FirstCell.path_2``): ``nn.ZeroPad2d((-1, 1, -1, 1))``
+    crops one row and column at the top left and zero-pads one at the bottom right before a
+    strided 1×1 average pool; a second branch crops by slicing and a third crops and
+    reflect-pads in one ``F.pad``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.path_1 = nn.Sequential(nn.AvgPool2d(1, stride=2, count_include_pad=False), nn.Conv2d(4, 3, 1, bias=False))
+        self.path_2 = nn.Sequential(nn.ZeroPad2d((-1, 1, -1, 1)), nn.AvgPool2d(1, stride=2, count_include_pad=False),
+                                    nn.Conv2d(4, 3, 1, bias=False))
+        self.final = nn.Conv2d(4, 2, 3)
+        self.fc = nn.Linear(9, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv(x))
+        sliced = F.relu(self.final(x[:, :, 1:, :-1]))
+        cropped = F.pad(x, [-1, 2, 1, -2], mode="reflect")
+        reduced = torch.cat([self.path_1(x), self.path_2(x)], dim=1)
+        pooled = [reduced.mean((2, 3)), sliced.mean((2, 3)), F.relu(cropped).mean((2, 3))[:, :1]]
+        return self.fc(torch.cat(pooled, dim=1))
+
+
+class ConvNorm(nn.Module):
+    """timm's ConvNormAct without its activation: a bias-free conv and its BatchNorm."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding=kernel_size // 2, bias=False)
+        self.bn = nn.BatchNorm2d(out_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.conv(x))
+
+
+class MobileOneBlock(nn.Module):
+    """timm.models.byobnet.MobileOneBlock at train time (not reparameterised): parallel conv-BN
+    branches, a 1×1 conv-BN scale branch and a BatchNorm identity branch, summed, then ReLU.
+    Where the identity branch is absent (the stem changes the width) it adds the number 0,
+    which the TorchScript exporter writes as an ``Add`` of a Constant."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1, branches: int = 2):
+        super().__init__()
+        has_identity = in_channels == out_channels and stride == 1
+        self.identity = nn.BatchNorm2d(out_channels) if has_identity else None
+        self.conv_kxk = nn.ModuleList([ConvNorm(in_channels, out_channels, 3, stride) for _ in range(branches)])
+        self.conv_scale = ConvNorm(in_channels, out_channels, 1, stride)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = self.identity(x) if self.identity is not None else 0
+        out = self.conv_scale(x)
+        for conv in self.conv_kxk:
+            out += conv(x)
+        out += identity
+        return self.act(out)
+
+
+class MobileOneNet(nn.Module):
+    """mobileone_s0's stem block (no identity branch), a block with one, and a per-channel
+    stored shift added to a sum of branches before a ReLU (no layer's own bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = MobileOneBlock(3, 4, stride=2)
+        self.block = MobileOneBlock(4, 4)
+        self.left = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.right = nn.Conv2d(4, 4, 1, bias=False)
+        self.shift = nn.Parameter(torch.linspace(-0.5, 0.5, 4).reshape(4, 1, 1))
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(self.stem(x))
+        x = F.relu(self.left(x) + self.right(x) + self.shift)
+        return self.fc(x.mean((2, 3)))
+
+
 class ShapeBranchNet(nn.Module):
     """A forward that branches on the input's shape: torch.fx cannot trace it."""
 
@@ -140,4 +220,6 @@ TIMM_LIKE = {
     "timm_blur": lambda: (randomized(BlurNet()), (3, 8, 8)),
     "timm_dla_unused": lambda: (randomized(DlaLikeNet()), (3, 8, 8)),
     "timm_shape_branch": lambda: (randomized(ShapeBranchNet()), (3, 16, 16)),
+    "timm_nasnet_crop": lambda: (randomized(NasnetCropNet()), (3, 8, 8)),
+    "timm_mobileone": lambda: (randomized(MobileOneNet()), (3, 8, 8)),
 }

@@ -156,6 +156,10 @@ class ScaledTensor:
     log_scale: float = 0.0
 
 
+# A layer's (weight, bias) in the squared network; either may be absent (a bias alone has no weight).
+LayerPsi = tuple[ScaledTensor | None, ScaledTensor | None]
+
+
 @dataclass
 class SquaredPass:
     """The squared network's activations: true value of node n is ``exp(offsets[n]) · values[n]``."""
@@ -187,7 +191,7 @@ def rescaled_by(tensor: torch.Tensor, log_factor: float) -> torch.Tensor:
 
 def squared_network(
     graph: Graph,
-    layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]],
+    layers: Mapping[str, LayerPsi],
     *,
     power: float,
     dtype: torch.dtype = torch.float64,
@@ -197,7 +201,8 @@ def squared_network(
 
     ``layers`` maps each Linear/Conv (and standalone BatchNorm) node to its ψ weight and bias
     in torch's layout, each with its own log scale; so neither a huge global scale nor a huge
-    path count overflows.
+    path count overflows. A layer without weight (a bias alone) passes its input on through
+    fixed edges of weight 1.
     """
     values: dict[str, torch.Tensor] = {}
     offsets: dict[str, float] = {}
@@ -208,9 +213,10 @@ def squared_network(
                 y, offset = torch.ones((1, *node.shape), dtype=dtype, device=device), 0.0
             elif node.name in layers:
                 weight, bias = layers[node.name]
-                weighted_scale = offsets[node.inputs[0]] + weight.log_scale
+                x = values[node.inputs[0]]
+                weighted_scale = offsets[node.inputs[0]] + (0.0 if weight is None else weight.log_scale)
                 offset = weighted_scale if bias is None else max(weighted_scale, bias.log_scale)
-                y = rule.weighted(node, values[node.inputs[0]], weight.value) * math.exp(weighted_scale - offset)
+                y = (x if weight is None else rule.weighted(node, x, weight.value)) * math.exp(weighted_scale - offset)
                 if bias is not None:
                     y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
                 # ψ is layer-sized: released before the next layer's is built, not when it is assigned.
@@ -241,7 +247,7 @@ def unit_gain(node: Node) -> tuple[Node, float]:
 
 
 def log_gradients(
-    graph: Graph, layers: Mapping[str, tuple[ScaledTensor, ScaledTensor | None]], forward: SquaredPass, *,
+    graph: Graph, layers: Mapping[str, LayerPsi], forward: SquaredPass, *,
     power: float = 2, times_value: bool = False
 ) -> dict[str, tuple[LogG, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets;
@@ -274,8 +280,10 @@ def log_gradients(
             weight, bias = layers[node.name]
             source = node.inputs[0]
             x = forward.values[source]
-            log_weight: LogG
-            if isinstance(rule, LinearRule) and x.numel() == weight.value.shape[1]:
+            log_weight: LogG | None = None
+            if weight is None:
+                grad_x = cotangent
+            elif isinstance(rule, LinearRule) and x.numel() == weight.value.shape[1]:
                 # One input vector: ∂L/∂ψ = δ xᵀ, kept as its two factors, never built.
                 grad_x, _ = rule.weighted_vjp(node, x, weight.value, cotangent, weight_grad=False)
                 log_weight = OuterLog(torch.log(cotangent.reshape(-1)) + sigma,
@@ -283,12 +291,12 @@ def log_gradients(
             else:
                 grad_x, grad_w = rule.weighted_vjp(node, x, weight.value, cotangent)
                 log_weight = torch.log_(grad_w).add_(sigma + forward.offsets[source])
-            send(source, grad_x, sigma + weight.log_scale)
+            send(source, grad_x, sigma + (0.0 if weight is None else weight.log_scale))
             log_bias = None
             if bias is not None:
                 log_bias = torch.log(cotangent.sum(dim=[0, *range(2, cotangent.dim())]).clamp_min(0)) + sigma
             if times_value:
-                log_weight = _times(dense(log_weight).reshape(weight.value.shape), weight)
+                log_weight = None if weight is None else _times(dense(log_weight).reshape(weight.value.shape), weight)
                 log_bias = None if bias is None else _times(log_bias, bias)
             result[node.name] = (log_weight, log_bias)
             del weight, bias
@@ -326,7 +334,7 @@ def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
     return by_layer
 
 
-class LayerValues(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
+class LayerValues(Mapping[str, LayerPsi]):
     """Each layer's (weight, bias) for the squared network, built from its DAG parameters on
     every access and never kept: the passes hold one layer's ψ at a time, not a float64 copy
     of the whole network (the forward and backward sweeps build the same numbers twice).
@@ -336,13 +344,14 @@ class LayerValues(Mapping[str, tuple[ScaledTensor, ScaledTensor | None]]):
     def __init__(self, groups: RescalingGroups, make: Callable[[DagParam], ScaledTensor], *, keep: bool = False):
         self._tensors = _layer_tensors(groups, groups.dag_params)
         self._make = make
-        self._kept: dict[str, tuple[ScaledTensor, ScaledTensor | None]] | None = {} if keep else None
+        self._kept: dict[str, LayerPsi] | None = {} if keep else None
 
-    def __getitem__(self, layer: str) -> tuple[ScaledTensor, ScaledTensor | None]:
+    def __getitem__(self, layer: str) -> LayerPsi:
         if self._kept is not None and layer in self._kept:
             return self._kept[layer]
-        dps = self._tensors[layer]
-        values = self._make(dps[0]), self._make(dps[1]) if len(dps) > 1 else None
+        weights = [self._make(dp) for dp in self._tensors[layer] if not dp.is_bias] or [None]
+        biases = [self._make(dp) for dp in self._tensors[layer] if dp.is_bias] or [None]
+        values = weights[0], biases[0]
         if self._kept is not None:
             self._kept[layer] = values
         return values
@@ -374,7 +383,9 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
     assigned = torch.zeros(H + 1, dtype=torch.bool, device=groups.device)
     assigned[H] = True
     for dps in _layer_tensors(groups, groups.dag_params).values():
-        weight_dp = dps[0]
+        weight_dp, *bias_dps = dps
+        if weight_dp.is_bias:
+            continue  # a bias alone: its channels are its input's, balanced where they were made
         source = -2 * u[weight_dp.src]
         source_max = source.amax(dim=1, keepdim=True)
         source_scale = torch.exp(source - source_max)[:, :, None]
@@ -383,8 +394,8 @@ def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
         per_out = torch.cat([_log_row_norms(stored[:, rows], source_scale)
                              for rows in blocks(rows_per_group, conv_groups * in_per_group * kernel)], dim=1)
         per_out = (per_out + source_max).reshape(-1)
-        if len(dps) > 1:
-            per_out = torch.logaddexp(per_out, 2 * torch.log(dps[1].value.to(torch.float64).abs()))
+        for bias_dp in bias_dps:
+            per_out = torch.logaddexp(per_out, 2 * torch.log(bias_dp.value.to(torch.float64).abs()))
         dst = weight_dp.dst.reshape(-1)
         target = torch.where(torch.isfinite(per_out), -0.5 * per_out, torch.zeros_like(per_out))
         fresh = ~assigned[dst]
@@ -463,9 +474,9 @@ def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power:
     layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power), keep=times_value)
     gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=power, device=device),
                               power=power, times_value=times_value)
-    for dp, position in zip(groups.dag_params, position_in_layer(groups)):
+    for dp in groups.dag_params:
         weight_log, bias_log = gradients[dp.layer]
-        yield dp, bias_log if position else weight_log
+        yield dp, bias_log if dp.is_bias else weight_log
 
 
 def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str = "cpu",
@@ -482,16 +493,6 @@ def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
     return [lg.reshape(dp.shape) for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device, times_value=True)]
-
-
-def position_in_layer(groups: RescalingGroups) -> list[int]:
-    """0 for a layer's weight, 1 for its bias, per DAG parameter."""
-    seen: dict[str, int] = {}
-    positions = []
-    for dp in groups.dag_params:
-        positions.append(seen.get(dp.layer, 0))
-        seen[dp.layer] = positions[-1] + 1
-    return positions
 
 
 def path_sum(groups: RescalingGroups, power: float, make: Callable[[DagParam], ScaledTensor], *,
@@ -542,7 +543,7 @@ def zeros_per_layer(groups: RescalingGroups, psi: Callable[[DagParam], torch.Ten
     counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
     zeros: dict[str, int] = {}
     for layer, (weight_log, bias_log) in counts.items():
-        missing = zero_count(weight_log) + (0 if bias_log is None else zero_count(bias_log))
+        missing = sum(zero_count(log_g) for log_g in (weight_log, bias_log) if log_g is not None)
         if missing:
             zeros[layer] = missing
     return zeros

@@ -15,7 +15,9 @@ from typing import ClassVar
 import torch
 
 from ..errors import InputError, InvalidWeightsError, UnsupportedModelError
-from .schema import REQUIRED, boolean, choice, hyper, integer, ints, number, optional_sizes, positive_floats
+from .schema import (
+    REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats,
+)
 
 
 SPATIAL_RANKS = (1, 2, 3)
@@ -185,7 +187,9 @@ COPYING_PAD_MODES = ("reflect", "replicate", "circular")
 class Pad(Node):
     """Padding of the spatial axes: ``begin``/``end`` elements per axis.
 
-    ``mode``: ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
+    A negative ``begin``/``end`` crops that many elements instead, as ONNX Pad and torch's
+    F.pad read negative pads: the crop comes first and the mode pads the cropped tensor (a
+    crop is a selection: each output pixel copies one input pixel of its channel). ``mode``: ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
     ``replicate`` or ``circular`` as torch's F.pad (each padded pixel copies one input pixel of
     its channel: a fixed edge of weight 1, like upsample); ``-inf`` (no incoming edge, value
     −inf: positively homogeneous, and read only by a max-pool, whose window it extends exactly
@@ -193,8 +197,8 @@ class Pad(Node):
     neurons output c whatever the scale of their channel, which is not homogeneous.
     """
 
-    begin: tuple[int, ...] = hyper((0,), ints(0))
-    end: tuple[int, ...] = hyper((0,), ints(0))
+    begin: tuple[int, ...] = hyper((0,), ints(None))
+    end: tuple[int, ...] = hyper((0,), ints(None))
     mode: str = hyper("zeros", choice(*PAD_MODES))
     op: ClassVar[str] = "pad"
     per_axis_fields = ("begin", "end")
@@ -218,6 +222,44 @@ class ChannelAffine(Node):
     op: ClassVar[str] = "channel_affine"
     roles = {"weight": (), "bias": ()}
     optional_roles = ("bias",)
+
+
+@dataclass(frozen=True)
+class ChannelBias(Node):
+    """A stored per-channel constant added to a tensor, ``y_c = x_c + bias_c``, where no layer
+    takes it as its own bias (a constant added to a sum of branches, ``x + self.shift``).
+
+    ``bias_c`` is the bias of neuron c, and the edge from x_c to y_c is a fixed edge of weight
+    1: y_c keeps x_c's scale, and the bias rescales with it (a parameter with one +1 in B).
+    The tensor holds one value per channel, stored in any shape with at most one axis longer
+    than 1 (``[C]``, ``[C, 1, 1]``, ``[1, C, 1, 1]``).
+    """
+
+    bias: str = ""
+    op: ClassVar[str] = "channel_bias"
+    roles = {"bias": ()}
+
+
+@dataclass(frozen=True)
+class FixedFilter(Node):
+    """A depthwise convolution by constant coefficients: output channel c is input channel c
+    convolved with its own filter, which is no parameter (a module's buffer, as timm's
+    BlurPool2d holds its binomial filter).
+
+    Each tap is a fixed edge whose weight is its coefficient, like an average pool with
+    non-uniform weights: it commutes with a positive scale of its channel (output channel c is
+    tied to input channel c), and enters the path products, diag(G) and the path norms as a
+    constant (|c|^q). ``coefficients`` are the filters ``[C, 1, *kernel]`` flattened.
+    """
+
+    kernel: tuple[int, ...] = hyper((1,), ints(1), spec_default=REQUIRED)
+    coefficients: tuple[float, ...] = hyper((1.0,), finite_floats, spec_default=REQUIRED)
+    stride: tuple[int, ...] = hyper((1,), ints(1))
+    padding: tuple[int, ...] = hyper((0,), ints(0))
+    dilation: tuple[int, ...] = hyper((1,), ints(1))
+    op: ClassVar[str] = "fixed_filter"
+    per_axis_fields = ("kernel", "stride", "padding", "dilation")
+    input_spatial_ranks = SPATIAL_RANKS
 
 
 @dataclass(frozen=True)
@@ -339,7 +381,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather, ChannelAffine,
+        ChannelGather, ChannelAffine, FixedFilter, ChannelBias,
     )
 }
 

@@ -58,7 +58,8 @@ class DagParam:
     held in ``source`` as a tensor, or as a :class:`Reread` that computes it when asked (each
     access reads it again: read it once per pass). ``view`` is the shape ``(G, O/G, I/G, K)``
     every reduction uses; ``dst`` is ``[G, O/G]`` and ``src`` ``[G, I/G]`` group indices
-    (``src`` of a bias is a single fixed entry).
+    (``src`` of a bias is a single fixed entry). ``is_bias``: the layer's bias, not its weight
+    (a layer has at most one of each, and may have a bias alone).
     """
 
     name: str
@@ -68,6 +69,7 @@ class DagParam:
     src: torch.Tensor
     view: tuple[int, int, int, int]
     self_loops: torch.Tensor | None = None
+    is_bias: bool = False
 
     @property
     def value(self) -> torch.Tensor:
@@ -255,7 +257,7 @@ class RescalingGroups:
         """A copy whose maps, parameter values and write-back maps all live on ``device``."""
         moved = [
             DagParam(dp.name, dp.layer, dp.source.to(device), dp.dst.to(device), dp.src.to(device), dp.view,
-                     None if dp.self_loops is None else dp.self_loops.to(device))
+                     None if dp.self_loops is None else dp.self_loops.to(device), dp.is_bias)
             for dp in self.dag_params
         ]
         writebacks = [
@@ -371,8 +373,8 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     for node in graph.nodes:
         affine = rule_for(node).affine(node, graph, params)
         if affine is not None:
-            _add_layer(node, affine, _reread_weight(node, graph, params, affine), node_groups, num_free, dag_params,
-                       writebacks)
+            weight = None if affine.weight is None else _reread_weight(node, graph, params, affine)
+            _add_layer(node, affine, weight, node_groups, num_free, dag_params, writebacks)
         del affine  # the layer's weights, read to lay it out: let go before the next layer's
 
     partial = RescalingGroups(graph, num_free, len(fixed_roots), dag_params, writebacks, labels,
@@ -389,18 +391,20 @@ def _reread_weight(node, graph: Graph, params: Mapping[str, torch.Tensor], affin
     return Reread(lambda: rule.affine(node, graph, params).weight, tuple(affine.weight.shape))
 
 
-def _add_layer(node, affine: Affine, weight: Reread, node_groups: dict[str, torch.Tensor],
+def _add_layer(node, affine: Affine, weight: Reread | None, node_groups: dict[str, torch.Tensor],
                num_free: int, dag_params: list[DagParam], writebacks: list[WriteBack]) -> None:
     """The layer's DAG parameters with their group maps, and the write-back of its stored tensors."""
     dst, src = node_groups[affine.output], node_groups[node.inputs[0]]
     bias, groups = affine.bias, affine.groups
-    out_ch, in_per_group = weight.shape[0], weight.shape[1]
-    view = (groups, out_ch // groups, in_per_group, prod(weight.shape[2:]))
-    dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
-    dag_params.append(DagParam(affine.weight_label, node.name, weight, dst2, src2, view, _self_loops(dst2, src2, num_free)))
+    out_ch = len(dst)
+    if weight is not None:
+        view = (groups, out_ch // groups, weight.shape[1], prod(weight.shape[2:]))
+        dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
+        dag_params.append(DagParam(affine.weight_label, node.name, weight, dst2, src2, view,
+                                   _self_loops(dst2, src2, num_free)))
     if bias is not None:
         dag_params.append(DagParam(affine.bias_label, node.name, bias, dst.reshape(1, -1),
-                                   torch.tensor([[num_free]]), (1, out_ch, 1, 1)))
+                                   torch.tensor([[num_free]]), (1, out_ch, 1, 1), is_bias=True))
     for stored in affine.stored:
         writebacks.append(WriteBack(stored.key, stored.layout, dst if stored.output_side else None,
                                     src if stored.input_side else None, out_ch, groups))

@@ -16,7 +16,7 @@ import torch
 
 from .diag import (
     LayerValues, PathNorm, ScaledTensor, SquaredPass, balanced_power, balanced_value, balancing_exponents,
-    parameter_free_step, position_in_layer, renormalise, squared_network,
+    parameter_free_step, renormalise, squared_network,
 )
 from .graph import Graph, Input, LeakyReLU, PReLU, WeightedNode
 from .groups import DagParam, RescalingGroups
@@ -152,11 +152,12 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
                 y, offset = torch.zeros((1, *node.shape), dtype=torch.float64, device=device), 0.0
             elif node.name in pairs:
                 source = node.inputs[0]
-                terms = []
-                for position, (dp_a, dp_b) in enumerate(pairs[node.name]):
+                # A layer without weight passes T on through fixed edges, as the parameter-free nodes do.
+                terms = [] if not pairs[node.name][0][0].is_bias else [(values[source], offsets[source])]
+                for dp_a, dp_b in pairs[node.name]:
                     a = balanced_value(dp_a, u_a, device)
                     difference = _absolute_difference(a, balanced_value(dp_b, u_b, device))
-                    if position == 0:
+                    if not dp_a.is_bias:
                         magnitude = ScaledTensor(a.value.abs_(), a.log_scale)
                         terms.append((rule.weighted(node, values[source], magnitude.value),
                                       offsets[source] + magnitude.log_scale))
@@ -210,8 +211,8 @@ PRUNING_CRITERIA = ("path-magnitude", "magnitude")
 def prunable(graph: Graph, groups: RescalingGroups) -> list[tuple[int, DagParam]]:
     """(index, DAG weight) of every Linear, Conv and ConvTranspose layer: the weights pruning may
     zero. Biases, BatchNorm and per-channel affine layers are kept (normalisation, not weights)."""
-    return [(index, dp) for index, (dp, position) in enumerate(zip(groups.dag_params, position_in_layer(groups)))
-            if position == 0 and isinstance(graph[dp.layer], WeightedNode)]
+    return [(index, dp) for index, dp in enumerate(groups.dag_params)
+            if not dp.is_bias and isinstance(graph[dp.layer], WeightedNode)]
 
 
 def stored_weight_mask(graph: Graph, layer: str, canonical_mask: torch.Tensor) -> tuple[str, torch.Tensor]:

@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from .graph import (
-    COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelGather, ChannelShuffle,
-    ChannelSlice, Concat, Conv, ConvTranspose, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Node,
-    Pad, PReLU, ReLU, Scale, Upsample,
+    COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather,
+    ChannelShuffle, ChannelSlice, Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input,
+    LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
@@ -149,14 +149,15 @@ class Affine:
     their own dtype (no float64 copy of the checkpoint is held: each pass casts one tensor
     at a time); a folded layer's are computed in float64.
 
-    ``weight`` is ``[O, I/groups, *kernel]``, ``bias`` ``[O]`` (or None). ``output`` is the
-    node whose channels are the weight's destinations (a folded BatchNorm's).
+    ``weight`` is ``[O, I/groups, *kernel]``, ``bias`` ``[O]``; either may be None (a layer
+    without bias, a bias alone on fixed edges). ``output`` is the node whose channels are the
+    weight's destinations (a folded BatchNorm's).
     """
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     bias: torch.Tensor | None
     groups: int
-    weight_label: str
+    weight_label: str | None
     bias_label: str | None
     output: str
     stored: list[Stored]
@@ -422,6 +423,21 @@ class ChannelAffineRule(Rule):
         return x * per_channel(weight.reshape(-1), x)
 
 
+class ChannelBiasRule(PassThrough):
+    """A per-channel constant added on fixed edges of weight 1: the layer's only DAG parameter is
+    its bias, whose neuron keeps its input channel's scale (the squared network adds ψ_bias)."""
+
+    node_type = ChannelBias
+
+    def forward(self, node: ChannelBias, xs, param, train):
+        x = xs[0]
+        return x + per_channel(channel_values(param(node.bias), x.shape[1]), x)
+
+    def affine(self, node: ChannelBias, graph, params):
+        bias = params[node.bias].to(torch.float64).reshape(-1)
+        return Affine(None, bias, len(bias), None, node.bias, node.name, [Stored(node.bias, "vector", True, False)])
+
+
 class ReLURule(HomogeneousActivation):
     node_type = ReLU
 
@@ -467,7 +483,9 @@ class ScaleRule(PassThrough):
 class PadRule(PassThrough):
     """Zero and −inf padding: padded positions are neurons without incoming edges (0 in the
     squared network). Reflect, replicate, circular: each padded position copies one input
-    position of its channel through a fixed edge of weight 1 (the same copy in the squared network)."""
+    position of its channel through a fixed edge of weight 1 (the same copy in the squared network).
+    Negative widths crop, in every mode: F.pad crops before it pads, as ONNX runtimes do, and a
+    cropped-away position has no outgoing edge."""
 
     node_type = Pad
 
@@ -484,6 +502,34 @@ class PadRule(PassThrough):
         if node.mode in COPYING_PAD_MODES:
             return F.pad(xs[0], self._pads(node), mode=node.mode)
         return F.pad(xs[0], self._pads(node))
+
+
+class FixedFilterRule(PassThrough):
+    """A depthwise convolution by constant coefficients: one fixed edge per tap, of weight the
+    coefficient; in the squared network of power q each becomes |c|^q (for q = 0 the 0/1
+    pattern of the non-zero coefficients: one edge per non-zero tap)."""
+
+    node_type = FixedFilter
+
+    @staticmethod
+    def filters(node: FixedFilter, x: torch.Tensor) -> torch.Tensor:
+        """The ``[C, 1, *kernel]`` filters for batched ``x``, in its dtype and on its device."""
+        kernel = _expand(node.kernel, spatial_rank(x))
+        channels = x.shape[1]
+        if len(node.coefficients) != channels * prod(kernel):
+            raise ValueError(f"{len(node.coefficients)} coefficients are not one {kernel} filter for each of "
+                             f"{channels} channels")
+        return torch.tensor(node.coefficients, dtype=x.dtype, device=x.device).reshape(channels, 1, *kernel)
+
+    def _convolve(self, node: FixedFilter, x: torch.Tensor, filters: torch.Tensor) -> torch.Tensor:
+        return _CONV[spatial_rank(x)](x, filters, None, node.stride, node.padding, node.dilation, x.shape[1])
+
+    def forward(self, node: FixedFilter, xs, param, train):
+        return self._convolve(node, xs[0], self.filters(node, xs[0]))
+
+    def squared(self, node: FixedFilter, xs, power):
+        filters = self.filters(node, xs[0])
+        return self._convolve(node, xs[0], filters.abs() ** power if power else (filters != 0).to(filters.dtype))
 
 
 class ChannelShuffleRule(Rule):
@@ -746,7 +792,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(), ChannelAffineRule(),
+        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(), ChannelBiasRule(),
     )
 }
 

@@ -29,11 +29,13 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def ints(minimum: int) -> Callable[[Any], tuple[int, ...]]:
+def ints(minimum: int | None) -> Callable[[Any], tuple[int, ...]]:
+    """Integers of at least ``minimum`` (None: of any sign), one or a list."""
     def convert(value: Any) -> tuple[int, ...]:
         items = list(value) if isinstance(value, (list, tuple)) else [value]
-        if not items or not all(is_int(v) and v >= minimum for v in items):
-            raise ValueError(f"must be an integer >= {minimum} or a list of them")
+        if not items or not all(is_int(v) and (minimum is None or v >= minimum) for v in items):
+            bound = "" if minimum is None else f" >= {minimum}"
+            raise ValueError(f"must be an integer{bound} or a list of them")
         return tuple(items)
 
     return convert
@@ -73,12 +75,20 @@ def optional_sizes(value: Any) -> tuple[int, ...]:
 
 def positive_floats(value: Any) -> tuple[float, ...]:
     """Scale factors, or none (``null`` or ``[]``) when an output size is given instead."""
-    items = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-    convert = number("a number > 0", lambda x: x > 0)
+    return _floats([] if value is None else value, number("a number > 0", lambda x: x > 0), "a number > 0")
+
+
+def finite_floats(value: Any) -> tuple[float, ...]:
+    """Finite numbers, one or a list (a fixed filter's coefficients)."""
+    return _floats(value, number("a finite number"), "a finite number")
+
+
+def _floats(value: Any, convert: Callable[[Any], float], requirement: str) -> tuple[float, ...]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
     try:
-        return tuple(convert(v) for v in items) if items else ()
+        return tuple(convert(v) for v in items)
     except ValueError:
-        raise ValueError("must be a number > 0 or a list of them") from None
+        raise ValueError(f"must be {requirement} or a list of them") from None
 
 
 def choice(*choices: str) -> Callable[[Any], str]:

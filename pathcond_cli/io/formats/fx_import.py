@@ -35,9 +35,10 @@ from .spec import graph_from_spec
 SUPPORTED_SUMMARY = (
     "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
     "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
-    "and circular padding, -inf padding before max pooling, multiplication or division by a constant, a "
-    "per-channel scale and shift by stored tensors, nearest and (bi/tri)linear Upsample/interpolate, flatten, channel slices/chunks/splits and shuffles, "
-    "residual add and torch.cat(dim=1)"
+    "and circular padding, spatial crops, -inf padding before max pooling, multiplication or division by a "
+    "constant, a per-channel scale and shift by stored tensors (or a shift alone), a depthwise convolution by a "
+    "filter buffer (fixed), nearest and (bi/tri)linear Upsample/interpolate, flatten, channel "
+    "slices/chunks/splits and shuffles, residual add and torch.cat(dim=1)"
 )
 
 
@@ -79,7 +80,8 @@ def module_import(
     _check_one_input(traced, source)
     values, failure = _run_on_zeros(module, traced, tuple(input_shape))
     state = module.state_dict()
-    spec, problems, follow_on, dropped, note = _spec_from_trace(traced, values, frozenset(state))
+    parameters = frozenset(name for name, _ in module.named_parameters(remove_duplicate=False))
+    spec, problems, follow_on, dropped, note = _spec_from_trace(traced, values, frozenset(state), parameters)
     if failure is not None and (problems or follow_on):
         reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]  # fx appends its own context
         raise UsageError(
@@ -247,14 +249,15 @@ def _input_dtype(module: nn.Module) -> torch.dtype:
 
 
 def _spec_from_trace(
-    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]
+    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str],
+    parameter_keys: frozenset[str],
 ) -> tuple[dict[str, Any], list[str], list[str], list[str], str | None]:
     """The architecture spec of a traced module, every reason it is not a ReLU DAG (each
     root cause once per module type), the problems of nodes that read (directly or not) the
     output of a node already refused, the names of the operations dropped because their
     result reaches no output, and why the non-homogeneous operations are refused (None without
-    any). ``state_keys`` are the module's ``state_dict`` keys: the stored tensors a layer may
-    read through ``get_attr``."""
+    any). ``state_keys`` are the module's ``state_dict`` keys and ``parameter_keys`` its
+    parameters' names: a layer reads parameters and buffers through ``get_attr``."""
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
@@ -266,6 +269,7 @@ def _spec_from_trace(
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
     dead = _reaching_no_output(traced.graph, modules)
+    stored = _StoredTensors(values, state_keys, parameter_keys)
     dropped: list[str] = []
     for node in traced.graph.nodes:
         follows_refusal = any(arg in after_refusal for arg in node.all_input_nodes)
@@ -286,7 +290,7 @@ def _spec_from_trace(
             if _is_movement(node):
                 moves.record(node)
                 continue
-            steps = _translate(node, modules, traced, values, state_keys)
+            steps = _translate(node, modules, traced, values, stored)
             for index, layer in enumerate(steps):
                 name = names[node] if index == len(steps) - 1 else f"{names[node]}/{layer['type']}"
                 inputs = ([layers[-1]["name"]] if index else
@@ -519,12 +523,12 @@ def _tensor(arg: Any) -> torch.fx.Node:
         raise _Unsupported(f"{arg!r} is not a tensor computed from the network's input")
     if arg.op == "get_attr":
         raise _Unsupported(f"the stored tensor '{arg.target}' is used as an activation; a parameter or constant "
-                           "outside its module is supported only as a per-channel scale (and its shift)")
+                           "outside its module is supported only as a per-channel scale or shift")
     return arg
 
 
 def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.Module,
-               values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]) -> list[dict[str, Any]]:
+               values: Mapping[torch.fx.Node, Any], stored: _StoredTensors) -> list[dict[str, Any]]:
     """The spec layers (without names; ``inputs`` of the first as fx nodes) for one fx node."""
     if node.op == "placeholder":
         return [{"type": "input", "inputs": []}]
@@ -545,7 +549,6 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         translate_reader = _STORED_READERS.get(node.target)
         if translate_reader is not None:
             kwargs = _keyword_arguments(node, root)
-            stored = _StoredTensors(values, state_keys)
             return [{**translate_reader(kwargs, stored), "inputs": [kwargs["input"]]}]
         translate_function = _FUNCTIONS.get(node.target)
         if translate_function is None:
@@ -566,7 +569,7 @@ def _stored_reads(node: torch.fx.Node) -> str:
         return ""
     return (f" (it reads the stored tensor {', '.join(keys)}: a parameter or constant used outside its module is "
             "supported only as the weight of F.conv1d/2d/3d, F.linear and F.batch_norm, or as a per-channel "
-            "scale and shift, x * scale + shift)")
+            "scale or shift, x * scale + shift)")
 
 
 def _not_supported(name: str) -> str:
@@ -650,42 +653,78 @@ def _conv_padding(padding: Any, dilation: Any, kernel_size: Sequence[int]) -> in
 
 
 class _StoredTensors:
-    """The ``state_dict`` keys of the tensors a functional layer reads through ``get_attr``
-    (timm's BatchNormAct2d calls ``F.batch_norm`` on its own parameters and buffers)."""
+    """The tensors a functional layer reads through ``get_attr``: parameters, which it may
+    rescale, and buffers, which are constants (timm's BatchNormAct2d calls ``F.batch_norm`` on
+    its own parameters and statistics, BlurPool2d convolves with a filter buffer)."""
 
-    def __init__(self, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str]):
+    def __init__(self, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str],
+                 parameter_keys: frozenset[str]):
         self.values = values
         self.state_keys = state_keys
+        self.parameter_keys = parameter_keys
 
     def key(self, arg: Any, role: str) -> str:
-        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
-            raise _Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
-                               "tensors are layer parameters")
-        if arg.target not in self.state_keys:
-            # The ONNX route rescales a stored conv filter like any weight; here the rescaled
-            # tensor must go back into the state_dict, or a saved checkpoint would reload the old one.
-            raise _Unsupported(
-                f"its {role} '{arg.target}' is a buffer registered with persistent=False, so the module's "
-                "state_dict does not hold it: pathcond rescales it as a weight (as it rescales that tensor in the "
-                "module's ONNX export, where it is stored), and a state_dict saved afterwards would reload the "
-                "original tensor and compute another function. Register it with persistent=True, or rescale the "
-                "module's ONNX export")
-        return arg.target
+        """The ``state_dict`` key of a parameter the layer reads as its ``role``."""
+        target = self._target(arg, role)
+        if target not in self.parameter_keys:
+            raise _Unsupported(_constant_outside_filter(target, role))
+        return target
 
     def optional_key(self, arg: Any, role: str) -> str | None:
         return None if arg is None else self.key(arg, role)
 
-    def shape(self, arg: torch.fx.Node) -> tuple[int, ...]:
-        return tuple(self.values[arg].shape)
+    def statistic(self, arg: Any, role: str) -> str:
+        """The ``state_dict`` key of a BatchNorm statistic (a buffer: read, never rescaled)."""
+        target = self._target(arg, role)
+        if target not in self.state_keys:
+            raise _Unsupported(f"its {role} '{target}' is a buffer registered with persistent=False, which the "
+                               "module's state_dict, where pathcond reads the network's tensors, does not hold")
+        return target
+
+    def is_buffer(self, arg: Any) -> bool:
+        return isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and arg.target not in self.parameter_keys
+
+    def value(self, arg: torch.fx.Node) -> torch.Tensor:
+        return self.values[arg]
+
+    @staticmethod
+    def _target(arg: Any, role: str) -> str:
+        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
+            raise _Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
+                               "tensors are layer parameters")
+        return arg.target
+
+
+def _constant_outside_filter(target: str, role: str) -> str:
+    return (f"its {role} '{target}' is a buffer of the module, a constant and not a parameter: pathcond reads a "
+            "buffer as BatchNorm statistics, or as the filter of a depthwise convolution without bias (groups = "
+            "channels, one filter per channel, as timm's BlurPool2d: a fixed per-channel filter), and nowhere "
+            "else. Register it as an nn.Parameter to have it rescaled as a weight, or rescale the module's ONNX "
+            "export, which stores it as a weight")
 
 
 def _conv_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    """``F.conv1d/2d/3d`` on a stored weight (a parameter, or a buffer such as BlurPool's filter)."""
-    weight = stored.key(kwargs["weight"], "weight")
-    conv = _conv_layer(weight, stored.optional_key(kwargs.get("bias"), "bias"), kwargs.get("stride", 1),
-                       kwargs.get("dilation", 1), kwargs.get("groups", 1))
-    padding = _conv_padding(kwargs.get("padding", 0), conv["dilation"], stored.shape(kwargs["weight"])[2:])
+    """``F.conv1d/2d/3d`` on a stored weight: a parameter, or a buffer holding fixed filters."""
+    if stored.is_buffer(kwargs["weight"]):
+        return _fixed_filter(kwargs, stored)
+    conv = _conv_layer(stored.key(kwargs["weight"], "weight"), stored.optional_key(kwargs.get("bias"), "bias"),
+                       kwargs.get("stride", 1), kwargs.get("dilation", 1), kwargs.get("groups", 1))
+    padding = _conv_padding(kwargs.get("padding", 0), conv["dilation"], stored.value(kwargs["weight"]).shape[2:])
     return {**conv, "padding": padding}
+
+
+def _fixed_filter(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
+    """A depthwise convolution by a buffer (timm's BlurPool2d): a filter of constants per channel."""
+    weight = kwargs["weight"]
+    filters = stored.value(weight)
+    x = stored.values.get(kwargs["input"])
+    channels = x.shape[1] if isinstance(x, torch.Tensor) else None
+    if kwargs.get("groups", 1) != channels or tuple(filters.shape[:2]) != (channels, 1) or kwargs.get("bias") is not None:
+        raise _Unsupported(_constant_outside_filter(weight.target, "weight"))
+    dilation = kwargs.get("dilation", 1)
+    return {"type": "fixed_filter", "kernel": list(filters.shape[2:]),
+            "coefficients": filters.detach().double().flatten().tolist(), "stride": kwargs.get("stride", 1),
+            "padding": _conv_padding(kwargs.get("padding", 0), dilation, filters.shape[2:]), "dilation": dilation}
 
 
 def _linear_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
@@ -700,7 +739,8 @@ def _batch_norm_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> d
     if kwargs.get("weight") is None or kwargs.get("bias") is None:
         raise _Unsupported("without weight and bias (affine=False) there is nothing to rescale; not supported")
     return _batchnorm_layer(
-        *(stored.key(kwargs.get(role), role) for role in ("weight", "bias", "running_mean", "running_var")),
+        stored.key(kwargs["weight"], "weight"), stored.key(kwargs["bias"], "bias"),
+        *(stored.statistic(kwargs.get(role), role) for role in ("running_mean", "running_var")),
         eps=kwargs.get("eps", 1e-5), momentum=kwargs.get("momentum", 0.1),
     )
 
@@ -853,7 +893,8 @@ def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> _Fu
 
 
 def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
-    """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end."""
+    """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end (a
+    negative width crops, as in timm's NASNet ``nn.ZeroPad2d((-1, 1, -1, 1))``)."""
     mode, value = args.get("mode", "constant"), args.get("value") or 0
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise _Unsupported(f"mode={mode!r} is not supported (constant, reflect, replicate, circular)")
@@ -864,8 +905,8 @@ def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
         mode = "-inf" if value == -math.inf else "zeros"
     pad = list(args["pad"])
     spatial = rank - 2
-    if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) or v < 0 for v in pad):
-        raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pad={tuple(pad)})")
+    if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) for v in pad):
+        raise _Unsupported(f"only integer padding or cropping of the spatial axes is supported (pad={tuple(pad)})")
     pairs = [(0, 0)] * (spatial - len(pad) // 2) + [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
     return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs], "mode": mode}
 
@@ -971,8 +1012,14 @@ def _cat(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[
 def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}:
         raise _Unsupported("only a plain sum of two tensors is supported")
-    if not all(isinstance(arg, torch.fx.Node) for arg in args):
-        raise _Unsupported("adding a constant is not supported (only tensor + tensor)")
+    numbers = [arg for arg in args if not isinstance(arg, torch.fx.Node)]
+    tensors = [arg for arg in args if isinstance(arg, torch.fx.Node)]
+    if numbers == [0] and tensors:
+        return {"type": "identity", "inputs": tensors}  # MobileOne's ``out += identity`` with identity = 0
+    if numbers:
+        raise _Unsupported(f"adding the number {numbers[0]!r} is not supported: a constant that is no stored tensor "
+                           "cannot rescale with its channel (not positively homogeneous); a stored tensor holding "
+                           "one value per channel can (register it as a parameter or buffer)")
     return {"type": "add", "inputs": list(args)}
 
 
@@ -987,9 +1034,7 @@ def _add_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[
     product, shift_key = shift
     scaled = _per_channel_pair(product, values) if _is_product(product) and len(product.users) == 1 else None
     if scaled is None:
-        raise _Unsupported(f"adding the stored tensor '{shift_key}' is only supported as the shift after a "
-                           "per-channel scale (x * scale + shift): a constant added to anything else is not "
-                           "positively homogeneous")
+        return [{"type": "channel_bias", "bias": shift_key, "inputs": [product]}]
     x, scale_key = scaled
     return [{"type": "channel_affine", "weight": scale_key, "bias": shift_key, "inputs": [x]}]
 

@@ -3,8 +3,9 @@
 Importers replay a chain of such operations on an index tensor (each element holds its own
 flat position in the source) and ask :func:`movement_layer` what the chain amounts to: the
 identity, a flatten, a channel slice, a channel shuffle, any other selection of whole
-channels (a gather), or a reflect, replicate or circular padding. Anything else mixes neurons of different channels or of the batch and
-is refused with the reason.
+channels (a gather), a crop of the spatial axes (a pad of negative widths), or a reflect,
+replicate or circular padding. Anything else mixes neurons of different channels or of the
+batch and is refused with the reason.
 """
 
 from __future__ import annotations
@@ -46,14 +47,35 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
                         channels, torch.arange(shape[0]).reshape(groups, -1).t().reshape(-1)):
                     return {"type": "channel_shuffle", "groups": groups}
             return {"type": "channel_gather", "channels": channels.tolist()}
-    pad = _copying_pad(shape, index)
+    pad = _crop(shape, index) or _copying_pad(shape, index)
     if pad is not None:
         return pad
     raise UnsupportedMovement(
         f"it reshapes {shape} to {tuple(index.shape)} (batch excluded): only a flatten to (batch, features), "
-        "a selection of whole channels (slice, split, shuffle, gather), or a reflect, replicate or circular "
-        "padding is supported"
+        "a selection of whole channels (slice, split, shuffle, gather), a crop of the spatial axes (x[:, :, a:b]), "
+        "or a reflect, replicate or circular padding is supported"
     )
+
+
+def _crop(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:
+    """The pad layer of negative widths an index map amounts to when it keeps every channel and,
+    on each spatial axis, one contiguous range of positions, the same for every channel
+    (``x[:, :, 1:, :-1]``, a spatial ONNX Slice), or None."""
+    if len(shape) < 2 or index.dim() != len(shape) or index.shape[0] != shape[0] or not index.numel():
+        return None
+    strides = [prod(shape[axis + 1:]) for axis in range(len(shape))]
+    first = int(index.reshape(-1)[0])
+    starts = [first // strides[axis] % shape[axis] for axis in range(1, len(shape))]
+    expected = torch.arange(shape[0]).reshape(-1, *[1] * (len(shape) - 1)) * strides[0]
+    for axis, start in enumerate(starts, start=1):
+        view = [1] * len(shape)
+        view[axis] = index.shape[axis]
+        expected = expected + (start + torch.arange(index.shape[axis])).reshape(view) * strides[axis]
+    stops = [start + index.shape[axis] for axis, start in enumerate(starts, start=1)]
+    if any(stop > size for stop, size in zip(stops, shape[1:])) or not torch.equal(index, expected):
+        return None
+    return {"type": "pad", "begin": tuple(-start for start in starts),
+            "end": tuple(stop - size for stop, size in zip(stops, shape[1:])), "mode": "zeros"}
 
 
 def _pad_sources(size: int, begin: int, end: int, mode: str) -> torch.Tensor:

@@ -27,8 +27,8 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
 from ...engine.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, Concat, Conv, ConvTranspose, Flatten, Graph, Identity,
-    Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
+    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, Concat, Conv, ConvTranspose, Flatten, Graph,
+    Identity, Input, LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
 )
 from ...engine.model import LoadedModel
 from ...errors import InputError, OutputError, UnsupportedModelError, UsageError
@@ -1094,8 +1094,9 @@ class _Translator:
         begin, end = [0] * rank, [0] * rank
         for axis, before, after in zip(axes, pads[:len(axes)], pads[len(axes):]):
             begin[axis % rank], end[axis % rank] = before, after
-        if begin[:2] != [0, 0] or end[:2] != [0, 0] or min(begin + end) < 0:
-            raise _Unsupported(f"only non-negative padding of the spatial axes is supported (pads {pads})")
+        if begin[:2] != [0, 0] or end[:2] != [0, 0]:
+            raise _Unsupported(f"only padding or cropping (negative pads) of the spatial axes is supported "
+                               f"(pads {pads})")
         if mode == "circular":
             shape = self.shapes.get(x) or ()
             for axis in range(2, min(rank, len(shape))):
@@ -1309,13 +1310,24 @@ class _Translator:
             self._emit_for(node, Add, *values)
             return
         if len(node.input) != 2 or len(static) != 1:
-            raise _Unsupported("only a sum of activations, or a bias added after MatMul or a per-channel scale, "
-                               "is supported")
-        self._fuse_bias(node, self._activation(node, 1 - list(node.input).index(static[0])), static[0])
+            raise _Unsupported("only a sum of activations, or a stored constant added to one, is supported")
+        x = self._activation(node, 1 - list(node.input).index(static[0]))
+        added = self._static_floats(static[0])
+        if added is not None and not any(added) and self._adds_no_axis(node, x):
+            # MobileOne's ``out += identity`` with identity = 0 in its stem: nothing is added.
+            self._emit_for(node, Identity, x)
+            return
+        self._fuse_bias(node, x, static[0])
+
+    def _adds_no_axis(self, node: onnx.NodeProto, x: str) -> bool:
+        """Whether the sum has the shape of activation ``x`` (the constant broadcasts into it)."""
+        shape, x_shape = self.shapes.get(node.output[0]), self.shapes.get(x)
+        return shape is not None and shape == x_shape
 
     def _fuse_bias(self, node: onnx.NodeProto, x: str, bias_value: str) -> None:
         """``MatMul`` then ``Add`` of a stored vector: that vector is the Linear layer's bias; a
-        per-channel scale (Mul) then ``Add`` of a stored per-channel tensor: its shift."""
+        per-channel scale (Mul) then ``Add`` of a stored per-channel tensor: its shift. Any other
+        stored per-channel tensor added is a bias of its own on fixed edges (a ChannelBias)."""
         layer = self.nodes.get(self._source(x))
         if isinstance(layer, ChannelAffine) and layer.bias is None and self._readers(x) == 1 and self._is_per_channel(
                 bias_value, x):
@@ -1328,11 +1340,15 @@ class _Translator:
                 )
         elif isinstance(layer, Linear) and layer.bias is None and self._readers(x) == 1:
             bias = self._plain_weight(bias_value, "bias", 1)
+        elif self._is_per_channel(bias_value, x):
+            self._emit_for(node, ChannelBias, x, bias=self._weight(bias_value).key)
+            return
         else:
             raise _Unsupported(
-                f"adding the constant '{bias_value}' is only supported as the bias of a MatMul, or the per-channel "
-                "shift after a per-channel scale (Mul), whose only reader it is: a constant added to anything else "
-                "is not positively homogeneous"
+                f"adding the constant '{bias_value}' is only supported as the bias of a MatMul, or as a tensor "
+                "holding one value per channel (broadcast along every other axis), which rescales with its "
+                "channel: a constant shared by several channels (or varying within one) would have to rescale "
+                "by two factors at once, which is not positively homogeneous"
             )
         self.nodes[layer.name] = dataclasses.replace(layer, bias=bias)
         self.node_of_value[node.output[0]] = layer.name
