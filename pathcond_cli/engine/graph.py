@@ -369,6 +369,18 @@ class Add(Node):
 
 
 @dataclass(frozen=True)
+class Sub(Node):
+    """Element-wise difference of two tensors, ``inputs[0] − inputs[1]``, of one rank (an axis of
+    size 1 is broadcast, as for :class:`Add`): a fixed edge of weight +1 from the first input and
+    one of weight −1 from the second. Positively homogeneous; the path norms and diag(G) take
+    |−1|^q = 1, and the two inputs' channels are tied as a sum's are."""
+
+    op: ClassVar[str] = "sub"
+    arity = (2, 2)
+    broadcasts_inputs = True
+
+
+@dataclass(frozen=True)
 class Concat(Node):
     """Concatenation along the channel axis."""
 
@@ -381,7 +393,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather, ChannelAffine, FixedFilter, ChannelBias,
+        ChannelGather, ChannelAffine, FixedFilter, ChannelBias, Sub,
     )
 }
 
