@@ -113,6 +113,25 @@ def test_fx_difference_and_negation_are_nodes_and_compute_the_module():
     assert relative_error(only_output(model, x), module(x).detach()) <= 1e-12
 
 
+class _ShapeBranchDifference(_Difference):
+    """A forward that branches on its input's shape, which torch.fx cannot trace: read through
+    torch.export, whose ATen ``sub``/``neg`` are mapped back to ``torch.sub``/``torch.neg``."""
+
+    def forward(self, x):
+        if x.shape[-1] > 2:
+            return super().forward(x)
+        return self.fc(torch.relu(self.a(x)))
+
+
+def test_a_difference_read_through_torch_export_is_a_node():
+    module = _ShapeBranchDifference().double().eval()
+    model = module_model(module, (3,))
+    assert "sub" in [n.op for n in model.graph.nodes]
+    assert any(isinstance(n, Scale) and n.factor == -1.0 for n in model.graph.nodes)
+    x = torch.randn((4, 3), dtype=torch.float64)
+    assert relative_error(only_output(model, x), module(x).detach()) <= 1e-12
+
+
 def test_fx_subtracting_a_number_is_refused_with_the_reason():
     with pytest.raises(UnsupportedModelError, match="subtracting the number 1.0"):
         module_model(_Difference(subtract_number=True).eval(), (3,))
