@@ -26,7 +26,7 @@ from .defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
 from .diag import (
     DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g, path_count, path_norm, zeros_per_layer,
 )
-from .dtype_limits import ensure_storable
+from .dtype_limits import check_storage, ensure_storable
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
 from .graph import BatchNorm, Graph
 from .groups import DagParam, RescalingGroups, build_groups
@@ -543,10 +543,13 @@ def rescale(
         result = timed("solve", lambda: run(bound))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
     choice = BoundChoice(rule if criterion == "pathcond" else NONE, None if rule == USER else result)
+    # One computation of each rescaled tensor serves the auto rule and the refusal or warnings.
+    problems = timed("storage_check", lambda: check_storage(model.params, changed))
     if choice.rule == AUTO:
-        result, changed, choice = timed("solve", lambda: within_dtype(analysis.groups, model.params, result,
-                                                                      changed, run))
-    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
+        result, changed, choice, problems = timed("solve", lambda: within_dtype(
+            analysis.groups, model.params, result, changed, run, problems))
+    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
+                                       problems=problems)
     storage_warnings += choice.warnings(model.source, result) + calibration_warnings(model, analysis.groups)
     verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
     if verification is not None and not verification.passed:
@@ -711,12 +714,6 @@ def save(
     if input_shape is None and model.format == "onnx":
         # The written file is read back with the shapes the analysis used, which the model may leave open.
         input_shape = {node.name: tuple(node.shape) for node in model.graph.inputs}
-    not_finite = sorted(k for k, t in result.changed.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
-    if not_finite:
-        raise VerificationError(
-            f"{model.source}: the rescaling produced NaN or Inf in tensor(s) {', '.join(map(repr, not_finite))} "
-            f"(solver '{result.solve.method}', max |u| = {result.solve.u_inf:.3g}); nothing was written."
-        )
     timings = seconds if seconds is not None else result.seconds
     timed = Stopwatch(timings)
 
@@ -725,10 +722,37 @@ def save(
         result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
         return verification
 
-    result.verification = write_staged(model, result.changed, destination, run_metadata(result), verify,
+    changed = FiniteWhenRead(result.changed, f"{model.source}: the rescaling (solver '{result.solve.method}', "
+                                             f"max |u| = {result.solve.u_inf:.3g})")
+    result.verification = write_staged(model, changed, destination, run_metadata(result), verify,
                                        in_place=in_place, self_contained=self_contained, warnings=result.warnings,
                                        timed=timed)
     return result.verification
+
+
+class FiniteWhenRead(Mapping[str, torch.Tensor]):
+    """``tensors`` whose floating-point values are checked to be finite as the writer reads each
+    one: the check shares the writer's computation of a rescaled tensor instead of making its
+    own, and a tensor with NaN or Inf raises :class:`VerificationError` before the staged file
+    can be kept (``what`` names what produced the tensors)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], what: str):
+        self._tensors, self._what = tensors, what
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor = self._tensors[key]
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise VerificationError(f"{self._what} produced NaN or Inf in tensor {key!r}; nothing was written.")
+        return tensor
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: str | Path,

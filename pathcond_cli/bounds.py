@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dtype_limits import StorageCheck, lost_values, safe_log_scale
+from .dtype_limits import StorageCheck, check_storage, safe_log_scale
 from .groups import RescalingGroups
 from .solvers import SolveResult
 
@@ -101,12 +101,16 @@ def within_dtype(
     unbounded: SolveResult,
     changed: MutableMapping[str, torch.Tensor],
     resolve: Callable[[float], SolveResult],
-) -> tuple[SolveResult, MutableMapping[str, torch.Tensor], BoundChoice]:
-    """The auto rule: keep the unbounded solve if its tensors are storable, else ``resolve`` at
-    the dtype-safe bound. Returns the solve kept, its changed tensors and the choice."""
-    lost = lost_values(params, changed)
+    problems: list[StorageCheck],
+) -> tuple[SolveResult, MutableMapping[str, torch.Tensor], BoundChoice, list[StorageCheck]]:
+    """The auto rule: keep the unbounded solve if its tensors are storable (``problems``: what
+    :func:`~pathcond_cli.dtype_limits.check_storage` found for ``changed``), else ``resolve`` at
+    the dtype-safe bound. Returns the solve kept, its changed tensors, the choice and the storage
+    problems of the tensors kept."""
+    lost = [p for p in problems if p.lost]
     choice = BoundChoice(AUTO, unbounded, lost)
     if not lost:
-        return unbounded, changed, choice
+        return unbounded, changed, choice, problems
     bounded = resolve(safe_log_scale(groups, params))
-    return bounded, groups.apply(params, bounded.u), choice
+    bounded_changed = groups.apply(params, bounded.u)
+    return bounded, bounded_changed, choice, check_storage(params, bounded_changed)
