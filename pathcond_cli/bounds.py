@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .dtype_limits import StorageCheck, check_storage, safe_log_scale
+from .dtype_limits import StorageCheck, safe_log_scale
 from .groups import RescalingGroups
 from .solvers import SolveResult
 
@@ -102,15 +102,14 @@ def within_dtype(
     changed: MutableMapping[str, torch.Tensor],
     resolve: Callable[[float], SolveResult],
     problems: list[StorageCheck],
-) -> tuple[SolveResult, MutableMapping[str, torch.Tensor], BoundChoice, list[StorageCheck]]:
+) -> tuple[SolveResult, MutableMapping[str, torch.Tensor], BoundChoice]:
     """The auto rule: keep the unbounded solve if its tensors are storable (``problems``: what
     :func:`~pathcond_cli.dtype_limits.check_storage` found for ``changed``), else ``resolve`` at
-    the dtype-safe bound. Returns the solve kept, its changed tensors, the choice and the storage
-    problems of the tensors kept."""
+    the dtype-safe bound. Returns the solve kept, its changed tensors (not yet checked when
+    bounded) and the choice."""
     lost = [p for p in problems if p.lost]
     choice = BoundChoice(AUTO, unbounded, lost)
     if not lost:
-        return unbounded, changed, choice, problems
+        return unbounded, changed, choice
     bounded = resolve(safe_log_scale(groups, params))
-    bounded_changed = groups.apply(params, bounded.u)
-    return bounded, bounded_changed, choice, check_storage(params, bounded_changed)
+    return bounded, groups.apply(params, bounded.u), choice

@@ -101,10 +101,10 @@ def safe_log_scale(groups: RescalingGroups, params: Mapping[str, torch.Tensor]) 
 def check_storage(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> list[StorageCheck]:
     """One entry per rescaled floating-point tensor that overflows or loses normal values."""
     # One key at a time: a rescaled tensor and its original are let go before the next is read.
-    return [problem for key in changed if (problem := _storage_problem(key, original, changed[key])) is not None]
+    return [problem for key in changed if (problem := storage_problem(key, original, changed[key])) is not None]
 
 
-def _storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.Tensor) -> StorageCheck | None:
+def storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.Tensor) -> StorageCheck | None:
     if not new.is_floating_point() or not new.numel():
         return None
     tiny = torch.finfo(new.dtype).tiny
