@@ -731,7 +731,11 @@ def save(
     after the swap, those provably the replaced checkpoint's own are deleted (the others it
     named are left, each named in ``result.warnings``). The verification is stored
     on ``result`` too. With ``self_contained`` an ONNX model read with external data is written
-    as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB).
+    as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB). Each rescaled
+    tensor is computed once here, as it is written, and checked then: its values finite and, for
+    a ``result`` whose storage check was left to the write (``rescale(check_storage_when_written=
+    True)``), storable in its dtype, with :func:`rescale`'s refusal, bound and warnings (a bound
+    found here writes the bounded tensors again).
     """
     model = result.analysis.model
     if input_shape is None and model.format == "onnx":

@@ -17,11 +17,11 @@ import onnx
 import pytest
 import torch
 
+import onnx_models
 import pathcond_cli.api
 import pathcond_cli.groups
-import onnx_models
-from pathcond_cli.errors import VerificationError
 from cli_support import assert_clean_exit, invoke, parse_single_json, write_mlp
+from pathcond_cli.errors import VerificationError
 
 COMPUTATIONS_PER_TENSOR = 1
 
