@@ -180,7 +180,9 @@ def _build_mlp(folder: Path, sizes: tuple[int, ...] = (4096, 4096, 4096, 4096, 1
             layers.append({"name": f"fc{number}", "type": "linear"})
             if number < len(sizes) - 2:
                 layers.append({"name": f"relu{number}", "type": "relu"})
-        save_file(tensors, str(checkpoint))
+        # The metadata also moves the header's length off 640, whose first bytes (80 02) 0.5.0
+        # takes for a pickle's and refuses.
+        save_file(tensors, str(checkpoint), metadata={"built_by": "benchmarks/bench_versions.py"})
         spec.write_text(json.dumps({"format_version": 1, "layers": layers}))
     return [str(checkpoint), "--arch", str(spec)]
 
