@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,7 +198,8 @@ def baseline_tree(version: str) -> Path:
     candidates = subprocess.run([*git, "log", "--format=%H", "-S", f'version = "{version}"', "--", "pyproject.toml"],
                                 capture_output=True, text=True, check=True).stdout.split()
     for commit in candidates:
-        text = subprocess.run([*git, "show", f"{commit}:pyproject.toml"], capture_output=True, text=True).stdout
+        text = subprocess.run([*git, "show", f"{commit}:pyproject.toml"], capture_output=True, text=True,
+                              check=False).stdout
         if f'version = "{version}"' in text:
             subprocess.run([*git, "worktree", "add", "--detach", str(tree), commit], check=True, capture_output=True)
             return tree
@@ -239,8 +239,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pathcond-bench-versions-") as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        print(f"| model | input | version | wall (s) | CPU (s) | peak RSS (GiB) | floors: read / forward / write (s) "
-              f"| wall / floors |\n| --- | ---: | --- | ---: | ---: | ---: | --- | ---: |", flush=True)
+        print("| model | input | version | wall (s) | CPU (s) | peak RSS (GiB) | floors: read / forward / write (s) "
+              "| wall / floors |\n| --- | ---: | --- | ---: | ---: | ---: | --- | ---: |", flush=True)
         for name in args.models:
             model_args = build(name, folder)
             size = sum(Path(file).stat().st_size for file in model_args[:1] + model_args[2:3])

@@ -749,9 +749,9 @@ def save(
                                   f"'{result.solve.method}', max |u| = {result.solve.u_inf:.3g})",
                                   storage=result.pending_storage_check is not None)
 
-        def verify(target: Path, name: str) -> Verification:
+        def verify(target: Path, name: str, checked: CheckedWhenRead = changed) -> Verification:
             if result.pending_storage_check is not None:
-                _settle_storage(result, changed.storage_problems(), timed)
+                _settle_storage(result, checked.storage_problems(), timed)
             verification, written = _verify_written(model, target, input_shape, name=name)
             result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
             return verification

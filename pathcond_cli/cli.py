@@ -689,12 +689,12 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
         _report_so_far = loaded_report(loaded, "rescale")
         stages.stage("analysing: groups, diag(G), path count, path norms")
         analysis = analyse(loaded, device=solve_options["device"], path_norms=path_norms)
-        _report_so_far = lambda: {**analysis_report(analysis), "command": "rescale"}  # noqa: E731
+        _report_so_far = lambda: {**analysis_report(analysis), "command": "rescale"}
         # The storage check shares the write's computation of each rescaled tensor.
         result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis,
                                check_storage_when_written=True, **solve_options)
         seconds = {"load": load_seconds, **result.seconds}
-        _report_so_far = lambda: rescale_report(result, None, seconds)  # noqa: E731
+        _report_so_far = lambda: rescale_report(result, None, seconds)
 
         stages.stage("writing and verifying the written file")
         if destination is not None:
