@@ -60,8 +60,10 @@ _guarded = False
 # The interrupting signal received during the command, if any (see ``_interrupted``).
 _signal_received: int | None = None
 # The running command's report so far, once its input is read: with --json a failure prints it
-# with an ``error`` object, so that a pipeline always gets one document.
-_report_so_far: dict[str, Any] | None = None
+# with an ``error`` object, so that a pipeline always gets one document. A report that costs
+# passes over the network (diag(G)'s statistics and histograms) is given as the function that
+# builds it, called only when a failure prints it.
+_report_so_far: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 app = typer.Typer(
     name="pathcond",
@@ -355,14 +357,24 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: str) -> None:
     """With --json, the report so far and its ``error`` on stdout (once the input was read)."""
-    if not as_json or _report_so_far is None:
+    report = _built_report_so_far() if as_json else None
+    if report is None:
         return
     from ..report.render import error_document
 
     with contextlib.suppress(OSError, ValueError):
-        document = error_document(_report_so_far, exc, exit_code, _shown_message(message))
+        document = error_document(report, exc, exit_code, _shown_message(message))
         sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
         sys.stdout.flush()
+
+
+def _built_report_so_far() -> dict[str, Any] | None:
+    if not callable(_report_so_far):
+        return _report_so_far
+    try:
+        return _report_so_far()
+    except Exception:  # noqa: BLE001 - the failure being reported matters more than its report
+        return None
 
 
 def _printable(text: str) -> str:
@@ -677,10 +689,12 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
         _report_so_far = loaded_report(loaded, "rescale")
         stages.stage("analysing: groups, diag(G), path count, path norms")
         analysis = analyse(loaded, device=solve_options["device"], path_norms=path_norms)
-        _report_so_far = {**analysis_report(analysis), "command": "rescale"}
-        result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis, **solve_options)
+        _report_so_far = lambda: {**analysis_report(analysis), "command": "rescale"}
+        # The storage check shares the write's computation of each rescaled tensor.
+        result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis,
+                               check_storage_when_written=True, **solve_options)
         seconds = {"load": load_seconds, **result.seconds}
-        _report_so_far = rescale_report(result, None, seconds)
+        _report_so_far = lambda: rescale_report(result, None, seconds)
 
         stages.stage("writing and verifying the written file")
         if destination is not None:
@@ -785,8 +799,8 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
                     failures.append(code)
                     stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
                                  highlight=False, markup=True, soft_wrap=True)
-                    report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc,
-                                            code, _shown_message(message))
+                    so_far = _built_report_so_far() or failure_report(command, describe(Path(model)))
+                    report = error_document(so_far, exc, code, _shown_message(message))
                 else:
                     if not quiet:
                         render_warnings(report, stderr)

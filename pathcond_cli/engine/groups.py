@@ -198,7 +198,10 @@ class WriteBack:
             log += dst_values[self.dst][out_rows][:, None]
         if self.src is not None:
             by_group = src_values[self.src].reshape(self.groups, in_per_group)[:, columns]
-            log -= by_group[torch.div(outputs, self.out_channels // self.groups, rounding_mode="floor")]
+            if self.groups == 1:
+                log -= by_group  # every row reads the same input groups: broadcast, no row-sized gather
+            else:
+                log -= by_group[torch.div(outputs, self.out_channels // self.groups, rounding_mode="floor")]
         return log
 
 

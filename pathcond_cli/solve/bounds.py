@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.groups import RescalingGroups
-from .dtype_limits import StorageCheck, lost_values, safe_log_scale
+from .dtype_limits import StorageCheck, safe_log_scale
 from .solvers import SolveResult
 
 AUTO, USER, NONE = "auto", "user", "none"
@@ -101,10 +101,13 @@ def within_dtype(
     unbounded: SolveResult,
     changed: MutableMapping[str, torch.Tensor],
     resolve: Callable[[float], SolveResult],
+    problems: list[StorageCheck],
 ) -> tuple[SolveResult, MutableMapping[str, torch.Tensor], BoundChoice]:
-    """The auto rule: keep the unbounded solve if its tensors are storable, else ``resolve`` at
-    the dtype-safe bound. Returns the solve kept, its changed tensors and the choice."""
-    lost = lost_values(params, changed)
+    """The auto rule: keep the unbounded solve if its tensors are storable (``problems``: what
+    :func:`~pathcond_cli.solve.dtype_limits.check_storage` found for ``changed``), else ``resolve`` at
+    the dtype-safe bound. Returns the solve kept, its changed tensors (not yet checked when
+    bounded) and the choice."""
+    lost = [p for p in problems if p.lost]
     choice = BoundChoice(AUTO, unbounded, lost)
     if not lost:
         return unbounded, changed, choice
