@@ -12,7 +12,7 @@ import math
 import time
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -28,11 +28,11 @@ from .engine.graph import BatchNorm, Graph
 from .engine.groups import DagParam, RescalingGroups, build_groups
 from .engine.model import LoadedModel
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
-from .solve.bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
-from .solve.defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
+from .solve.bounds import BoundChoice, within_dtype
+from .solve.options import AUTO, BOUNDED_SOLVERS, DEFAULT_CRITERION, DEFAULT_SOLVER, NONE, USER, SolveOptions
 from .solve.dtype_limits import StorageCheck, check_storage, ensure_storable, storage_problem
 from .solve.enorm import enorm
-from .solve.solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
+from .solve.solvers import ProgressCallback, SolveResult, solve
 from .verify import Verification, compare
 
 LOG10_E = 1 / math.log(10)
@@ -491,20 +491,20 @@ def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tenso
 
 def rescale(
     model: LoadedModel,
+    options: SolveOptions | None = None,
     *,
-    solver: str = DEFAULT_SOLVER,
-    tol: float = DEFAULT_TOL,
-    max_iter: int = DEFAULT_MAX_ITER,
     device: str | torch.device = "auto",
     progress: ProgressCallback | None = None,
     analysis: Analysis | None = None,
     verify: bool = True,
-    criterion: str = DEFAULT_CRITERION,
-    max_log_scale: float | str | None = "auto",
     check_storage_when_written: bool = False,
+    **choices,
 ) -> RescaleResult:
     """Find the PathCond rescaling of ``model`` and apply it to its tensors (in memory).
 
+    What to minimise and how is a :class:`SolveOptions` (``options``, or its fields as keywords:
+    ``criterion``, ``solver``, ``tol``, ``max_iter``, ``max_log_scale``; both: the keywords replace
+    those fields), validated once when it is made (:class:`InvalidOption`, a ``ValueError``).
     ``criterion="enorm"`` minimises ENorm's Σθ² (SPEC §7) on the same groups instead, with
     its closed-form block updates; ``solver`` chooses among PathCond's minimisers only.
     With ``verify`` (the default) the rescaled tensors are run against the original ones and
@@ -522,13 +522,8 @@ def rescale(
     wait for :func:`save`, which makes them on the tensors it computes to write them: each
     rescaled tensor is then computed once (the CLI's way; ``save`` is then required).
     """
-    if criterion not in CRITERIA:
-        raise ValueError(f"unknown criterion '{criterion}'; choose one of {', '.join(CRITERIA)}")
-    if criterion == "enorm" and solver != DEFAULT_SOLVER:
-        raise ValueError(f"solver '{solver}' minimises PathCond; ENorm has its own closed-form block updates")
-    rule, bound = parse_bound(max_log_scale)
-    if criterion == "enorm" and rule == USER:
-        raise ValueError("max_log_scale bounds PathCond's solvers; ENorm's closed-form updates take no bound")
+    options = replace(options or SolveOptions(), **choices)
+    rule, criterion = options.bound_rule, options.criterion
     device = resolve_device(device)
     analysis = analysis or analyse(model, device=device)
     seconds = dict(analysis.seconds)
@@ -536,19 +531,19 @@ def rescale(
 
     def run(bound: float | None) -> SolveResult:
         # Under the auto rule an unconstrained solver (lbfgs) leaves the bounded solve to the default one.
-        method = DEFAULT_SOLVER if rule == AUTO and bound is not None and solver not in BOUNDED_SOLVERS else solver
-        return solve(analysis.groups, analysis.diag, method=method, tol=tol, max_iter=max_iter, device=device,
-                     progress=progress, max_log_scale=bound)
+        solver = options.solver if bound is None or options.solver in BOUNDED_SOLVERS else DEFAULT_SOLVER
+        return solve(analysis.groups, analysis.diag, options, solver=solver, max_log_scale=bound, device=device,
+                     progress=progress)
 
     if criterion == "enorm":
-        result = timed("solve", lambda: enorm(analysis.groups, tol=tol, max_iter=max_iter, device=device,
-                                              progress=progress))
+        result = timed("solve", lambda: enorm(analysis.groups, tol=options.tol, max_iter=options.max_iter,
+                                              device=device, progress=progress))
     elif not analysis.diag.any_nonzero():
-        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver, tol, max_iter))
+        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, options))
     else:
-        result = timed("solve", lambda: run(bound))
+        result = timed("solve", lambda: run(options.bound))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
-    choice = BoundChoice(rule if criterion == "pathcond" else NONE, None if rule == USER else result)
+    choice = BoundChoice(rule, None if rule == USER else result)
     pending = PendingStorageCheck(run) if check_storage_when_written else None
     storage_warnings = []
     if pending is None:
@@ -597,14 +592,14 @@ NO_PARAMETERS_NOTE = (
 )
 
 
-def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str, tol: float, max_iter: int) -> SolveResult:
+def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, options: SolveOptions) -> SolveResult:
     """The trivial solve of a network whose path kernel is zero (or has no entry: no parameter):
     every group stays at u = 0."""
     note = NO_PARAMETERS_NOTE if analysis.groups.p == 0 else ZERO_FUNCTION_NOTE
     if note not in model.warnings:
         model.warnings.append(note)
     u = torch.zeros(analysis.groups.num_free, dtype=torch.float64)
-    return SolveResult(solver, u, [0.0], 0.0, True, 0, 0, tol=tol, max_iter=max_iter)
+    return SolveResult(options.solver, u, [0.0], 0.0, True, 0, 0, tol=options.tol, max_iter=options.max_iter)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:

@@ -37,8 +37,9 @@ from ..io.fileio import (
     check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, is_character_device,
     printable, resolve_destination, written_files,
 )
-from ..solve.defaults import (
-    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
+from ..solve.options import (
+    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS, InvalidOption,
+    SolveOptions,
 )
 
 EXIT_HELP = (
@@ -235,20 +236,6 @@ def _parse_path_norms(values: list[float] | None) -> tuple[float, ...]:
         if not (math.isfinite(q) and q >= 1):
             raise typer.BadParameter(f"{q:g} is not a finite Q ≥ 1", param_hint="--path-norm")
     return tuple(values or ())
-
-
-def _parse_max_log_scale(text: str) -> float | str:
-    """``auto``, ``none`` or a finite bound ≥ 0."""
-    value = text.strip().lower()
-    if value in ("auto", "none"):
-        return value
-    try:
-        bound = float(value)
-    except ValueError:
-        raise typer.BadParameter(f"'{text}' is not auto, none or a number", param_hint="--max-log-scale") from None
-    if not (math.isfinite(bound) and bound >= 0):
-        raise typer.BadParameter(f"'{text}' is not a finite bound ≥ 0", param_hint="--max-log-scale")
-    return bound
 
 
 def _parse_device(text: str) -> str:
@@ -600,29 +587,18 @@ def rescale(
 
     Several: pathcond rescale runs/*.safetensors --arch model.yaml --output-dir rescaled --json > reports.jsonl
     """
-    solver, criterion = solver_choice.value, criterion_choice.value
-    if criterion == "enorm" and solver != DEFAULT_SOLVER:
-        raise typer.BadParameter("--solver chooses a PathCond minimiser; --criterion enorm has its own closed-form "
-                                 "solver", param_hint="--solver")
-    if not math.isfinite(tol):
-        raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
-    bound = _parse_max_log_scale(max_log_scale)
+    try:
+        options = SolveOptions(criterion_choice.value, solver_choice.value, tol, max_iter, max_log_scale)
+    except InvalidOption as error:
+        raise typer.BadParameter(str(error), param_hint=error.option) from None
     orders = _parse_path_norms(path_norm)
-    if isinstance(bound, float) and criterion == "enorm":
-        raise typer.BadParameter("--max-log-scale bounds PathCond's solvers; --criterion enorm takes no bound",
-                                 param_hint="--max-log-scale")
-    if isinstance(bound, float) and solver not in BOUNDED_SOLVERS:
-        raise typer.BadParameter(f"solver '{solver}' is unconstrained; with --max-log-scale use one of "
-                                 f"{', '.join(BOUNDED_SOLVERS)}", param_hint="--solver")
     if len(models) > 1 or output_dir is not None:
         _check_batch_options(models, as_json=as_json, output=output, report_file=report_file, plot=plot)
         if in_place and output_dir is not None:
             raise typer.BadParameter("--in-place replaces each input; --output-dir writes elsewhere: choose one",
                                      param_hint="--in-place")
-        solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": _parse_device(device),
-                         "criterion": criterion, "max_log_scale": bound}
         _rescale_batch(models, output_dir, arch, _parse_shape(input_shape), in_place, as_json, quiet, allow_unused,
-                       solve_options, orders)
+                       options, _parse_device(device), orders)
         return
     (model,) = models
     if output == "-" and as_json:
@@ -638,17 +614,15 @@ def rescale(
     device = _parse_device(device)
     with _errors_to_exit_codes(as_json):
         _check_plot(plot)
-        solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": device, "criterion": criterion,
-                         "max_log_scale": bound}
         report, result, report_path, plot_path = _rescale_to(model, output, arch, shape, in_place, report_file, plot,
-                                                             quiet, allow_unused, solve_options, orders)
+                                                             quiet, allow_unused, options, device, orders)
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
         _draw(plot_path, report, result.analysis, result)
 
 
-def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, solve_options,
-                path_norms=()):
-    """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
+def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused,
+                options: SolveOptions, device: str, path_norms=()):
+    """Load, rescale (with ``options``, on ``device``), write and verify;
     ``path_norms`` are the orders q reported beside ℓ1 and ℓ2. Returns the JSON report, the
     result, and where the report and the plot go."""
     from ..api import analyse, rescale as rescale_model, save
@@ -688,11 +662,11 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
             check_streamable(loaded)
         _report_so_far = loaded_report(loaded, "rescale")
         stages.stage("analysing: groups, diag(G), path count, path norms")
-        analysis = analyse(loaded, device=solve_options["device"], path_norms=path_norms)
+        analysis = analyse(loaded, device=device, path_norms=path_norms)
         _report_so_far = lambda: {**analysis_report(analysis), "command": "rescale"}
         # The storage check shares the write's computation of each rescaled tensor.
         result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis,
-                               check_storage_when_written=True, **solve_options)
+                               check_storage_when_written=True, options=options, device=device)
         seconds = {"load": load_seconds, **result.seconds}
         _report_so_far = lambda: rescale_report(result, None, seconds)
 
@@ -759,15 +733,15 @@ def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in
     return planned
 
 
-def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused, solve_options,
-                   path_norms) -> None:
+def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused,
+                   options: SolveOptions, device: str, path_norms) -> None:
     """Several MODELs, one after another, each exactly as a single run writing to its planned output."""
     with _errors_to_exit_codes():
         planned = _batch_plan(models, output_dir, arch, in_place)
 
         def rescale_one(index: int) -> dict[str, Any]:
             report, *_ = _rescale_to(models[index], str(planned[index].destination), arch, shape, in_place, None,
-                                     None, quiet, allow_unused, solve_options, path_norms)
+                                     None, quiet, allow_unused, options, device, path_norms)
             return report
 
         _run_batch("rescale", models, rescale_one, as_json=as_json, quiet=quiet)
