@@ -17,6 +17,7 @@ from .evaluate import forward
 from .fileio import interrupts_deferred
 from .formats import exception_line
 from .graph import BatchNorm, Graph
+from .layouts import layout_of
 from .model import LoadedModel
 
 # A rescaled ONNX model run by onnxruntime/onnx.reference in its own float type is compared
@@ -68,7 +69,7 @@ class Verification:
 def tolerance_for(params: Mapping[str, torch.Tensor], keys: list[str]) -> float:
     """The loosest tolerance of the parameters' dtypes; float32's for a network without any (it
     computes in the input's dtype, and nothing of it was changed)."""
-    return max((TOLERANCE.get(params[k].dtype, 1e-5) for k in keys), default=TOLERANCE[torch.float32])
+    return max((TOLERANCE.get(layout_of(params, k)[1], 1e-5) for k in keys), default=TOLERANCE[torch.float32])
 
 
 def compare(
