@@ -29,9 +29,9 @@ from .engine.groups import DagParam, RescalingGroups, build_groups
 from .engine.model import LoadedModel
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
 from .solve.bounds import BoundChoice, within_dtype
-from .solve.options import AUTO, BOUNDED_SOLVERS, DEFAULT_CRITERION, DEFAULT_SOLVER, NONE, USER, SolveOptions
 from .solve.dtype_limits import StorageCheck, check_storage, ensure_storable, storage_problem
 from .solve.enorm import enorm
+from .solve.options import AUTO, BOUNDED_SOLVERS, DEFAULT_CRITERION, DEFAULT_SOLVER, NONE, USER, SolveOptions
 from .solve.solvers import ProgressCallback, SolveResult, solve
 from .verify import Verification, compare
 

@@ -159,6 +159,10 @@ DeviceOpt = Annotated[str, typer.Option(
     "--device", metavar="[auto|cpu|cuda|cuda:N]", autocompletion=_complete_device,
     help="auto (CUDA when present), cpu, cuda or cuda:N.",
 )]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", min=1, metavar="N", help="CPU threads torch computes with. Default: the CPUs this process may use "
+    "(its affinity), capped by SLURM_CPUS_PER_TASK and OMP_NUM_THREADS when set.",
+)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema: docs/json.md).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
@@ -267,6 +271,14 @@ def _import_library() -> None:
     with interrupts_deferred():
         for name in ("torch", "pathcond_cli.api", "pathcond_cli.io.formats", "pathcond_cli.report.render"):
             importlib.import_module(name)
+
+
+def _use_threads(count: int | None) -> None:
+    """Size torch's threads (``--threads``, by default the CPUs this process may use) once torch is
+    imported, which ``_errors_to_exit_codes`` does."""
+    from ..threads import set_threads
+
+    set_threads(count)
 
 
 @contextlib.contextmanager
@@ -555,6 +567,7 @@ def rescale(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     solver_choice: Annotated[SolverChoice, typer.Option(
         "--solver", metavar=f"[{'|'.join(SOLVERS)}]", help=f"PathCond minimiser (default {DEFAULT_SOLVER}: Newton's "
         "method, 14-76 gradient-equivalent passes on every network measured, benchmarks/README.md).",
@@ -598,7 +611,7 @@ def rescale(
             raise typer.BadParameter("--in-place replaces each input; --output-dir writes elsewhere: choose one",
                                      param_hint="--in-place")
         _rescale_batch(models, output_dir, arch, _parse_shape(input_shape), in_place, as_json, quiet, allow_unused,
-                       options, _parse_device(device), orders)
+                       options, _parse_device(device), orders, threads)
         return
     (model,) = models
     if output == "-" and as_json:
@@ -613,6 +626,7 @@ def rescale(
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         _check_plot(plot)
         report, result, report_path, plot_path = _rescale_to(model, output, arch, shape, in_place, report_file, plot,
                                                              quiet, allow_unused, options, device, orders)
@@ -734,9 +748,10 @@ def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in
 
 
 def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused,
-                   options: SolveOptions, device: str, path_norms) -> None:
+                   options: SolveOptions, device: str, path_norms, threads: int | None) -> None:
     """Several MODELs, one after another, each exactly as a single run writing to its planned output."""
     with _errors_to_exit_codes():
+        _use_threads(threads)
         planned = _batch_plan(models, output_dir, arch, in_place)
 
         def rescale_one(index: int) -> dict[str, Any]:
@@ -828,6 +843,7 @@ def inspect(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
     path_norm: PathNormOpt = None,
@@ -845,6 +861,8 @@ def inspect(
     if len(models) > 1:
         _check_batch_options(models, as_json=as_json, report_file=report_file, plot=plot)
         with _errors_to_exit_codes():
+            _use_threads(threads)
+
             def inspect_one(index: int) -> dict[str, Any]:
                 return _inspect_one(models[index], arch, shape, device, allow_unused, quiet, orders=orders)[0]
 
@@ -854,6 +872,7 @@ def inspect(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         _check_plot(plot)
         report, analysis, plot_path, report_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot,
                                                                 report_file, orders)
@@ -916,6 +935,7 @@ def compare(
     input_shape: ShapeOpt = None,
     input_bound: InputBoundOpt = 1.0,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     path_norm: PathNormOpt = None,
     as_json: JsonOpt = False,
     allow_unused: AllowUnusedOpt = False,
@@ -935,6 +955,7 @@ def compare(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         from ..report.render import compare_report, failure_report, render_compare
         from ..toolkit import compare_models
 
@@ -975,6 +996,7 @@ def prune(
     input_shape: ShapeOpt = None,
     input_bound: InputBoundOpt = 1.0,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     path_norm: PathNormOpt = None,
     as_json: JsonOpt = False,
     report_file: ReportOpt = None,
@@ -1003,6 +1025,7 @@ def prune(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         from ..io.destinations import check_destinations, written
         from ..io.formats import detect_format, files_read, output_format_mismatch
         from ..report.render import loaded_report, prune_report, render_prune
@@ -1052,6 +1075,7 @@ def spec_command(
         "-o", "--output", metavar="FILE", help="Write the spec to FILE (.yaml, .yml or .json) instead of stdout.",
     )] = None,
     allow_unused: AllowUnusedOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Print the architecture spec of MODEL, as a safetensors checkpoint of its tensors needs it.
 
@@ -1065,6 +1089,7 @@ def spec_command(
     if output is None and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but the spec is printed there; use -o FILE", param_hint="-o")
     with _errors_to_exit_codes():
+        _use_threads(threads)
         from ..io.destinations import check_destinations, written
         from ..io.formats import files_read, load_model
         from ..io.formats.onnx_format import batchnorm_folded_tensors
