@@ -15,9 +15,11 @@ from typing import ClassVar
 import torch
 
 from ..errors import InputError, InvalidWeightsError, UnsupportedModelError
+from .layouts import stand_ins
 from .schema import (
     REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats,
 )
+from .schema import REQUIRED, boolean, choice, hyper, integer, ints, number, optional_sizes, positive_floats
 
 
 SPATIAL_RANKS = (1, 2, 3)
@@ -468,26 +470,28 @@ class Graph:
                 return follower
         return None
 
-    def check_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Check that every tensor the graph reads exists with a plausible shape and finite values.
+    def check_parameters(self, params: Mapping[str, torch.Tensor], *, values: bool = True) -> None:
+        """Check that every tensor the graph reads exists with a plausible shape and dtype and, with
+        ``values`` (which reads each of them), finite values.
 
         All problems are collected before raising, so a spec with three typos shows three lines.
         """
         problems: list[str] = []
         not_finite: list[str] = []
+        layouts = stand_ins(params)
         for node in self.nodes:
             for role, key in node.parameter_keys().items():
-                if key not in params:
+                if key not in layouts:
                     problems.append(f"node '{node.name}' ({node.op}) needs tensor '{key}' ({role}), which the checkpoint lacks")
                     continue
-                tensor = params[key]
+                tensor = layouts[key]
                 expected_rank = node.roles.get(role)
                 if expected_rank and tensor.dim() not in expected_rank:
                     problems.append(
                         f"node '{node.name}' ({node.op}): tensor '{key}' ({role}) has shape {tuple(tensor.shape)}, "
                         f"expected rank {' or '.join(map(str, expected_rank))}"
                     )
-                elif tensor.is_floating_point() and not _finite(tensor):
+                elif values and tensor.is_floating_point() and not _finite(params[key]):
                     not_finite.append(key)
                 elif not tensor.is_floating_point():
                     problems.append(f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, expected floating point")
