@@ -19,7 +19,6 @@ from .layouts import stand_ins
 from .schema import (
     REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats,
 )
-from .schema import REQUIRED, boolean, choice, hyper, integer, ints, number, optional_sizes, positive_floats
 
 
 SPATIAL_RANKS = (1, 2, 3)
