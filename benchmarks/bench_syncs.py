@@ -1,25 +1,73 @@
-"""Host–device synchronisations per Newton pass, counted on the fake CUDA device (issue 17).
+"""Host–device synchronisations and aten operations per solver pass, counted on the fake CUDA
+device (issues 17 and 28).
 
 No GPU needed: the analysis and the solve run under ``tests/fake_cuda.py``, which counts every
 read of a device value on the host (``.item()``, ``float()``, ``bool()``, ``.tolist()``,
-``.cpu()``, ...). On a real GPU each of these waits for the queued kernels, so a pass that
-reads one value per parameter tensor costs a sync per tensor, not a few flat kernels.
+``.cpu()``, ...), and under a dispatch mode that counts the aten operations the solve runs.
+On a real GPU each sync waits for the queued kernels and each operation that computes is a
+kernel launch, so a pass that reads one value per parameter tensor, or runs a few operations
+per tensor, costs time in proportion to the number of tensors, not to the arithmetic.
 
     python benchmarks/bench_syncs.py                        # mnasnet resnet18
-    python benchmarks/bench_syncs.py --models resnet50 mlp3
+    python benchmarks/bench_syncs.py --models resnet18 resnet50 resnet152 mlp3
 
-Prints, per model: tensors, passes, host reads in the analysis and in the solve, and the
-solve's reads per pass by kind.
+Prints, per model: tensors, passes, host reads in the analysis and in the solve, reads per
+pass, aten operations per pass (all, and those that are not views or metadata, which launch
+no kernel), and the solve's reads by kind.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+
+def operation_counter():
+    """A dispatch mode counting the aten operations run under it (``counts``, by name)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OperationCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.counts[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+        def launching(self) -> int:
+            """Operations other than views and metadata: those that run a kernel on a GPU."""
+            return sum(n for name, n in self.counts.items() if not _is_view(torch, name))
+
+    return OperationCounter()
+
+
+def _is_view(torch, name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return False
+    schema = packet.default._schema if hasattr(packet, "default") else None
+    aliasing = schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+    return aliasing or name in {"detach", "alias", "lift_fresh", "_local_scalar_dense"}
+
+
+def count_solve(groups, diag, *, method: str = "newton"):
+    """(result, host reads by kind, aten operation counter) of one solve on the fake CUDA device
+    (``groups`` and ``diag`` made there)."""
+    import fake_cuda
+    from pathcond_cli.solvers import solve
+
+    with fake_cuda.installed() as mode:
+        mode.syncs.clear()
+        with operation_counter() as operations:
+            result = solve(groups, diag, method=method, device="cuda")
+        return result, dict(mode.syncs), operations
 
 
 def main() -> None:
@@ -31,22 +79,22 @@ def main() -> None:
     import fake_cuda
     from bench_solvers import build
     from pathcond_cli.api import analyse, module_model
-    from pathcond_cli.solvers import solve
 
-    print(f"{'model':<14}{'tensors':>8}{'passes':>8}{'analysis':>10}{'solve':>8}{'per pass':>10}  solve reads by kind")
+    print(f"{'model':<14}{'tensors':>8}{'passes':>8}{'analysis':>10}{'solve':>8}{'syncs/pass':>11}"
+          f"{'ops/pass':>10}{'kernels/pass':>13}  solve reads by kind")
     for name in args.models:
         module, shape = build(name)
         model = module_model(module, shape, name=name)
         with fake_cuda.installed() as mode:
             analysis = analyse(model, device="cuda")
             in_analysis = sum(mode.syncs.values())
-            mode.syncs.clear()
-            result = solve(analysis.groups, analysis.diag, method=args.solver, device="cuda")
-            in_solve = dict(mode.syncs)
+        result, in_solve, operations = count_solve(analysis.groups, analysis.diag, method=args.solver)
+        passes = max(result.passes, 1)
         total = sum(in_solve.values())
         kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(in_solve.items(), key=lambda kv: -kv[1]))
         print(f"{name:<14}{len(analysis.groups.dag_params):>8}{result.passes:>8}{in_analysis:>10}{total:>8}"
-              f"{total / max(result.passes, 1):>10.1f}  {kinds}")
+              f"{total / passes:>11.1f}{sum(operations.counts.values()) / passes:>10.0f}"
+              f"{operations.launching() / passes:>13.0f}  {kinds}")
 
 
 if __name__ == "__main__":
