@@ -12,8 +12,9 @@ per tensor, costs time in proportion to the number of tensors, not to the arithm
     python benchmarks/bench_syncs.py --models resnet18 resnet50 resnet152 mlp3
 
 Prints, per model: tensors, passes, host reads in the analysis and in the solve, reads per
-pass, aten operations per pass (all, and those that are not views or metadata, which launch
-no kernel), and the solve's reads by kind.
+pass, the solve's aten operations per pass (all, and those that are not views or metadata,
+which launch no kernel), the operations of building the objective (once per solve, per
+tensor), the operations per pass without them (all, kernels), and the solve's reads by kind.
 """
 
 from __future__ import annotations
@@ -58,16 +59,21 @@ def _is_view(torch, name: str) -> bool:
 
 
 def count_solve(groups, diag, *, method: str = "newton"):
-    """(result, host reads by kind, aten operation counter) of one solve on the fake CUDA device
-    (``groups`` and ``diag`` made there)."""
+    """(result, host reads by kind, aten operations of the solve, aten operations of building its
+    objective alone) of one solve on the fake CUDA device (``groups`` and ``diag`` made there).
+    Building the objective (kernel sums, the support, the flat buffers) runs once per solve and
+    per tensor; the rest is what every pass costs."""
     import fake_cuda
+    from pathcond_cli.objective import Objective
     from pathcond_cli.solvers import solve
 
     with fake_cuda.installed() as mode:
+        with operation_counter() as setup:
+            Objective(groups, diag, device="cuda")
         mode.syncs.clear()
         with operation_counter() as operations:
             result = solve(groups, diag, method=method, device="cuda")
-        return result, dict(mode.syncs), operations
+        return result, dict(mode.syncs), operations, setup
 
 
 def main() -> None:
@@ -80,21 +86,22 @@ def main() -> None:
     from bench_solvers import build
     from pathcond_cli.api import analyse, module_model
 
-    print(f"{'model':<14}{'tensors':>8}{'passes':>8}{'analysis':>10}{'solve':>8}{'syncs/pass':>11}"
-          f"{'ops/pass':>10}{'kernels/pass':>13}  solve reads by kind")
+    print(f"{'model':<12}{'tensors':>8}{'passes':>7}{'analysis':>9}{'solve':>6}{'syncs/pass':>11}{'ops/pass':>9}"
+          f"{'kernels/pass':>13}{'setup ops':>10}{'ops/pass after setup':>21}{'kernels':>8}  solve reads by kind")
     for name in args.models:
         module, shape = build(name)
         model = module_model(module, shape, name=name)
         with fake_cuda.installed() as mode:
             analysis = analyse(model, device="cuda")
             in_analysis = sum(mode.syncs.values())
-        result, in_solve, operations = count_solve(analysis.groups, analysis.diag, method=args.solver)
+        result, in_solve, operations, setup = count_solve(analysis.groups, analysis.diag, method=args.solver)
         passes = max(result.passes, 1)
-        total = sum(in_solve.values())
+        total, ops, kernels = sum(in_solve.values()), sum(operations.counts.values()), operations.launching()
+        setup_ops, setup_kernels = sum(setup.counts.values()), setup.launching()
         kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(in_solve.items(), key=lambda kv: -kv[1]))
-        print(f"{name:<14}{len(analysis.groups.dag_params):>8}{result.passes:>8}{in_analysis:>10}{total:>8}"
-              f"{total / passes:>11.1f}{sum(operations.counts.values()) / passes:>10.0f}"
-              f"{operations.launching() / passes:>13.0f}  {kinds}")
+        print(f"{name:<12}{len(analysis.groups.dag_params):>8}{result.passes:>7}{in_analysis:>9}{total:>6}"
+              f"{total / passes:>11.1f}{ops / passes:>9.0f}{kernels / passes:>13.0f}{setup_ops:>10}"
+              f"{(ops - setup_ops) / passes:>21.0f}{(kernels - setup_kernels) / passes:>8.0f}  {kinds}")
 
 
 if __name__ == "__main__":

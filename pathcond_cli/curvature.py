@@ -136,7 +136,11 @@ class CoarseCorrection:
             0, torch.cat([of_group[flat.row_group] * (n + 1) + of_group[flat.row_first_source],
                           of_group[flat.col_first_destination] * (n + 1) + of_group[flat.col_group]]),
             -torch.cat([row_blocks, col_blocks]))
-        by_products = torch.nonzero(aggregates.has_sources & present & ~by_rows & ~by_cols).flatten().tolist()
+        # which tensors need products, and which coupling buckets are materialised, in one host transfer
+        flags = torch.cat([(aggregates.has_sources & present & ~by_rows & ~by_cols).to(torch.float64),
+                           hessian.coupling.pending]).tolist()
+        hessian.coupling.settle(flags[tensors:])
+        by_products = [t for t, flag in enumerate(flags[:tensors]) if flag]
         for t in by_products:
             dp = objective.groups.dag_params[t]
             dst_agg = of_group[dp.dst]
@@ -154,16 +158,19 @@ class CoarseCorrection:
             0, agg, self.basis * hessian.shares_difference)
         coarse -= torch.outer(shares, shares) / objective.p
         self.factor, info = torch.linalg.cholesky_ex(coarse)
-        self.usable = bool((info == 0) & torch.isfinite(self.factor).all())
+        # decided on the device: reading it would cost a host synchronisation per Newton step
+        self.factorised = (info == 0) & torch.isfinite(self.factor).all()
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.factorised)
 
     def __call__(self, residual: torch.Tensor) -> torch.Tensor:
-        if not self.usable:
-            return residual
         agg = self.aggregates.of_group[:-1]
         projected = torch.zeros(self.aggregates.count, dtype=residual.dtype, device=residual.device)
         projected.index_add_(0, agg, self.basis * residual)
         solved = torch.cholesky_solve(projected[:, None], self.factor)[:, 0]
-        return residual + self.basis * solved[agg]
+        return torch.where(self.factorised, residual + self.basis * solved[agg], residual)
 
 
 def _all_per_tensor(flags: torch.Tensor, owner: torch.Tensor, tensors: int) -> torch.Tensor:
@@ -186,24 +193,24 @@ def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: fl
     preconditioned = precondition(residual)
     direction = preconditioned.clone()
     residual_dot = residual @ preconditioned
-    stop2 = forcing**2 * float(residual @ residual)
+    start_norm2 = residual @ residual
     for _ in range(max_steps):
         product = hessian(direction)
         curvature = direction @ product
         step = residual_dot / curvature
         next_residual = residual - step * product
-        # the curvature and the new residual's norm in one host transfer
-        curvature_value, residual_norm2 = torch.stack([curvature, next_residual @ next_residual]).tolist()
+        # the curvature, the new residual's norm and the first one in one host transfer
+        curvature_value, residual_norm2, start_value = torch.stack(
+            [curvature, next_residual @ next_residual, start_norm2]).tolist()
         if curvature_value <= 0:
             break
         solution += step * direction
         residual = next_residual
-        if residual_norm2 <= stop2:
+        if residual_norm2 <= forcing**2 * start_value:
             break
         preconditioned = precondition(residual)
         new_dot = residual @ preconditioned
         direction = preconditioned + (new_dot / residual_dot) * direction
         residual_dot = new_dot
-    if not bool(solution.abs().max() > 0):
-        solution = rhs
+    solution = torch.where(solution.abs().max() > 0, solution, rhs)
     return solution * hessian.inverse_sqrt_d

@@ -66,63 +66,101 @@ class FlatG:
                 outer.append(t)
             else:
                 by_shape.setdefault(tuple(lg.shape[1:]), []).append(t)
+        self.dense_tensors = [t for members in by_shape.values() for t in members]
+        self.outer_tensors = outer
+        self.outer_self_loops = [t for t in outer if dps[t].self_loops is not None]
+        slot_order = self.dense_tensors + outer
+        self.dense_index = [-1] * len(parts)
+        for i, t in enumerate(self.dense_tensors):
+            self.dense_index[t] = i
+        row_counts = [dps[t].dst.numel() for t in slot_order]
+        col_counts = [dps[t].src.numel() for t in slot_order]
         self.row_slices: list[slice] = [slice(0)] * len(parts)
         self.col_slices: list[slice] = [slice(0)] * len(parts)
-        self.dense_index = [-1] * len(parts)
-        row_groups, col_groups, row_tensor, col_tensor = [], [], [], []
         rows = cols = 0
+        first_cols, first_rows, rows_per_block, cols_per_block = [], [], [], []
+        for t, count_rows, count_cols in zip(slot_order, row_counts, col_counts):
+            self.row_slices[t], self.col_slices[t] = slice(rows, rows + count_rows), slice(cols, cols + count_cols)
+            conv_groups = dps[t].dst.shape[0]
+            first_cols += range(cols, cols + count_cols, count_cols // conv_groups)
+            first_rows += range(rows, rows + count_rows, count_rows // conv_groups)
+            rows_per_block += [count_rows // conv_groups] * conv_groups
+            cols_per_block += [count_cols // conv_groups] * conv_groups
+            rows, cols = rows + count_rows, cols + count_cols
+        dense_count = len(self.dense_tensors)
+        self.dense_rows, self.dense_cols = sum(row_counts[:dense_count]), sum(col_counts[:dense_count])
+
+        def joined(pieces, dtype=torch.long):
+            return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=device)
+
+        def repeated(values, counts):
+            return torch.repeat_interleave(torch.tensor(values, dtype=torch.long, device=device),
+                                           torch.tensor(counts, dtype=torch.long, device=device),
+                                           output_size=sum(counts))
+
+        self.row_group = joined([dps[t].dst.reshape(-1) for t in slot_order])
+        self.col_group = joined([dps[t].src.reshape(-1) for t in slot_order])
+        #: per slot: the tensor it belongs to, and the first source (destination) group of its
+        #: conv group, which stands for all of them where a tensor's sources lie in one aggregate
+        self.row_owner, self.col_owner = repeated(slot_order, row_counts), repeated(slot_order, col_counts)
+        self.row_first_source = self.col_group[repeated(first_cols, rows_per_block)]
+        self.col_first_destination = self.row_group[repeated(first_rows, cols_per_block)]
+        # dense tensors are numbered in slot order, outer ones after them
+        self.row_tensor = repeated(range(dense_count), row_counts[:dense_count])
+        self.col_tensor = repeated(range(dense_count), col_counts[:dense_count])
+        self.outer_row_tensor = repeated(range(len(outer)), row_counts[dense_count:])
+        self.outer_col_tensor = repeated(range(len(outer)), col_counts[dense_count:])
+        self.outer_row_log = joined([parts[t].rows.reshape(-1) for t in outer], torch.float64)
+        self.outer_col_log = joined([parts[t].cols.reshape(-1) for t in outer], torch.float64)
+        self._stack(dps, parts, by_shape, cache_bytes)
+        self.row_sizes = [b.rows.stop - b.rows.start for b in self.buckets]
+        self.col_sizes = [b.cols.stop - b.cols.start for b in self.buckets]
+        self.parts = parts
+        self.dst_shapes = [dp.dst.shape for dp in dps]
+        self.src_shapes = [dp.src.shape for dp in dps]
+
+    def _stack(self, dps, parts: list[LogG], by_shape: dict[tuple[int, int], list[int]], cache_bytes: int) -> None:
+        """One :class:`Bucket` per shape, ``parts`` replaced by views of it; per dense tensor the
+        log scale of its linear ḡ and the spread of its finite log ḡ."""
+        device = self.row_group.device
         self.buckets: list[Bucket] = []
-        dense_order: list[int] = []
-        room = cache_bytes
-        for shape, members in by_shape.items():
-            bucket_rows, bucket_cols, batches, batch = rows, cols, [], 0
-            for t in members:
-                self.dense_index[t] = len(dense_order)
-                dense_order.append(t)
-                count_rows, count_cols = dps[t].dst.numel(), dps[t].src.numel()
-                self.row_slices[t] = slice(rows, rows + count_rows)
-                self.col_slices[t] = slice(cols, cols + count_cols)
-                rows, cols = rows + count_rows, cols + count_cols
-                row_groups.append(dps[t].dst.reshape(-1))
-                col_groups.append(dps[t].src.reshape(-1))
-                row_tensor.append(torch.full((count_rows,), self.dense_index[t], dtype=torch.long, device=device))
-                col_tensor.append(torch.full((count_cols,), self.dense_index[t], dtype=torch.long, device=device))
-                batches.append(slice(batch, batch + dps[t].view[0]))
-                batch += dps[t].view[0]
-            log_gbar = torch.cat([parts[t] for t in members]) if len(members) > 1 else parts[members[0]]
+        finite_max, finite_min, conv_groups, bucket_sizes = [], [], [], []
+        for members in by_shape.values():
+            first, last = members[0], members[-1]
+            log_gbar = torch.cat([parts[t] for t in members]) if len(members) > 1 else parts[first]
             loops = [dps[t].self_loops for t in members]
             self_loops = None if all(m is None for m in loops) else torch.cat(
                 [torch.zeros(parts[t].shape, dtype=torch.bool, device=device) if m is None else m[..., 0]
                  for t, m in zip(members, loops)])
-            for t, part in zip(members, batches):
-                parts[t] = log_gbar[part]
-            self.buckets.append(Bucket(log_gbar, None, self_loops, slice(bucket_rows, rows), slice(bucket_cols, cols),
-                                       members, batches))
-        self.dense_rows, self.dense_cols = rows, cols
-        self.dense_tensors = dense_order
-        finite_max, finite_min = [], []
-        for bucket in self.buckets:
-            finite = torch.isfinite(bucket.log_gbar)
-            finite_max.append(torch.where(finite, bucket.log_gbar, -torch.inf).amax(dim=(1, 2)))
-            finite_min.append(torch.where(finite, bucket.log_gbar, torch.inf).amin(dim=(1, 2)))
+            batches, at = [], 0
+            for t in members:
+                batches.append(slice(at, at + parts[t].shape[0]))
+                parts[t] = log_gbar[batches[-1]]
+                at += parts[t].shape[0]
+            conv_groups += [parts[t].shape[0] for t in members]
+            bucket_sizes.append(len(members))
+            self.buckets.append(Bucket(log_gbar, None, self_loops,
+                                       slice(self.row_slices[first].start, self.row_slices[last].stop),
+                                       slice(self.col_slices[first].start, self.col_slices[last].stop), members, batches))
+            finite = torch.isfinite(log_gbar)
+            finite_max.append(torch.where(finite, log_gbar, -torch.inf).amax(dim=(1, 2)))
+            finite_min.append(torch.where(finite, log_gbar, torch.inf).amin(dim=(1, 2)))
+        count = len(self.dense_tensors)
+        batch_tensor = torch.repeat_interleave(torch.arange(count, device=device),
+                                               torch.tensor(conv_groups, dtype=torch.long, device=device),
+                                               output_size=sum(conv_groups))
+        self.bucket_of_dense = torch.repeat_interleave(torch.arange(len(self.buckets), device=device),
+                                                       torch.tensor(bucket_sizes, dtype=torch.long, device=device),
+                                                       output_size=count)
         empty = torch.zeros(0, dtype=torch.float64, device=device)
-        batch_max = torch.cat(finite_max) if finite_max else empty
-        batch_min = torch.cat(finite_min) if finite_min else empty
-        batch_tensor = torch.cat([torch.full((b.stop - b.start,), self.dense_index[t], dtype=torch.long, device=device)
-                                  for bucket in self.buckets for t, b in zip(bucket.tensors, bucket.batches)]) \
-            if self.buckets else torch.zeros(0, dtype=torch.long, device=device)
-        count = len(dense_order)
-        top = torch.full((count,), -torch.inf, dtype=torch.float64, device=device).scatter_reduce(
-            0, batch_tensor, batch_max, "amax")
-        low = torch.full((count,), torch.inf, dtype=torch.float64, device=device).scatter_reduce(
-            0, batch_tensor, batch_min, "amin")
+        top = finite_extreme(torch.cat(finite_max) if finite_max else empty, batch_tensor, count, "amax")
+        low = finite_extreme(torch.cat(finite_min) if finite_min else empty, batch_tensor, count, "amin")
         has_finite = torch.isfinite(top)
-        #: per dense tensor: the log scale of its linear ḡ and the spread of its finite log ḡ
         self.shift = torch.where(has_finite, top, 0.0)
         self.spread = torch.where(has_finite, top - low, 0.0)
         self.linear_usable = self.spread < SAFE_RANGE
         shift_per_batch = self.shift[batch_tensor]
-        at = 0
+        room, at = cache_bytes, 0
         for bucket in self.buckets:
             batches = bucket.log_gbar.shape[0]
             bucket.shift_per_batch = shift_per_batch[at:at + batches]
@@ -131,42 +169,18 @@ class FlatG:
             if size <= room:
                 bucket.linear = bucket.linear_gbar(bucket.shift_per_batch)
                 room -= size
-        self.outer_tensors = outer
-        outer_rows, outer_cols, outer_row_tensor, outer_col_tensor = [], [], [], []
-        for i, t in enumerate(outer):
-            lg = parts[t]
-            self.row_slices[t] = slice(rows, rows + lg.rows.numel())
-            self.col_slices[t] = slice(cols, cols + lg.cols.numel())
-            rows, cols = rows + lg.rows.numel(), cols + lg.cols.numel()
-            row_groups.append(dps[t].dst.reshape(-1))
-            col_groups.append(dps[t].src.reshape(-1))
-            outer_rows.append(lg.rows.reshape(-1))
-            outer_cols.append(lg.cols.reshape(-1))
-            outer_row_tensor.append(torch.full((lg.rows.numel(),), i, dtype=torch.long, device=device))
-            outer_col_tensor.append(torch.full((lg.cols.numel(),), i, dtype=torch.long, device=device))
-        self.outer_self_loops = [t for t in outer if dps[t].self_loops is not None]
 
-        def joined(pieces, dtype=torch.long):
-            return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=device)
+    def row_pieces(self, v: torch.Tensor, *shape: int) -> list[torch.Tensor]:
+        """``v`` over the row slots (every one, or the dense ones) as one ``[batches, *shape]`` view
+        per bucket (-1 in ``shape`` for the bucket's rows), then the rest: one split, not a slice
+        per bucket."""
+        pieces = torch.split(v, self.row_sizes + [v.numel() - self.dense_rows])
+        return [p.view(b.log_gbar.shape[0], *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
 
-        self.row_group, self.col_group = joined(row_groups), joined(col_groups)
-        self.row_tensor, self.col_tensor = joined(row_tensor), joined(col_tensor)
-        self.outer_row_log = joined(outer_rows, torch.float64)
-        self.outer_col_log = joined(outer_cols, torch.float64)
-        self.outer_row_tensor, self.outer_col_tensor = joined(outer_row_tensor), joined(outer_col_tensor)
-        self.parts = parts
-        slot_order = dense_order + outer
-        #: per slot: the tensor it belongs to, and the first source (destination) group of its
-        #: conv group, which stands for all of them where a tensor's sources lie in one aggregate
-        self.row_owner = joined([torch.full((dps[t].dst.numel(),), t, dtype=torch.long, device=device)
-                                 for t in slot_order])
-        self.col_owner = joined([torch.full((dps[t].src.numel(),), t, dtype=torch.long, device=device)
-                                 for t in slot_order])
-        self.row_first_source = joined([dps[t].src[:, :1].expand(dps[t].dst.shape).reshape(-1) for t in slot_order])
-        self.col_first_destination = joined([dps[t].dst[:, :1].expand(dps[t].src.shape).reshape(-1)
-                                             for t in slot_order])
-        self.dst_shapes = [dp.dst.shape for dp in dps]
-        self.src_shapes = [dp.src.shape for dp in dps]
+    def col_pieces(self, v: torch.Tensor, *shape: int) -> list[torch.Tensor]:
+        """:meth:`row_pieces` over the column slots."""
+        pieces = torch.split(v, self.col_sizes + [v.numel() - self.dense_cols])
+        return [p.view(b.log_gbar.shape[0], *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
 
     # ------------------------------------------------------------------ ranges
 
@@ -197,16 +211,14 @@ class FlatG:
         e_x = torch.exp(x[:self.dense_rows] - top_x[self.row_tensor])
         e_y = torch.exp(y[:self.dense_cols] - top_y[self.col_tensor])
         rows, cols, between_rows, between_cols = [], [], [], []
-        for bucket in self.buckets:
+        for bucket, bx, by in zip(self.buckets, self.row_pieces(e_x, 1, -1), self.col_pieces(e_y, -1, 1)):
             gbar = bucket.linear_gbar(bucket.shift_per_batch)
-            batches = gbar.shape[0]
-            bx, by = e_x[bucket.rows].reshape(batches, -1), e_y[bucket.cols].reshape(batches, -1)
-            rows.append(torch.bmm(gbar, by[:, :, None]).reshape(-1))
-            cols.append(torch.bmm(bx[:, None, :], gbar).reshape(-1))
+            rows.append(torch.bmm(gbar, by).view(-1))
+            cols.append(torch.bmm(bx, gbar).view(-1))
             if bucket.self_loops is not None:
                 gbar = gbar.masked_fill(bucket.self_loops, 0.0)
-                between_rows.append(torch.bmm(gbar, by[:, :, None]).reshape(-1))
-                between_cols.append(torch.bmm(bx[:, None, :], gbar).reshape(-1))
+                between_rows.append(torch.bmm(gbar, by).view(-1))
+                between_cols.append(torch.bmm(bx, gbar).view(-1))
             else:
                 between_rows.append(rows[-1])
                 between_cols.append(cols[-1])

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 import torch
 
-from .diag import DiagG, LogG, OuterLog, dense, zero_count
+from .diag import DiagG, LogG, OuterLog, dense
 from .flat import SAFE_RANGE, Bucket, FlatG, finite_extreme, group_logsumexp
 from .groups import RescalingGroups
 
@@ -61,17 +61,22 @@ class Support:
 def support(groups: RescalingGroups, log_g: Iterable[LogG]) -> Support:
     """The :class:`Support` of log g (−inf where g = 0), read one tensor at a time (a generator
     holds one): an outer product by its factors (a row × column is in the support iff both
-    are finite), never expanded, and never a float64 copy of the network."""
-    size = 0
+    are finite), never expanded, and never a float64 copy of the network. p is counted on the
+    device and read once."""
+    counts = []
 
     def indicators():
-        nonlocal size
         for lg in log_g:
-            size += lg.numel() - zero_count(lg)
-            yield (torch.isfinite(lg.rows), torch.isfinite(lg.cols)) if isinstance(lg, OuterLog) else torch.isfinite(lg)
+            if isinstance(lg, OuterLog):
+                finite = torch.isfinite(lg.rows), torch.isfinite(lg.cols)
+                counts.append(finite[0].sum() * finite[1].sum())
+            else:
+                finite = torch.isfinite(lg)
+                counts.append(finite.sum())
+            yield finite
 
     n_in, n_out = groups.incidence_sums(indicators())
-    return Support(size, n_in, n_out)
+    return Support(int(torch.stack(counts).sum()) if counts else 0, n_in, n_out)
 
 
 @dataclass
@@ -274,20 +279,11 @@ class Coupling:
         e_dst = torch.where(present[flat.row_tensor], e_dst, 0.0)
         e_src = torch.exp(y[:flat.dense_cols] - top_y[flat.col_tensor])
         needs_dense = (present & ~factorised).to(torch.float64)
-        # one host transfer: which buckets are materialised
-        materialise = torch.stack([needs_dense[[flat.dense_index[t] for t in b.tensors]].amax() for b in flat.buckets]
-                                  ).tolist() if flat.buckets else []
-        self.matrices = []
-        for bucket, dense_bucket in zip(flat.buckets, materialise):
-            if dense_bucket:
-                batches = bucket.log_gbar.shape[0]
-                self.matrices.append(torch.exp(bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1)
-                                               + y[bucket.cols].reshape(batches, 1, -1)))
-                e_dst[bucket.rows] = 1.0
-                e_src[bucket.cols] = 1.0
-            else:
-                self.matrices.append(bucket)
-        objective.passes += any(materialise)  # exp over the materialised tensors: about one pass
+        #: per bucket, 1.0 where it must be materialised: read on the host by :meth:`settle`
+        self.pending = needs_dense.new_zeros(len(flat.buckets)).scatter_reduce(0, flat.bucket_of_dense, needs_dense,
+                                                                              "amax")
+        self.matrices: list[torch.Tensor | Bucket] | None = None
+        self._logs = x, y
         # An outer product: the first factor scaled to peak at 1 per tensor; with no finite row
         # its peak is float64's lowest, and both factors are then exactly 0.
         outer_rows = flat.outer_row_log + x[flat.dense_rows:]
@@ -297,33 +293,53 @@ class Coupling:
         self.e_rows = torch.cat([e_dst, torch.exp(outer_rows - peak[flat.outer_row_tensor])])
         self.e_cols = torch.cat([e_src, torch.exp(outer_cols + peak[flat.outer_col_tensor])])
 
+    def settle(self, materialise: list[float] | None = None) -> None:
+        """Materialise the buckets that need it: ``materialise`` is :attr:`pending` read on the
+        host, by a caller that reads it with its own values in one transfer; read here otherwise."""
+        if self.matrices is not None:
+            return
+        flat, (x, y) = self.flat, self._logs
+        materialise = self.pending.tolist() if materialise is None else materialise
+        self.matrices = []
+        for bucket, dense_bucket in zip(flat.buckets, materialise):
+            if dense_bucket:
+                batches = bucket.log_gbar.shape[0]
+                self.matrices.append(torch.exp(bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1)
+                                               + y[bucket.cols].reshape(batches, 1, -1)))
+                self.e_rows[bucket.rows] = 1.0
+                self.e_cols[bucket.cols] = 1.0
+            else:
+                self.matrices.append(bucket)
+        self.objective.passes += any(materialise)  # exp over the materialised tensors: about one pass
+
     def _matrix(self, b: int) -> torch.Tensor:
+        self.settle()
         matrix = self.matrices[b]
         return matrix.linear_gbar(matrix.shift_per_batch) if isinstance(matrix, Bucket) else matrix
 
     def row_products(self, v: torch.Tensor) -> torch.Tensor:
         """W v per row slot, ``v`` given per column slot."""
+        self.settle()
         flat = self.flat
         scaled = self.e_cols * v
-        dense = [torch.bmm(self._matrix(b), scaled[bucket.cols].reshape(self._batches(b), -1, 1)).reshape(-1)
-                 for b, bucket in enumerate(flat.buckets)]
-        outer = _segment_sum(scaled[flat.dense_cols:], flat.outer_col_tensor, len(flat.outer_tensors))
+        *pieces, outer = flat.col_pieces(scaled, -1, 1)
+        dense = [torch.bmm(self._matrix(b), piece).view(-1) for b, piece in enumerate(pieces)]
+        outer = _segment_sum(outer, flat.outer_col_tensor, len(flat.outer_tensors))
         return self.e_rows * torch.cat(dense + [outer[flat.outer_row_tensor]])
 
     def col_products(self, v: torch.Tensor) -> torch.Tensor:
         """Wᵀ v per column slot, ``v`` given per row slot."""
+        self.settle()
         flat = self.flat
         scaled = self.e_rows * v
-        dense = [torch.bmm(scaled[bucket.rows].reshape(self._batches(b), 1, -1), self._matrix(b)).reshape(-1)
-                 for b, bucket in enumerate(flat.buckets)]
-        outer = _segment_sum(scaled[flat.dense_rows:], flat.outer_row_tensor, len(flat.outer_tensors))
+        *pieces, outer = flat.row_pieces(scaled, 1, -1)
+        dense = [torch.bmm(piece, self._matrix(b)).view(-1) for b, piece in enumerate(pieces)]
+        outer = _segment_sum(outer, flat.outer_row_tensor, len(flat.outer_tensors))
         return self.e_cols * torch.cat(dense + [outer[flat.outer_col_tensor]])
-
-    def _batches(self, b: int) -> int:
-        return self.flat.buckets[b].log_gbar.shape[0]
 
     def tensor_rows(self, t: int, x_src: torch.Tensor) -> torch.Tensor:
         """W_t x_src for tensor ``t`` alone (``x_src`` shaped like its sources), shaped like its destinations."""
+        self.settle()
         flat, dp = self.flat, self.objective.groups.dag_params[t]
         rows, cols = flat.row_slices[t], flat.col_slices[t]
         scaled = (self.e_cols[cols] * x_src.reshape(-1)).reshape(dp.src.shape)
