@@ -64,6 +64,7 @@ def count_solve(groups, diag, *, method: str = "newton"):
     Building the objective (kernel sums, the support, the flat buffers) runs once per solve and
     per tensor; the rest is what every pass costs."""
     import fake_cuda
+
     from pathcond_cli.objective import Objective
     from pathcond_cli.solvers import solve
 
@@ -84,6 +85,7 @@ def main() -> None:
 
     import fake_cuda
     from bench_solvers import build
+
     from pathcond_cli.api import analyse, module_model
 
     print(f"{'model':<12}{'tensors':>8}{'passes':>7}{'analysis':>9}{'solve':>6}{'syncs/pass':>11}{'ops/pass':>9}"

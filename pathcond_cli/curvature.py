@@ -84,9 +84,9 @@ class LayerAggregates:
         self.sources = [sorted(aggregates - {self.count}) for aggregates in source_sets]
         self.single_source = [len(aggregates) == 1 for aggregates in source_sets]
         self.single_destination = [count == 1 for count in destination_counts]
-        as_mask = lambda flags: torch.tensor(flags, dtype=torch.bool, device=objective.device)  # noqa: E731
-        self.has_sources = as_mask([bool(sources) for sources in self.sources])
-        self.single_source_mask, self.single_destination_mask = as_mask(self.single_source), as_mask(self.single_destination)
+        self.has_sources, self.single_source_mask, self.single_destination_mask = (
+            torch.tensor(flags, dtype=torch.bool, device=objective.device)
+            for flags in ([bool(sources) for sources in self.sources], self.single_source, self.single_destination))
 
 
 class CoarseCorrection:

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_models import BasicBlock, ResNet, _finish
+from test_families import build
 
 from pathcond_cli.api import analyse, module_model
 from pathcond_cli.diag import DiagG, OuterLog, dense
 from pathcond_cli.objective import Coupling, Objective, group_logsumexp
-from reference_models import BasicBlock, ResNet, _finish
-from test_families import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_syncs import operation_counter  # noqa: E402
+from bench_syncs import operation_counter
 
 FAMILIES = ["resnet", "densenet", "shufflenet_v2", "squeezenet1_1", "resnext", "vgg11_bn"]
 
