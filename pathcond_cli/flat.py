@@ -4,7 +4,8 @@ whatever the number of tensors.
 Every tensor's row sums ``[G, O/G]`` and column sums ``[G, I/G]`` of w = ḡ e^{x_dst + y_src} get
 a slot in one flat row buffer and one flat column buffer, each slot mapped to its group
 (``row_group``, ``col_group``) and its tensor. Tensors whose kernel-summed ḡ has the same
-``[O/G, I/G]`` shape are stacked into one batch (a :class:`Bucket`), so that the products of a
+``[O/G, I/G]`` shape have it stacked in linear scale into one batch (a :class:`Bucket`; their
+log ḡ stays per tensor, a view of log g for a kernel of one), so that the products of a
 pass are two batched mat-vecs per distinct shape, not per tensor: a ResNet has the same dozen
 or two shapes at any depth. Tensors whose ḡ is an outer product (a Linear layer fed one
 vector, and every bias, a column of one) are held by their two log factors and reduced with
@@ -31,11 +32,12 @@ SAFE_RANGE = 650.0
 
 @dataclass
 class Bucket:
-    """Dense tensors with one ``[R, C]`` shape, stacked ``[Σ G, R, C]``: their log ḡ, ḡ in
-    linear scale (``e^{log ḡ − shift}`` per tensor; None when recomputed per use), the mask of
-    self-loop parameters (None when none has any) and where their slots lie."""
+    """Dense tensors with one ``[R, C]`` shape: their log ḡ (each tensor's own, ``[G, R, C]``:
+    for a kernel of one a view of log g, which a stacked copy would double), ḡ in linear scale
+    stacked ``[Σ G, R, C]`` (``e^{log ḡ − shift}`` per tensor; None when recomputed per use),
+    the mask of self-loop parameters (None when none has any) and where their slots lie."""
 
-    log_gbar: torch.Tensor
+    log_parts: list[torch.Tensor]
     linear: torch.Tensor | None
     self_loops: torch.Tensor | None
     rows: slice
@@ -44,15 +46,26 @@ class Bucket:
     batches: list[slice]
     shift_per_batch: torch.Tensor | None = None
 
+    @property
+    def batch_count(self) -> int:
+        return self.batches[-1].stop
+
+    @property
+    def log_gbar(self) -> torch.Tensor:
+        """The tensors' log ḡ stacked: a copy, for the log-domain routes (extreme ranges) only."""
+        return torch.cat(self.log_parts) if len(self.log_parts) > 1 else self.log_parts[0]
+
     def linear_gbar(self, shift_per_batch: torch.Tensor) -> torch.Tensor:
-        return self.linear if self.linear is not None else torch.exp(self.log_gbar - shift_per_batch[:, None, None])
+        if self.linear is not None:
+            return self.linear
+        stacked = torch.cat(self.log_parts) if len(self.log_parts) > 1 else self.log_parts[0].clone()
+        return stacked.sub_(shift_per_batch[:, None, None]).exp_()
 
 
 class FlatG:
     """log ḡ of every tensor in flat buffers (see the module docstring).
 
     ``parts[t]`` is tensor t's kernel-summed log ḡ, ``[G, O/G, I/G]``, or an :class:`OuterLog`.
-    After construction ``parts`` holds views into the stacks (no second copy).
     """
 
     def __init__(self, groups: RescalingGroups, parts: list[LogG], *, cache_bytes: int):
@@ -120,13 +133,14 @@ class FlatG:
         self.src_shapes = [dp.src.shape for dp in dps]
 
     def _stack(self, dps, parts: list[LogG], by_shape: dict[tuple[int, int], list[int]], cache_bytes: int) -> None:
-        """One :class:`Bucket` per shape, ``parts`` replaced by views of it; per dense tensor the
-        log scale of its linear ḡ and the spread of its finite log ḡ."""
+        """One :class:`Bucket` per shape; per dense tensor the log scale of its linear ḡ and the
+        spread of its finite log ḡ."""
         device = self.row_group.device
         self.buckets: list[Bucket] = []
         finite_max, finite_min, conv_groups, bucket_sizes = [], [], [], []
         for members in by_shape.values():
             first, last = members[0], members[-1]
+            # stacked only while its range is taken (one bucket at a time)
             log_gbar = torch.cat([parts[t] for t in members]) if len(members) > 1 else parts[first]
             loops = [dps[t].self_loops for t in members]
             self_loops = None if all(m is None for m in loops) else torch.cat(
@@ -135,16 +149,16 @@ class FlatG:
             batches, at = [], 0
             for t in members:
                 batches.append(slice(at, at + parts[t].shape[0]))
-                parts[t] = log_gbar[batches[-1]]
                 at += parts[t].shape[0]
             conv_groups += [parts[t].shape[0] for t in members]
             bucket_sizes.append(len(members))
-            self.buckets.append(Bucket(log_gbar, None, self_loops,
+            self.buckets.append(Bucket([parts[t] for t in members], None, self_loops,
                                        slice(self.row_slices[first].start, self.row_slices[last].stop),
                                        slice(self.col_slices[first].start, self.col_slices[last].stop), members, batches))
             finite = torch.isfinite(log_gbar)
             finite_max.append(torch.where(finite, log_gbar, -torch.inf).amax(dim=(1, 2)))
             finite_min.append(torch.where(finite, log_gbar, torch.inf).amin(dim=(1, 2)))
+            del log_gbar, finite
         count = len(self.dense_tensors)
         batch_tensor = torch.repeat_interleave(torch.arange(count, device=device),
                                                torch.tensor(conv_groups, dtype=torch.long, device=device),
@@ -162,10 +176,10 @@ class FlatG:
         shift_per_batch = self.shift[batch_tensor]
         room, at = cache_bytes, 0
         for bucket in self.buckets:
-            batches = bucket.log_gbar.shape[0]
+            batches = bucket.batch_count
             bucket.shift_per_batch = shift_per_batch[at:at + batches]
             at += batches
-            size = bucket.log_gbar.numel() * bucket.log_gbar.element_size()
+            size = sum(part.numel() * part.element_size() for part in bucket.log_parts)
             if size <= room:
                 bucket.linear = bucket.linear_gbar(bucket.shift_per_batch)
                 room -= size
@@ -175,12 +189,12 @@ class FlatG:
         per bucket (-1 in ``shape`` for the bucket's rows), then the rest: one split, not a slice
         per bucket."""
         pieces = torch.split(v, self.row_sizes + [v.numel() - self.dense_rows])
-        return [p.view(b.log_gbar.shape[0], *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
+        return [p.view(b.batch_count, *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
 
     def col_pieces(self, v: torch.Tensor, *shape: int) -> list[torch.Tensor]:
         """:meth:`row_pieces` over the column slots."""
         pieces = torch.split(v, self.col_sizes + [v.numel() - self.dense_cols])
-        return [p.view(b.log_gbar.shape[0], *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
+        return [p.view(b.batch_count, *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
 
     # ------------------------------------------------------------------ ranges
 
@@ -238,7 +252,7 @@ class FlatG:
     def _log_domain_sums(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         rows, between_rows, cols, between_cols = [], [], [], []
         for bucket in self.buckets:
-            batches = bucket.log_gbar.shape[0]
+            batches = bucket.batch_count
             log_w = (bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1)
                      + y[bucket.cols].reshape(batches, 1, -1))
             rows.append(torch.logsumexp(log_w, dim=2).reshape(-1))

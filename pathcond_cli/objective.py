@@ -303,7 +303,7 @@ class Coupling:
         self.matrices = []
         for bucket, dense_bucket in zip(flat.buckets, materialise):
             if dense_bucket:
-                batches = bucket.log_gbar.shape[0]
+                batches = bucket.batch_count
                 self.matrices.append(torch.exp(bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1)
                                                + y[bucket.cols].reshape(batches, 1, -1)))
                 self.e_rows[bucket.rows] = 1.0
