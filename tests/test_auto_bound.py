@@ -173,7 +173,7 @@ def test_cli_json_error_document_of_an_internal_error_and_of_inspect(tmp_path, m
     def broken(*args, **kwargs):
         raise ZeroDivisionError("float division by zero")
 
-    monkeypatch.setattr(api, "diag_g", broken)
+    monkeypatch.setattr(api, "diag_g_and_l2_norm", broken)
     for command in ("rescale", "inspect"):
         result = invoke(command, checkpoint, "--arch", spec, "--json", *(["-o", tmp_path / "o.safetensors"]
                                                                           if command == "rescale" else []))

@@ -367,7 +367,7 @@ def test_an_allocation_that_fails_is_exit_3_not_an_internal_error(tmp_path, monk
     def allocating(*args, **kwargs):
         raise failure
 
-    monkeypatch.setattr(pathcond_cli.api, "diag_g", allocating)
+    monkeypatch.setattr(pathcond_cli.api, "diag_g_and_l2_norm", allocating)
     stderr = _refused(tmp_path, 3, ["rescale", checkpoint, "--arch", spec, "-o", tmp_path / "o.safetensors"],
                       "out of memory", "Nothing was written")
     assert "internal error" not in stderr
