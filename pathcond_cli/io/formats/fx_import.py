@@ -8,15 +8,11 @@ be translated is collected, so one error lists the whole graph's unsupported ope
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import operator
-import os
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...engine.graph import Graph
-from ...errors import InputError, UnsupportedModelError, UsageError
-from . import shown
+from ...errors import UnsupportedModelError, UsageError
+from .common import shown
 from .export_graph import exported_graph
 from .movement import UnsupportedMovement, movement_layer
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
@@ -140,79 +136,6 @@ def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
     finally:
         module.train(was_training)
     return values, failure
-
-
-def factory_source_files(spec: str) -> list[Path]:
-    """The files ``import`` executes for ``module.path:callable`` (each package's ``__init__``
-    and the module), found as :func:`load_factory` finds them but without importing anything."""
-    from importlib.machinery import PathFinder
-
-    module_name = spec.rpartition(":")[0]
-    search: list[str] = [os.getcwd(), *sys.path]
-    files = []
-    parts = module_name.split(".") if module_name else []
-    for depth in range(1, len(parts) + 1):
-        name = ".".join(parts[:depth])
-        module = sys.modules.get(name)
-        if module is not None:
-            origin, locations = getattr(module, "__file__", None), getattr(module, "__path__", None)
-        else:
-            try:
-                found = PathFinder.find_spec(name, search)
-            except (ImportError, ValueError, OSError):
-                break
-            if found is None:
-                break
-            origin = found.origin if found.has_location else None
-            locations = found.submodule_search_locations
-        if origin:
-            files.append(Path(origin))
-        search = list(locations or [])
-        if not search:
-            break
-    return files
-
-
-def load_factory(spec: str) -> nn.Module:
-    """Call ``module.path:callable`` (``callable`` may be dotted) and return the nn.Module it builds.
-
-    The current directory is put on ``sys.path`` so that a local ``mynet.py`` is found as
-    ``mynet:build``.
-    """
-    module_name, _, attribute = spec.rpartition(":")
-    if not module_name or not attribute:
-        raise InputError(f"architecture factory '{spec}': expected the form module.path:callable, e.g. mynet:build")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except (Exception, SystemExit) as exc:  # importing runs arbitrary user code, which may raise anything
-        raise InputError(
-            f"architecture factory '{spec}': cannot import module '{module_name}' "
-            f"({_raised(exc)}); it is looked up on sys.path and in the current directory"
-        ) from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise InputError(f"architecture factory '{spec}': module '{module_name}' has no attribute '{attribute}'")
-        target = getattr(target, part)
-    if not callable(target):
-        raise InputError(f"architecture factory '{spec}': '{attribute}' is not callable")
-    try:
-        built = target()
-    except (Exception, SystemExit) as exc:  # the factory is user code; sys.exit() there ends nothing but the factory
-        raise InputError(f"architecture factory '{spec}': calling {attribute}() failed ({_raised(exc)})") from None
-    if not isinstance(built, nn.Module):
-        raise InputError(
-            f"architecture factory '{spec}': {attribute}() returned {type(built).__name__}, not a torch.nn.Module"
-        )
-    return built
-
-
-def _raised(exc: BaseException) -> str:
-    """What user code raised, in a message; a sys.exit() call is named as such."""
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r})" if exc.code is not None else "it called sys.exit()"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _trace(module: nn.Module, input_shape: tuple[int, ...], source: str) -> torch.fx.GraphModule:

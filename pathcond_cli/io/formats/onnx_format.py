@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from google.protobuf import json_format, text_format
 from google.protobuf.message import DecodeError
 from onnx import external_data_helper, numpy_helper
 
@@ -32,7 +33,10 @@ from ...engine.graph import (
 )
 from ...engine.model import LoadedModel
 from ...errors import InputError, OutputError, UnsupportedModelError, UsageError
+from ..companions import external_data_name, is_companion_name, named_by_another_file
 from ..fileio import atomic_write, describe, output_error_from
+from .common import (InputShape, check_weight_types, contained_file, exception_line, refuse_beyond_memory,
+                     shapes_by_input, shown)
 from .movement import UnsupportedMovement, movement_layer
 from .offenders import grouped, offender_note
 from .onnx_fold import SHAPE_QUERIES, fold_shape_arithmetic
@@ -104,8 +108,6 @@ def load_onnx(
     _check(model, serialized, label)
     del serialized  # the whole file (97 MB for ResNet-50): not held through the rest of the load
     graph_inputs = fed_inputs(model, label)
-    from . import shapes_by_input
-
     given = shapes_by_input(input_shape, [i.name for i in graph_inputs], label)
     several = len(graph_inputs) > 1
     shapes = {i.name: _input_shape(i, given.get(i.name), label, several=several) for i in graph_inputs}
@@ -202,8 +204,6 @@ def _external_location(tensor: onnx.TensorProto) -> str | None:
 def _load_external_data(model: onnx.ModelProto, path: Path, label: str) -> list[Path]:
     """Read every external tensor's bytes, each location checked to lie inside the model's folder
     before anything is opened."""
-    from . import contained_file
-
     folder = path.parent
     tensors = _external_tensors(model)
     files = {}
@@ -240,8 +240,6 @@ def _load_external_data(model: onnx.ModelProto, path: Path, label: str) -> list[
 
 def external_data_files(path: Path) -> list[Path]:
     """The external data files an ONNX file on disk names (each inside its folder)."""
-    from . import contained_file
-
     model = onnx.load(str(path), load_external_data=False)
     locations = dict.fromkeys(_external_location(t) for t in _external_tensors(model))
     return [contained_file(path.parent, location, str(path), "external data") for location in locations]
@@ -265,9 +263,6 @@ def own_external_data(path: Path) -> list[Path]:
     Anything else the model names (``thesis.txt``, another model's weights) is never listed;
     nor is anything when the model cannot be parsed.
     """
-    from ..fileio import is_companion_name
-    from . import named_by_another_file
-
     try:
         model = onnx.load(str(path), load_external_data=False)
         extents: dict[str, list[tuple[int, int | None]]] = {}
@@ -275,7 +270,7 @@ def own_external_data(path: Path) -> list[Path]:
             info = external_data_helper.ExternalDataInfo(tensor)
             extents.setdefault(info.location, []).append((info.offset or 0, info.length))
         return [path.parent / location for location, spans in extents.items()
-                if is_companion_name(location, f"{path.name}.data")
+                if is_companion_name(location, external_data_name(path.name))
                 and _exactly_covered(path.parent / location, spans)
                 and not named_by_another_file(path, location, ".onnx")]
     except (OSError, ValueError, TypeError, DecodeError):
@@ -465,8 +460,6 @@ def check_memory(shapes: dict[str, tuple[int | None, ...]], model: onnx.ModelPro
     The estimate counts every activation the graph computes (float64, forward and backward
     of the diag(G) pass) and every stored tensor (original, rescaled and squared copies).
     """
-    from . import refuse_beyond_memory
-
     stored = {t.name for t in model.graph.initializer}
     producer = {out: node for node in model.graph.node for out in node.output}
     activation_elements = 0
@@ -1539,7 +1532,7 @@ def write_onnx(
             "whose large tensors go to an external data file beside it. Nothing was written."
         )
     if len(model.files) > 1 and not self_contained:
-        location = companion_name(f"{destination.name}.data")
+        location = companion_name(external_data_name(destination.name))
         for tensor in proto.graph.initializer:
             if tensor.data_type in _FLOAT_TYPES and len(tensor.raw_data) >= EXTERNAL_MIN_BYTES:
                 external_data_helper.set_external_data(tensor, location)
@@ -1640,3 +1633,53 @@ def reference_outputs(source: Path | bytes, inputs: np.ndarray | dict[str, np.nd
     feeds = {i.name: np.asarray(arrays[i.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
              for i in graph_inputs}
     return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
+
+
+# --------------------------------------------------------------------------- the format
+
+
+class OnnxFormat:
+    """ONNX models (``.onnx``, or any file that is not safetensors): the :class:`~.interface.Format`."""
+
+    name = "onnx"
+
+    def load(self, source: Path | bytes, *, arch: str | None, input_shape: InputShape | None, name: str | None,
+             allow_unused: bool) -> LoadedModel:
+        if arch is not None:
+            raise InputError(f"{name or source}: --arch applies to safetensors checkpoints; an ONNX model carries its graph.")
+        try:
+            model = load_onnx(source, input_shape=input_shape, name=name)
+        except (text_format.Error, json_format.Error) as exc:
+            # onnx.load picks a text parser from extensions such as .textproto or .pbtxt.
+            label = name or str(source)
+            raise InputError(f"cannot read '{label}': it is not a valid ONNX model ({exception_line(exc)}).") from None
+        check_weight_types(model.graph, model.params, model.source)
+        return model
+
+    def write(self, model: LoadedModel, changed: dict[str, torch.Tensor], destination: Path, metadata: dict[str, str],
+              *, companion_name: Callable[[str], str], self_contained: bool) -> None:
+        write_onnx(model, changed, destination, metadata, companion_name=companion_name,
+                   self_contained=self_contained)
+
+    def check_streamable(self, model: LoadedModel) -> None:
+        """Refuse a model whose tensors, all inline, exceed what protobuf holds in one message (2 GiB)."""
+        size = model.payload.ByteSize()
+        if size > PROTOBUF_MAX_BYTES:
+            raise OutputError(
+                f"{shown(model.source)}: cannot send the rescaled model to stdout (-o -): stdout takes one "
+                f"self-contained file, and with its external data inline this model takes {size / 2**30:.3g} GiB, "
+                "beyond the 2 GiB protobuf allows; write it with -o FILE.onnx instead (its large tensors then go "
+                "to an external data file beside it). Nothing was written."
+            )
+
+    def companions(self, path: Path) -> list[Path]:
+        try:
+            return external_data_files(path)
+        except (InputError, OSError, ValueError, DecodeError):
+            return []  # not a model pathcond can read: it consists of itself
+
+    def own_companions(self, path: Path) -> list[Path]:
+        return own_external_data(path)
+
+
+FORMAT = OnnxFormat()
