@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pathcond_cli.engine import graph as g
-from pathcond_cli.io.formats import fx_import, onnx_format
+from pathcond_cli.io.formats import fx_import, onnx_translate
 from pathcond_cli.io.formats.spec import LAYER_TYPES
 from pathcond_cli.engine.rules import RULES
 
@@ -67,7 +67,7 @@ def test_every_node_class_has_a_rule_a_spec_type_and_its_importers(node_type):
     if isinstance(onnx_ops, str):
         assert onnx_ops
     else:
-        assert all(op in onnx_format._HANDLERS for op in onnx_ops), onnx_ops
+        assert all(op in onnx_translate.HANDLERS for op in onnx_ops), onnx_ops
     if isinstance(fx_ops, str):
         assert fx_ops
     else:
