@@ -39,7 +39,7 @@ from ...engine.graph import (
 )
 from ...errors import UnsupportedModelError
 from .movement import UnsupportedMovement, movement_layer
-from .offenders import grouped, offender_note
+from .offenders import NotHomogeneous, Unsupported, grouped, offender_note
 from .onnx_fold import SHAPE_QUERIES
 from .onnx_read import DEFAULT_DOMAINS, constant_tensor, node_label, one_line, value_shapes
 from .spec import LAYER_TYPES
@@ -51,14 +51,6 @@ _NOT_HOMOGENEOUS = {
     "MatMul", "Einsum", "Attention", "Cos", "Sin", "Abs", "Neg", "ReduceMax", "ReduceSum", "ReduceL2", "Tan",
     "HardSwish", "Swish", "ThresholdedRelu", "Shrink",
 }
-
-
-class _Unsupported(Exception):
-    """Why one ONNX node cannot become part of the ReLU DAG (collected, never shown alone)."""
-
-
-class _NotHomogeneous(_Unsupported):
-    """The node computes a function that is not positively homogeneous (grouped by op type)."""
 
 
 @dataclasses.dataclass
@@ -153,13 +145,13 @@ class Translator:
         try:
             if handler is None:
                 if node.domain in DEFAULT_DOMAINS and node.op_type in _NOT_HOMOGENEOUS:
-                    raise _NotHomogeneous()
-                raise _Unsupported(_unsupported_reason(node))
+                    raise NotHomogeneous()
+                raise Unsupported(_unsupported_reason(node))
             handler(self, node)
-        except _NotHomogeneous:
+        except NotHomogeneous:
             self.offenders.append((_op_label(node), node_label(node)))
             self.after_refusal.update(node.output)
-        except _Unsupported as exc:
+        except Unsupported as exc:
             problem = f"node '{node_label(node)}' ({_op_label(node)}): {exc}"
             (self.follow_on if follows_refusal else self.problems).append(problem)
             self.after_refusal.update(node.output)
@@ -219,7 +211,7 @@ class Translator:
             elif value in self.moves:
                 try:
                     outputs.append(self._source(self._materialised(value)))
-                except _Unsupported as exc:
+                except Unsupported as exc:
                     self.problems.append(f"graph output '{value}': {exc}")
             elif value in self.node_of_value:
                 outputs.append(self.node_of_value[value])
@@ -281,13 +273,13 @@ class Translator:
         """Input 0, an activation that may be a pending data movement of the graph node behind it."""
         value = node.input[0]
         if value not in self.activations:
-            raise _Unsupported(f"input 0 ('{value}') is expected to be computed from the network input")
+            raise Unsupported(f"input 0 ('{value}') is expected to be computed from the network input")
         return value
 
     def _activation(self, node: onnx.NodeProto, index: int = 0) -> str:
         value = node.input[index] if index < len(node.input) else ""
         if value not in self.activations:
-            raise _Unsupported(f"input {index} ('{value}') is expected to be computed from the network input")
+            raise Unsupported(f"input {index} ('{value}') is expected to be computed from the network input")
         return self._materialised(value) if value in self.moves else value
 
     def _materialised(self, value: str) -> str:
@@ -300,11 +292,11 @@ class Translator:
         origin_shape = self.node_shapes.get(self._source(source)) or self._batch_free_shape(source)
         examples = index.reshape(batch, -1) // max(prod(origin_shape), 1)
         if per_example and not bool((examples == torch.arange(batch)[:, None]).all()):
-            raise _Unsupported(f"its input '{value}' comes from node '{node_label(op)}' ({op.op_type}), which mixes examples of the batch")
+            raise Unsupported(f"its input '{value}' comes from node '{node_label(op)}' ({op.op_type}), which mixes examples of the batch")
         try:
             layer = movement_layer(tuple(origin_shape), index[:1])
         except UnsupportedMovement as exc:
-            raise _Unsupported(f"its input '{value}' comes from node '{node_label(op)}' ({op.op_type}): {exc}") from None
+            raise Unsupported(f"its input '{value}' comes from node '{node_label(op)}' ({op.op_type}): {exc}") from None
         if layer is None:
             self.node_of_value[value] = self._source(source)
         else:
@@ -319,7 +311,7 @@ class Translator:
         try:
             results = transform(index)
         except (RuntimeError, ValueError, IndexError) as exc:
-            raise _Unsupported(f"cannot be replayed on its input's index map ({one_line(exc)})") from None
+            raise Unsupported(f"cannot be replayed on its input's index map ({one_line(exc)})") from None
         results = results if isinstance(results, list) else [results]
         for value, result in zip(node.output, results):
             if value:
@@ -333,7 +325,7 @@ class Translator:
             return source, index
         shape = self.shapes.get(value)
         if shape is None or any(d is None for d in shape):
-            raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{value}'")
+            raise Unsupported(f"ONNX shape inference cannot determine the shape of '{value}'")
         return value, torch.arange(prod(shape)).reshape(shape)
 
     def _is_static(self, value: str) -> bool:
@@ -345,7 +337,7 @@ class Translator:
     def _require_unused(self, node: onnx.NodeProto, *indices: int) -> None:
         for i in indices:
             if i < len(node.output) and node.output[i] and self._readers(node.output[i]):
-                raise _Unsupported(f"its output {i} ('{node.output[i]}') is used; only inference outputs are supported")
+                raise Unsupported(f"its output {i} ('{node.output[i]}') is used; only inference outputs are supported")
 
     # ---- shapes
 
@@ -356,13 +348,13 @@ class Translator:
     def _rank(self, value: str) -> int:
         shape = self.shapes.get(value)
         if shape is None:
-            raise _Unsupported(f"the rank of '{value}' is unknown after shape inference")
+            raise Unsupported(f"the rank of '{value}' is unknown after shape inference")
         return len(shape)
 
     def _batch_free_shape(self, value: str) -> tuple[int, ...]:
         shape = self._known_batch_free_shape(value)
         if shape is None or any(d is None for d in shape):
-            raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{value}'")
+            raise Unsupported(f"ONNX shape inference cannot determine the shape of '{value}'")
         return shape
 
     # ---- static tensors
@@ -384,7 +376,7 @@ class Translator:
             return _Weight(value, False)
         producer = self.producer.get(value)
         if producer is None:
-            raise _Unsupported(f"its tensor input '{value}' is neither an initializer nor a Constant")
+            raise Unsupported(f"its tensor input '{value}' is neither an initializer nor a Constant")
         if producer.op_type == "Identity":
             source = producer.input[0]
             if self._is_stored(source) and self._readers(source) > 1:
@@ -398,7 +390,7 @@ class Translator:
             what = (f"a Constant node '{node_label(producer)}' holding no numeric tensor"
                     if producer.op_type == "Constant" else
                     f"a {producer.op_type} node '{node_label(producer)}', which has no inputs")
-            raise _Unsupported(
+            raise Unsupported(
                 f"its tensor input '{value}' is computed by {what}; only stored tensors (initializers and "
                 "Constant nodes) can be rescaled: store the value as an initializer"
             )
@@ -406,7 +398,7 @@ class Translator:
         if producer.op_type == "Transpose" and is_matrix_transpose:
             inner = self._weight(producer.input[0], producer)
             return _Weight(inner.key, not inner.transposed)
-        raise _Unsupported(
+        raise Unsupported(
             f"its tensor input '{value}' is computed by a {producer.op_type} node; only stored tensors are supported"
         )
 
@@ -414,7 +406,7 @@ class Translator:
         weight = self._weight(value)
         shape = self.shapes.get(value)
         if weight.transposed or shape is None or len(shape) != expected_rank:
-            raise _Unsupported(f"its {role} '{value}' must be a stored tensor of rank {expected_rank}")
+            raise Unsupported(f"its {role} '{value}' must be a stored tensor of rank {expected_rank}")
         return weight.key
 
     def _static_ints(self, value: str) -> list[int] | None:
@@ -454,10 +446,10 @@ class Translator:
     def _gemm(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
         if _int(node, "transA", 0) != 0:
-            raise _Unsupported("transA=1 is not supported")
+            raise Unsupported("transA=1 is not supported")
         has_bias = len(node.input) > 2 and bool(node.input[2])
         if _float(node, "alpha", 1.0) != 1.0 or (has_bias and _float(node, "beta", 1.0) != 1.0):
-            raise _Unsupported("alpha and beta other than 1 are not supported")
+            raise Unsupported("alpha and beta other than 1 are not supported")
         self._linear(node, x, node.input[1], stored_in_out=_int(node, "transB", 0) == 0,
                      bias=node.input[2] if has_bias else None)
 
@@ -467,11 +459,11 @@ class Translator:
     def _linear(self, node: onnx.NodeProto, x: str, weight_value: str, *, stored_in_out: bool, bias: str | None) -> None:
         """``stored_in_out``: the op reads its weight input as ``[in, out]`` (MatMul, Gemm transB=0)."""
         if not self._is_static(weight_value):
-            raise _NotHomogeneous()  # a product of two activations, whatever their ranks
+            raise NotHomogeneous()  # a product of two activations, whatever their ranks
         if self._rank(x) != 2:
-            raise _Unsupported(f"input '{x}' has rank {self._rank(x)}; only (batch, features) inputs are supported")
+            raise Unsupported(f"input '{x}' has rank {self._rank(x)}; only (batch, features) inputs are supported")
         if self._rank(weight_value) != 2:
-            raise _Unsupported(f"weight '{weight_value}' must have rank 2")
+            raise Unsupported(f"weight '{weight_value}' must have rank 2")
         weight = self._weight(weight_value)
         bias_key = self._plain_weight(bias, "bias", 1) if bias is not None else None
         self._emit_for(node, Linear, x, weight=weight.key, bias=bias_key,
@@ -481,7 +473,7 @@ class Translator:
         x = self._activation(node)
         rank = self._rank(node.input[1])
         if rank not in (3, 4, 5):
-            raise _Unsupported(f"only 1-d, 2-d and 3-d convolutions are supported (kernel rank {rank})")
+            raise Unsupported(f"only 1-d, 2-d and 3-d convolutions are supported (kernel rank {rank})")
         weight = self._plain_weight(node.input[1], "kernel", rank)
         bias = self._plain_weight(node.input[2], "bias", 1) if len(node.input) > 2 and node.input[2] else None
         spatial = rank - 2
@@ -505,9 +497,9 @@ class Translator:
         x = self._activation(node)
         rank = self._rank(node.input[1])
         if rank not in (3, 4, 5):
-            raise _Unsupported(f"only 1-d, 2-d and 3-d transposed convolutions are supported (kernel rank {rank})")
+            raise Unsupported(f"only 1-d, 2-d and 3-d transposed convolutions are supported (kernel rank {rank})")
         if _has(node, "output_shape"):
-            raise _Unsupported("an explicit output_shape is not supported; export with output_padding")
+            raise Unsupported("an explicit output_shape is not supported; export with output_padding")
         weight = self._plain_weight(node.input[1], "kernel", rank)
         bias = self._plain_weight(node.input[2], "bias", 1) if len(node.input) > 2 and node.input[2] else None
         spatial = rank - 2
@@ -523,14 +515,14 @@ class Translator:
     def _prelu(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
         if not self._is_static(node.input[1]):
-            raise _Unsupported("a slope computed from the network input is not a PReLU")
+            raise Unsupported("a slope computed from the network input is not a PReLU")
         weight = self._weight(node.input[1])
         slope_shape = tuple(self.shapes.get(node.input[1]) or ())
         channels = self._batch_free_shape(x)[0]
         # Broadcast against (batch, C, *spatial): one slope, or one per channel on the channel axis.
         per_channel = len(slope_shape) >= len(self.shapes[x]) - 1 and slope_shape[-(len(self.shapes[x]) - 1)] == channels
         if weight.transposed or not (prod(slope_shape) == 1 or (prod(slope_shape) == channels and per_channel)):
-            raise _Unsupported(f"only one slope per channel or one shared slope is supported (slope shape {slope_shape})")
+            raise Unsupported(f"only one slope per channel or one shared slope is supported (slope shape {slope_shape})")
         self._emit_for(node, PReLU, x, weight=weight.key)
 
     def _scale(self, node: onnx.NodeProto) -> None:
@@ -538,24 +530,24 @@ class Translator:
         tensor: a per-channel scale (its DAG parameters), whose shift an Add may follow."""
         static = [i for i, v in enumerate(node.input) if self._is_static(v)]
         if len(static) != 1:
-            raise _NotHomogeneous()
+            raise NotHomogeneous()
         if node.op_type == "Div" and static[0] == 0:
-            raise _Unsupported("dividing a constant by an activation is not homogeneous")
+            raise Unsupported("dividing a constant by an activation is not homogeneous")
         x = self._activation(node, 1 - static[0])
         if node.op_type == "Mul" and self._is_per_channel(node.input[static[0]], x):
             self._emit_for(node, ChannelAffine, x, weight=self._weight(node.input[static[0]]).key)
             return
         constant = self._static_floats(node.input[static[0]])
         if constant is None or len(constant) != 1:
-            raise _Unsupported(f"only multiplication by a stored scalar or a per-channel tensor, or division by a "
+            raise Unsupported(f"only multiplication by a stored scalar or a per-channel tensor, or division by a "
                                f"stored scalar, is supported ('{node.input[static[0]]}')")
         factor = constant[0]
         if node.op_type == "Div":
             if factor == 0:
-                raise _Unsupported("division by zero")
+                raise Unsupported("division by zero")
             factor = 1.0 / factor
         if not math.isfinite(factor):
-            raise _Unsupported(f"the constant factor {factor} is not finite")
+            raise Unsupported(f"the constant factor {factor} is not finite")
         self._emit_for(node, Scale, x, factor=factor)
 
     def _is_per_channel(self, value: str, x: str) -> bool:
@@ -576,26 +568,26 @@ class Translator:
         axes = self._static_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else list(range(rank))
         mode = _PAD_MODES.get(onnx_mode)
         if mode is None:
-            raise _Unsupported(f"mode {onnx_mode!r} is not supported (constant, reflect, edge, wrap)")
+            raise Unsupported(f"mode {onnx_mode!r} is not supported (constant, reflect, edge, wrap)")
         if mode == "zeros" and value == [-math.inf]:
             mode = "-inf"
         elif mode == "zeros" and value not in ([0.0], [0]):
-            raise _Unsupported(f"padding with the constant {value} is not positively homogeneous (a padded neuron "
+            raise Unsupported(f"padding with the constant {value} is not positively homogeneous (a padded neuron "
                                "keeps its value whatever its channel's scale); only 0, and −inf before max pooling, are")
         if pads is None or axes is None:
-            raise _Unsupported("its pads and axes must be stored tensors")
+            raise Unsupported("its pads and axes must be stored tensors")
         begin, end = [0] * rank, [0] * rank
         for axis, before, after in zip(axes, pads[:len(axes)], pads[len(axes):]):
             begin[axis % rank], end[axis % rank] = before, after
         if begin[:2] != [0, 0] or end[:2] != [0, 0]:
-            raise _Unsupported(f"only padding or cropping (negative pads) of the spatial axes is supported "
+            raise Unsupported(f"only padding or cropping (negative pads) of the spatial axes is supported "
                                f"(pads {pads})")
         if mode == "circular":
             shape = self.shapes.get(x) or ()
             for axis in range(2, min(rank, len(shape))):
                 size = shape[axis]
                 if size is not None and max(begin[axis], end[axis]) > size:
-                    raise _Unsupported(
+                    raise Unsupported(
                         f"wrap padding of {max(begin[axis], end[axis])} on axis {axis}, of size {size}, wraps around "
                         "more than once; pathcond pads circularly by at most the size of the axis (torch's "
                         "circular padding)"
@@ -610,30 +602,30 @@ class Translator:
                                     (("mode", "nearest"), ("coordinate_transformation_mode", "half_pixel"),
                                      ("nearest_mode", "round_prefer_floor")))
         if _int(node, "antialias", 0) or _string(node, "keep_aspect_ratio_policy", "stretch") != "stretch":
-            raise _Unsupported("antialias and keep_aspect_ratio_policy other than stretch are not supported")
+            raise Unsupported("antialias and keep_aspect_ratio_policy other than stretch are not supported")
         rank = self._rank(x)
         if _has(node, "axes") and sorted(a % rank for a in _ints(node, "axes", [])) != list(range(rank)):
-            raise _Unsupported("resizing a subset of the axes (axes attribute) is not supported")
+            raise Unsupported("resizing a subset of the axes (axes attribute) is not supported")
         if mode == "nearest" and (transform, nearest) != ("asymmetric", "floor"):
-            raise _Unsupported(
+            raise Unsupported(
                 f"nearest mode is supported as torch's 'nearest' exports it (coordinate_transformation_mode "
                 f"asymmetric, nearest_mode floor), not {transform}/{nearest}"
             )
         if mode == "linear" and transform not in ("half_pixel", "pytorch_half_pixel", "align_corners"):
-            raise _Unsupported(f"linear mode with coordinate_transformation_mode {transform!r} is not supported "
+            raise Unsupported(f"linear mode with coordinate_transformation_mode {transform!r} is not supported "
                                "(half_pixel, pytorch_half_pixel, align_corners)")
         if mode not in ("nearest", "linear"):
-            raise _Unsupported(f"mode {mode!r} is not supported (nearest and linear only)")
+            raise Unsupported(f"mode {mode!r} is not supported (nearest and linear only)")
         if rank not in (3, 4, 5):
-            raise _Unsupported(f"only 1-d, 2-d and 3-d feature maps can be resized ('{x}' has rank {rank})")
+            raise Unsupported(f"only 1-d, 2-d and 3-d feature maps can be resized ('{x}' has rank {rank})")
         has_scales = len(node.input) > 2 and bool(node.input[2])
         if has_scales == (len(node.input) > 3 and bool(node.input[3])):
-            raise _Unsupported("exactly one of scales and sizes must be given")
+            raise Unsupported("exactly one of scales and sizes must be given")
         in_shape = self._batch_free_shape(x)
         if has_scales:
             scales = self._concatenated_floats(node.input[2])
             if scales is None or len(scales) != rank or min(scales) <= 0:
-                raise _Unsupported(f"its scales must be a stored constant of {rank} positive numbers (got {scales})")
+                raise Unsupported(f"its scales must be a stored constant of {rank} positive numbers (got {scales})")
             # Shape inference does not follow scales through a Concat: the output size as ONNX defines it.
             out_shape = tuple(math.floor(n * scale) for n, scale in zip(in_shape, scales[1:]))
             self.shapes[node.output[0]] = (self.shapes[x][0], *out_shape)
@@ -642,9 +634,9 @@ class Translator:
             out_shape = self._batch_free_shape(node.output[0])
             resize = {"size": tuple(out_shape[1:])}
         if in_shape[0] != out_shape[0] or (has_scales and scales[0] != 1):
-            raise _Unsupported("resizing the batch or channel axis is not supported")
+            raise Unsupported("resizing the batch or channel axis is not supported")
         if transform == "pytorch_half_pixel" and 1 in out_shape[1:]:
-            raise _Unsupported("pytorch_half_pixel with an output size of 1 does not match torch's interpolation")
+            raise Unsupported("pytorch_half_pixel with an output size of 1 does not match torch's interpolation")
         self._emit_for(node, Upsample, x, mode=mode, align_corners=transform == "align_corners", **resize)
 
     def _concatenated_floats(self, value: str) -> list[float] | None:
@@ -658,7 +650,7 @@ class Translator:
     def _batch_norm(self, node: onnx.NodeProto) -> None:
         x = self._activation(node)
         if _int(node, "training_mode", 0) != 0:
-            raise _Unsupported("training_mode=1 (batch statistics) is not an inference graph")
+            raise Unsupported("training_mode=1 (batch statistics) is not an inference graph")
         self._require_unused(node, 1, 2)
         roles = ("scale", "bias", "mean", "variance")
         scale, bias, mean, var = (self._plain_weight(v, role, 1) for v, role in zip(node.input[1:5], roles))
@@ -679,7 +671,7 @@ class Translator:
         x = self._activation(node)
         training = node.input[2] if len(node.input) > 2 else ""
         if training and self._static_ints(training) != [0]:
-            raise _Unsupported("training_mode must be absent or a constant false")
+            raise Unsupported("training_mode must be absent or a constant false")
         self._require_unused(node, 1)
         self._emit_for(node, Identity, x)
 
@@ -699,7 +691,7 @@ class Translator:
         x = self._activation(node)
         spatial = self._spatial_rank(x)
         if any(d != 1 for d in _ints(node, "dilations", [1] * spatial)):
-            raise _Unsupported("dilated average pooling is not supported")
+            raise Unsupported("dilated average pooling is not supported")
         self._emit_for(
             node, AvgPool, x, kernel=tuple(_ints(node, "kernel_shape", [])),
             stride=tuple(_ints(node, "strides", [1] * spatial)),
@@ -722,9 +714,9 @@ class Translator:
         x = self._viewed_activation(node)
         rank, axes = self._rank(x), self._axes(node)
         if axes is None or rank < 3 or sorted(a % rank for a in axes) != list(range(2, rank)):
-            raise _Unsupported(f"only a mean over all spatial axes is supported (axes {axes} of a rank-{rank} input)")
+            raise Unsupported(f"only a mean over all spatial axes is supported (axes {axes} of a rank-{rank} input)")
         if x in self.moves and x not in self.node_of_value:
-            with contextlib.suppress(_Unsupported):
+            with contextlib.suppress(Unsupported):
                 self._materialised(x)  # a channel slice or shuffle becomes a node of its own
         if x in self.moves and x not in self.node_of_value:
             source, index, _ = self.moves[x]
@@ -733,12 +725,12 @@ class Translator:
             own = torch.arange(channels * per_channel).reshape(1, channels, per_channel)
             if tuple(index.shape[:2]) != (index.shape[0], channels) or not torch.equal(
                     index[:1].reshape(1, channels, -1).sort(dim=2).values, own):
-                raise _Unsupported(f"its input '{x}' does not keep the channels of '{source}'")
+                raise Unsupported(f"its input '{x}' does not keep the channels of '{source}'")
         else:
             source = self._activation(node)
             channels, *spatial = self.node_shapes.get(self._source(source)) or self._batch_free_shape(source)
         if len(spatial) not in (1, 2, 3):
-            raise _Unsupported(f"its input '{x}' is not a 1-d, 2-d or 3-d feature map of the graph")
+            raise Unsupported(f"its input '{x}' is not a 1-d, 2-d or 3-d feature map of the graph")
         pooled_shape = (channels,) + (1,) * len(spatial)
         pool = self._add_node(
             AdaptiveAvgPool(name=self._unique(node_label(node)), inputs=(self._source(source),),
@@ -759,7 +751,7 @@ class Translator:
         """Reshape, Flatten, Squeeze, Unsqueeze: data movement to the inferred output shape."""
         out_shape = self.shapes.get(node.output[0])
         if out_shape is None or any(d is None for d in out_shape):
-            raise _Unsupported(f"ONNX shape inference cannot determine the shape of '{node.output[0]}'")
+            raise Unsupported(f"ONNX shape inference cannot determine the shape of '{node.output[0]}'")
         self._move(node, lambda index: index.reshape(out_shape))
 
     def _transpose(self, node: onnx.NodeProto) -> None:
@@ -772,7 +764,7 @@ class Translator:
         sizes = self._static_ints(node.input[1]) if len(node.input) > 1 and node.input[1] else None
         if sizes is None:
             if len(node.input) > 1 and node.input[1]:
-                raise _Unsupported(f"its split sizes '{node.input[1]}' are not a stored tensor")
+                raise Unsupported(f"its split sizes '{node.input[1]}' are not a stored tensor")
             sizes = [self.shapes[out][axis] for out in node.output]
         self._move(node, lambda index: list(torch.split(index, sizes, dim=axis)))
 
@@ -783,9 +775,9 @@ class Translator:
         axes = self._static_ints(node.input[3]) if len(node.input) > 3 and node.input[3] else list(range(len(starts or [])))
         steps = self._static_ints(node.input[4]) if len(node.input) > 4 and node.input[4] else [1] * len(axes or [])
         if None in (starts, ends, axes, steps):
-            raise _Unsupported("its starts, ends, axes and steps must be stored tensors")
+            raise Unsupported("its starts, ends, axes and steps must be stored tensors")
         if any(step != 1 for step in steps):
-            raise _Unsupported(f"only slices with step 1 are supported (steps {steps})")
+            raise Unsupported(f"only slices with step 1 are supported (steps {steps})")
 
         def transform(index: torch.Tensor) -> torch.Tensor:
             key = [slice(None)] * rank
@@ -803,7 +795,7 @@ class Translator:
             self._emit_for(node, Add, *values)
             return
         if len(node.input) != 2 or len(static) != 1:
-            raise _Unsupported("only a sum of activations, or a stored constant added to one, is supported")
+            raise Unsupported("only a sum of activations, or a stored constant added to one, is supported")
         x = self._activation(node, 1 - list(node.input).index(static[0]))
         added = self._static_floats(static[0])
         if added is not None and not any(added) and self._adds_no_axis(node, x):
@@ -826,7 +818,7 @@ class Translator:
                 bias_value, x):
             bias = self._weight(bias_value).key
             if self.aliases.get(bias, bias) == self.aliases.get(layer.weight, layer.weight):
-                raise _Unsupported(
+                raise Unsupported(
                     f"it adds '{bias_value}', the tensor node '{layer.name}' multiplies by: one tensor as both the "
                     "per-channel scale and the shift after it cannot be rescaled (the scale changes by the ratio of "
                     "two channel factors, the shift by one); store the shift as a tensor of its own"
@@ -837,7 +829,7 @@ class Translator:
             self._emit_for(node, ChannelBias, x, bias=self._weight(bias_value).key)
             return
         else:
-            raise _Unsupported(
+            raise Unsupported(
                 f"adding the constant '{bias_value}' is only supported as the bias of a MatMul, or as a tensor "
                 "holding one value per channel (broadcast along every other axis), which rescales with its "
                 "channel: a constant shared by several channels (or varying within one) would have to rescale "
@@ -860,18 +852,18 @@ class Translator:
         pieces = []
         for i, value in enumerate(node.input):
             if value not in self.activations:
-                raise _Unsupported(f"only concatenation along the channel axis, or of pieces of one activation, is "
+                raise Unsupported(f"only concatenation along the channel axis, or of pieces of one activation, is "
                                    f"supported (axis={axis}; input {i} is a constant)")
             pieces.append(self._index_map(value))
         if len({source for source, _ in pieces}) != 1:
-            raise _Unsupported(f"only concatenation along the channel axis, or of pieces of one activation, is "
+            raise Unsupported(f"only concatenation along the channel axis, or of pieces of one activation, is "
                                f"supported (axis={axis})")
         self.moves[node.output[0]] = (pieces[0][0], torch.cat([index for _, index in pieces], dim=axis), node)
 
     def _spatial_rank(self, value: str) -> int:
         rank = self._rank(value)
         if rank not in (3, 4, 5):
-            raise _Unsupported(f"pooling needs a 1-d, 2-d or 3-d feature map ('{value}' has rank {rank})")
+            raise Unsupported(f"pooling needs a 1-d, 2-d or 3-d feature map ('{value}' has rank {rank})")
         return rank - 2
 
 
@@ -947,7 +939,7 @@ def _pads(node: onnx.NodeProto, spatial: int) -> tuple[tuple[int, ...], tuple[in
     if auto_pad == "VALID":
         return (0,) * spatial, (0,) * spatial
     if auto_pad != "NOTSET":
-        raise _Unsupported(f"auto_pad={auto_pad} is not supported; export with explicit pads")
+        raise Unsupported(f"auto_pad={auto_pad} is not supported; export with explicit pads")
     pads = _ints(node, "pads", [0] * (2 * spatial))
     return tuple(pads[:spatial]), tuple(pads[spatial:])
 
@@ -956,7 +948,7 @@ def _symmetric_pads(node: onnx.NodeProto, spatial: int) -> tuple[int, ...]:
     """``pads`` as torch's per-axis padding; torch has no asymmetric padding for these ops."""
     begin, end = _pads(node, spatial)
     if begin != end:
-        raise _Unsupported(f"asymmetric padding {list(begin + end)} is not supported")
+        raise Unsupported(f"asymmetric padding {list(begin + end)} is not supported")
     return begin
 
 
