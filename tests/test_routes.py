@@ -50,9 +50,9 @@ ROUTES = {
                     (torch.conv1d, torch.conv2d, torch.conv3d)),
 }
 
-_FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS,
-                  fx_import._STORED_READERS)
-_FX_MOVEMENTS = (*fx_import._MOVEMENT_FUNCTIONS, *fx_import._MOVEMENT_METHODS)
+_FX_REGISTRIES = (fx_import.MODULES, fx_import.FUNCTIONS, fx_import.CALLS, fx_import.METHODS,
+                  fx_import.STORED_READERS)
+_FX_MOVEMENTS = (*fx_import.MOVEMENT_FUNCTIONS, *fx_import.MOVEMENT_METHODS)
 
 
 def test_the_table_lists_every_node_class():

@@ -449,7 +449,7 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         return [{"type": "input", "inputs": []}]
     if node.op == "call_module":
         module = modules[node.target]
-        translate_module = _MODULES.get(type(module))
+        translate_module = MODULES.get(type(module))
         if translate_module is None:
             raise Unsupported(_not_supported(type(module).__name__))
         if len(node.args) != 1 or node.kwargs:
@@ -458,19 +458,19 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         steps = steps if isinstance(steps, list) else [steps]
         return [{**steps[0], "inputs": [node.args[0]]}, *steps[1:]]
     if node.op == "call_function":
-        translate_call = _CALLS.get(node.target)
+        translate_call = CALLS.get(node.target)
         if translate_call is not None:
             return translate_call(node, values)
-        translate_reader = _STORED_READERS.get(node.target)
+        translate_reader = STORED_READERS.get(node.target)
         if translate_reader is not None:
             kwargs = _keyword_arguments(node, root)
             return [{**translate_reader(kwargs, stored), "inputs": [kwargs["input"]]}]
-        translate_function = _FUNCTIONS.get(node.target)
+        translate_function = FUNCTIONS.get(node.target)
         if translate_function is None:
             raise Unsupported(_not_supported(getattr(node.target, "__name__", "")) + _stored_reads(node))
         return [translate_function(_keyword_arguments(node, root), node, values)]
     if node.op == "call_method":
-        translate_method = _METHODS.get(node.target)
+        translate_method = METHODS.get(node.target)
         if translate_method is None:
             raise Unsupported(_not_supported(node.target) + _stored_reads(node))
         return translate_method(node, values)
@@ -1015,7 +1015,7 @@ def _is_shape_query(node: torch.fx.Node) -> bool:
     return _is_whole_shape(node)
 
 
-_MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
+MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.Linear: _linear,
     nn.Conv1d: _conv,
     nn.Conv2d: _conv,
@@ -1050,7 +1050,7 @@ _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.UpsamplingBilinear2d: _by_attributes(_upsample),
 }
 
-_FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
+FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
     F.relu: _with_input(_fixed("relu")),
     torch.relu: _with_input(_fixed("relu")),
     torch.relu_: _with_input(_fixed("relu")),
@@ -1072,7 +1072,7 @@ _FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
 
 # Functions whose weights are stored tensors read through get_attr (a module that calls the
 # functional form on its own parameters, as timm's BatchNormAct2d and StdConv2d do).
-_STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTensors], dict[str, Any]]] = {
+STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTensors], dict[str, Any]]] = {
     F.batch_norm: _batch_norm_function,
     F.linear: _linear_function,
     **dict.fromkeys((torch.conv1d, torch.conv2d, torch.conv3d), _conv_function),
@@ -1080,7 +1080,7 @@ _STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTe
 
 # Functions read from their raw arguments: overloaded (torch.add's and torch.cat's schemas are
 # ambiguous to fx's normaliser) or operators.
-_CALLS: dict[Callable[..., Any], _CallTranslator] = {
+CALLS: dict[Callable[..., Any], _CallTranslator] = {
     **dict.fromkeys((operator.add, operator.iadd, torch.add), _add_call),
     **dict.fromkeys((operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div),
                     _scale_call),
@@ -1089,11 +1089,11 @@ _CALLS: dict[Callable[..., Any], _CallTranslator] = {
 }
 
 # Pure data movement, replayed on index tensors (see _Movements).
-_MOVEMENT_FUNCTIONS = (
+MOVEMENT_FUNCTIONS = (
     torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
     torch.unsqueeze, torch.narrow, torch.channel_shuffle, F.channel_shuffle, operator.getitem,
 )
-_MOVEMENT_METHODS = (
+MOVEMENT_METHODS = (
     "view", "reshape", "flatten", "transpose", "permute", "contiguous", "chunk", "split", "squeeze", "unsqueeze",
     "narrow", "__getitem__",
 )
@@ -1101,10 +1101,10 @@ _MOVEMENT_METHODS = (
 
 def _is_movement(node: torch.fx.Node) -> bool:
     if node.op == "call_function":
-        return node.target in _MOVEMENT_FUNCTIONS
-    return node.op == "call_method" and node.target in _MOVEMENT_METHODS
+        return node.target in MOVEMENT_FUNCTIONS
+    return node.op == "call_method" and node.target in MOVEMENT_METHODS
 
-_METHODS: dict[str, _CallTranslator] = {
+METHODS: dict[str, _CallTranslator] = {
     "relu": _relu_method,
     "relu_": _relu_method,
     **dict.fromkeys(("add", "add_"), _add_call),
