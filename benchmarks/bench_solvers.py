@@ -104,7 +104,7 @@ def _timed_solve(solve, analysis, method: str, args, budget: float, *, tol: floa
             raise _OutOfTime
 
     try:
-        result = solve(analysis.groups, analysis.diag, method=method, tol=args.tol if tol is None else tol,
+        result = solve(analysis.groups, analysis.diag, solver=method, tol=args.tol if tol is None else tol,
                        max_iter=args.max_iter if max_iter is None else max_iter, device=args.device, progress=watch)
     except _OutOfTime:
         return {**last, "passes": None, "seconds": time.perf_counter() - started, "converged": False, "cut": True}

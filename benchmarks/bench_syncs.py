@@ -41,7 +41,7 @@ def main() -> None:
             analysis = analyse(model, device="cuda")
             in_analysis = sum(mode.syncs.values())
             mode.syncs.clear()
-            result = solve(analysis.groups, analysis.diag, method=args.solver, device="cuda")
+            result = solve(analysis.groups, analysis.diag, solver=args.solver, device="cuda")
             in_solve = dict(mode.syncs)
         total = sum(in_solve.values())
         kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(in_solve.items(), key=lambda kv: -kv[1]))

@@ -4,8 +4,11 @@
 #   2. issue 20's memory bound on the GPU: peak GPU and host memory of a rescale of a 1.03 GiB
 #      sharded MLP (benchmarks/bench_memory.py --device cuda), against 1.5 x + 1 GiB (GPU) and
 #      1.5 x + 2 GiB (host);
-#   3. one table of those figures, headed by the GPU's name, printed before the suite starts;
-#   4. the whole default test suite, where `--device auto` and the API's default pick the GPU
+#   3. host syncs and aten operations per solver pass, counted on the fake CUDA device
+#      (benchmarks/bench_syncs.py, on the CPU, within SYNCS_SECONDS, default 150);
+#   4. one table of those figures, headed by the GPU's name, printed before the suite starts:
+#      each model's seconds per Newton pass beside its syncs and operations per pass;
+#   5. the whole default test suite, where `--device auto` and the API's default pick the GPU
 #      and the CUDA-only tests run, within SUITE_SECONDS (default 420), on pytest-xdist's
 #      workers when it is installed (WORKERS, default 8), each test's outcome streamed to the
 #      log as it ends, so that a suite cut by the time limit still names every failure so far.
@@ -43,6 +46,10 @@ done
 python3 benchmarks/bench_memory.py --inputs 8192 --width 8192 --depth 4 --outputs 1000 --shards 2 --device cuda \
     > "$scratch/memory.txt" 2>&1 || true
 
+# On the CPU (the fake device counts what a GPU would wait for or launch), bounded: it adds to the lease.
+timeout "${SYNCS_SECONDS:-150}" python3 benchmarks/bench_syncs.py --models "${models[@]}" mnasnet \
+    > "$scratch/syncs.txt" 2>&1 || true
+
 python3 - "$scratch" <<'PY'
 import json, sys
 from pathlib import Path
@@ -54,18 +61,36 @@ def rows(name):
     path = scratch / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
+def per_pass_counts():
+    """bench_syncs.py's figures per model, read by its header's column names (absent ones: '–')."""
+    path = scratch / "syncs.txt"
+    lines = path.read_text().splitlines() if path.exists() else []
+    # Before issue 28 the one column of syncs was headed "per pass".
+    header = next((line.replace(" per pass", " syncs/pass").split() for line in lines if line.startswith("model")),
+                  None)
+    if header is None:
+        return {}
+    return {row[0]: dict(zip(header, row)) for row in map(str.split, lines) if row and row[0] != "model"
+            and len(row) >= header.index("solve") + 1 and row[1].isdigit()}
+
 print(f"\n## {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n")
-print("| model | device | Newton solve | passes | s / pass | diag(G) | whole run (wall) | in-process stages | peak RSS |")
-print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+print("| model | device | Newton solve | passes | s / pass | syncs / pass | ops / pass | kernels / pass | diag(G) "
+      "| whole run (wall) | in-process stages | peak RSS |")
+print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 end_to_end = {(r["model"], r["device"].split(":")[0]): r for r in rows("end_to_end.jsonl")}
+counts = per_pass_counts()
 for r in rows("solvers.jsonl"):
     newton = r["solvers"]["newton"]
     run = end_to_end.get((r["model"], r["device"]), {})
     per_pass = newton["seconds"] / newton["passes"] if newton["passes"] else float("nan")
+    counted = counts.get(r["model"], {})
     print(f"| {r['model']} | {r['device']} | {newton['seconds']:.3f} s | {newton['passes']} | {per_pass * 1e3:.1f} ms "
-          f"| {r['analysis_seconds'].get('diag_g', float('nan')):.3f} s "
+          + "".join(f"| {counted.get(column, '–')} " for column in ("syncs/pass", "ops/pass", "kernels/pass"))
+          + f"| {r['analysis_seconds'].get('diag_g', float('nan')):.3f} s "
           f"| {run.get('wall_seconds', float('nan')):.2f} s | {run.get('staged_seconds', float('nan')):.2f} s "
           f"| {run.get('peak_rss_gib', float('nan')):.2f} GiB |")
+print("\nsyncs and operations per Newton pass on the fake CUDA device (bench_syncs.py):\n")
+print((scratch / "syncs.txt").read_text() if (scratch / "syncs.txt").exists() else "not run")
 memory = scratch / "memory.txt"
 print("\nissue 20's bound on the GPU (bench_memory.py --device cuda, 1.03 GiB MLP):\n")
 print(memory.read_text() if memory.exists() else "not run")

@@ -9,12 +9,12 @@ runs it before ``__main__`` installs the Ctrl-C handler, and an import here (``t
 20 ms in a fresh virtual environment) was a window in which Ctrl-C printed a traceback.
 """
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 _PUBLIC = {
     "Analysis": "api", "RescaleResult": "api", "analyse": "api", "load": "api", "rescale": "api",
     "rescale_module": "api", "save": "api", "PathcondError": "errors",
-    "compare_models": "toolkit", "prune": "toolkit", "save_pruned": "toolkit",
+    "compare_models": "toolkit", "prune": "toolkit", "save_pruned": "toolkit", "set_threads": "threads",
 }
 
 __all__ = [*sorted(_PUBLIC), "__version__"]
@@ -23,6 +23,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type che
 if TYPE_CHECKING:
     from .api import Analysis, RescaleResult, analyse, load, rescale, rescale_module, save
     from .errors import PathcondError
+    from .threads import set_threads
     from .toolkit import compare_models, prune, save_pruned
 
 

@@ -12,7 +12,7 @@ import math
 import time
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
@@ -28,11 +28,11 @@ from .engine.graph import BatchNorm, Graph
 from .engine.groups import DagParam, RescalingGroups, build_groups
 from .engine.model import LoadedModel
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
-from .solve.bounds import AUTO, NONE, USER, BoundChoice, parse_bound, within_dtype
-from .solve.defaults import BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION
-from .solve.dtype_limits import ensure_storable
+from .solve.bounds import BoundChoice, within_dtype
+from .solve.dtype_limits import StorageCheck, check_storage, ensure_storable, storage_problem
 from .solve.enorm import enorm
-from .solve.solvers import DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, ProgressCallback, SolveResult, solve
+from .solve.options import AUTO, BOUNDED_SOLVERS, DEFAULT_CRITERION, DEFAULT_SOLVER, NONE, USER, SolveOptions
+from .solve.solvers import ProgressCallback, SolveResult, solve
 from .verify import Verification, compare
 
 LOG10_E = 1 / math.log(10)
@@ -374,6 +374,8 @@ class RescaleResult:
     bound: BoundChoice = field(default_factory=lambda: BoundChoice(NONE))
     # ‖Φ‖_q of the rescaled network as written and read back (None until written, see :func:`save`).
     path_norms_after: dict[str, PathNorm] | None = None
+    # The storage check :func:`save` still has to make (``rescale(check_storage_when_written=True)``).
+    pending_storage_check: PendingStorageCheck | None = None
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -489,19 +491,20 @@ def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tenso
 
 def rescale(
     model: LoadedModel,
+    options: SolveOptions | None = None,
     *,
-    solver: str = DEFAULT_SOLVER,
-    tol: float = DEFAULT_TOL,
-    max_iter: int = DEFAULT_MAX_ITER,
     device: str | torch.device = "auto",
     progress: ProgressCallback | None = None,
     analysis: Analysis | None = None,
     verify: bool = True,
-    criterion: str = DEFAULT_CRITERION,
-    max_log_scale: float | str | None = "auto",
+    check_storage_when_written: bool = False,
+    **choices,
 ) -> RescaleResult:
     """Find the PathCond rescaling of ``model`` and apply it to its tensors (in memory).
 
+    What to minimise and how is a :class:`SolveOptions` (``options``, or its fields as keywords:
+    ``criterion``, ``solver``, ``tol``, ``max_iter``, ``max_log_scale``; both: the keywords replace
+    those fields), validated once when it is made (:class:`InvalidOption`, a ``ValueError``).
     ``criterion="enorm"`` minimises ENorm's Σθ² (SPEC §7) on the same groups instead, with
     its closed-form block updates; ``solver`` chooses among PathCond's minimisers only.
     With ``verify`` (the default) the rescaled tensors are run against the original ones and
@@ -515,14 +518,12 @@ def rescale(
     unbounded. With a number or ``"none"``, a rescaled tensor that would overflow or lose its
     values in its dtype raises :class:`StorageError`. A few values flushed below the smallest
     normal are listed in ``result.warnings``. ENorm takes no bound (``"auto"`` means none).
+    With ``check_storage_when_written`` that check, the bound it may lead to and their warnings
+    wait for :func:`save`, which makes them on the tensors it computes to write them: each
+    rescaled tensor is then computed once (the CLI's way; ``save`` is then required).
     """
-    if criterion not in CRITERIA:
-        raise ValueError(f"unknown criterion '{criterion}'; choose one of {', '.join(CRITERIA)}")
-    if criterion == "enorm" and solver != DEFAULT_SOLVER:
-        raise ValueError(f"solver '{solver}' minimises PathCond; ENorm has its own closed-form block updates")
-    rule, bound = parse_bound(max_log_scale)
-    if criterion == "enorm" and rule == USER:
-        raise ValueError("max_log_scale bounds PathCond's solvers; ENorm's closed-form updates take no bound")
+    options = replace(options or SolveOptions(), **choices)
+    rule, criterion = options.bound_rule, options.criterion
     device = resolve_device(device)
     analysis = analysis or analyse(model, device=device)
     seconds = dict(analysis.seconds)
@@ -530,24 +531,32 @@ def rescale(
 
     def run(bound: float | None) -> SolveResult:
         # Under the auto rule an unconstrained solver (lbfgs) leaves the bounded solve to the default one.
-        method = DEFAULT_SOLVER if rule == AUTO and bound is not None and solver not in BOUNDED_SOLVERS else solver
-        return solve(analysis.groups, analysis.diag, method=method, tol=tol, max_iter=max_iter, device=device,
-                     progress=progress, max_log_scale=bound)
+        solver = options.solver if bound is None or options.solver in BOUNDED_SOLVERS else DEFAULT_SOLVER
+        return solve(analysis.groups, analysis.diag, options, solver=solver, max_log_scale=bound, device=device,
+                     progress=progress)
 
     if criterion == "enorm":
-        result = timed("solve", lambda: enorm(analysis.groups, tol=tol, max_iter=max_iter, device=device,
-                                              progress=progress))
+        result = timed("solve", lambda: enorm(analysis.groups, tol=options.tol, max_iter=options.max_iter,
+                                              device=device, progress=progress))
     elif not analysis.diag.any_nonzero():
-        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, solver, tol, max_iter))
+        result = timed("solve", lambda: _nothing_to_rescale(model, analysis, options))
     else:
-        result = timed("solve", lambda: run(bound))
+        result = timed("solve", lambda: run(options.bound))
     changed = timed("apply", lambda: analysis.groups.apply(model.params, result.u))
-    choice = BoundChoice(rule if criterion == "pathcond" else NONE, None if rule == USER else result)
-    if choice.rule == AUTO:
-        result, changed, choice = timed("solve", lambda: within_dtype(analysis.groups, model.params, result,
-                                                                      changed, run))
-    storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf)
-    storage_warnings += choice.warnings(model.source, result) + calibration_warnings(model, analysis.groups)
+    choice = BoundChoice(rule, None if rule == USER else result)
+    pending = PendingStorageCheck(run) if check_storage_when_written else None
+    storage_warnings = []
+    if pending is None:
+        # One computation of each rescaled tensor serves the auto rule and the refusal or warnings.
+        problems = timed("storage_check", lambda: check_storage(model.params, changed))
+        if choice.rule == AUTO:
+            result, changed, choice = timed("solve", lambda: within_dtype(analysis.groups, model.params, result,
+                                                                          changed, run, problems))
+            if choice.applied:
+                problems = timed("storage_check", lambda: check_storage(model.params, changed))
+        storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
+                                           problems=problems) + choice.warnings(model.source, result)
+    storage_warnings += calibration_warnings(model, analysis.groups)
     verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
     if verification is not None and not verification.passed:
         raise VerificationError(
@@ -557,7 +566,19 @@ def rescale(
     norms_after = timed("path_norms_rescaled", lambda: check_path_norms(
         analysis, model.graph, ChainMap(changed, model.params), model.source)) if verify else None
     return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings, choice,
-                         norms_after)
+                         norms_after, pending)
+
+
+@dataclass
+class PendingStorageCheck:
+    """A rescaling's storage check left to the write that computes its tensors (see
+    :func:`rescale`); ``resolve`` solves within a bound, for the auto rule."""
+
+    resolve: Callable[[float | None], SolveResult]
+
+
+class _BoundedByTheWrite(Exception):
+    """The tensors just written lose values and the auto rule bounded the solve: write again."""
 
 
 ZERO_FUNCTION_NOTE = (
@@ -571,14 +592,14 @@ NO_PARAMETERS_NOTE = (
 )
 
 
-def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, solver: str, tol: float, max_iter: int) -> SolveResult:
+def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, options: SolveOptions) -> SolveResult:
     """The trivial solve of a network whose path kernel is zero (or has no entry: no parameter):
     every group stays at u = 0."""
     note = NO_PARAMETERS_NOTE if analysis.groups.p == 0 else ZERO_FUNCTION_NOTE
     if note not in model.warnings:
         model.warnings.append(note)
     u = torch.zeros(analysis.groups.num_free, dtype=torch.float64)
-    return SolveResult(solver, u, [0.0], 0.0, True, 0, 0, tol=tol, max_iter=max_iter)
+    return SolveResult(options.solver, u, [0.0], 0.0, True, 0, 0, tol=options.tol, max_iter=options.max_iter)
 
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
@@ -705,30 +726,90 @@ def save(
     after the swap, those provably the replaced checkpoint's own are deleted (the others it
     named are left, each named in ``result.warnings``). The verification is stored
     on ``result`` too. With ``self_contained`` an ONNX model read with external data is written
-    as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB).
+    as one file, its data inline (:class:`OutputError` beyond protobuf's 2 GiB). Each rescaled
+    tensor is computed once here, as it is written, and checked then: its values finite and, for
+    a ``result`` whose storage check was left to the write (``rescale(check_storage_when_written=
+    True)``), storable in its dtype, with :func:`rescale`'s refusal, bound and warnings (a bound
+    found here writes the bounded tensors again).
     """
     model = result.analysis.model
     if input_shape is None and model.format == "onnx":
         # The written file is read back with the shapes the analysis used, which the model may leave open.
         input_shape = {node.name: tuple(node.shape) for node in model.graph.inputs}
-    not_finite = sorted(k for k, t in result.changed.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
-    if not_finite:
-        raise VerificationError(
-            f"{model.source}: the rescaling produced NaN or Inf in tensor(s) {', '.join(map(repr, not_finite))} "
-            f"(solver '{result.solve.method}', max |u| = {result.solve.u_inf:.3g}); nothing was written."
-        )
     timings = seconds if seconds is not None else result.seconds
     timed = Stopwatch(timings)
 
-    def verify(target: Path, name: str) -> Verification:
-        verification, written = _verify_written(model, target, input_shape, name=name)
-        result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
-        return verification
+    while True:
+        changed = CheckedWhenRead(result.changed, model.params, f"{model.source}: the rescaling (solver "
+                                  f"'{result.solve.method}', max |u| = {result.solve.u_inf:.3g})",
+                                  storage=result.pending_storage_check is not None)
 
-    result.verification = write_staged(model, result.changed, destination, run_metadata(result), verify,
-                                       in_place=in_place, self_contained=self_contained, warnings=result.warnings,
-                                       timed=timed)
-    return result.verification
+        def verify(target: Path, name: str, checked: CheckedWhenRead = changed) -> Verification:
+            if result.pending_storage_check is not None:
+                _settle_storage(result, checked.storage_problems(), timed)
+            verification, written = _verify_written(model, target, input_shape, name=name)
+            result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
+            return verification
+
+        try:
+            result.verification = write_staged(model, changed, destination, run_metadata(result), verify,
+                                               in_place=in_place, self_contained=self_contained,
+                                               warnings=result.warnings, timed=timed)
+        except _BoundedByTheWrite:
+            continue
+        return result.verification
+
+
+def _settle_storage(result: RescaleResult, problems: list[StorageCheck], timed: Stopwatch) -> None:
+    """What :func:`rescale` does with the storage ``problems`` of ``result.changed``, found by the
+    write: under the auto rule a first loss bounds the solve (:class:`_BoundedByTheWrite`, the
+    tensors are written again and checked then); otherwise a loss is :class:`StorageError`, and
+    a few flushed values are warnings."""
+    model, groups = result.analysis.model, result.analysis.groups
+    if result.bound.rule == AUTO and not result.bound.applied:
+        solved, changed, choice = timed("solve", lambda: within_dtype(
+            groups, model.params, result.solve, result.changed, result.pending_storage_check.resolve, problems))
+        if choice.applied:
+            result.solve, result.changed, result.bound = solved, changed, choice
+            raise _BoundedByTheWrite
+    result.warnings[:0] = ensure_storable(model.source, groups, model.params, result.changed, result.solve.u_inf,
+                                         problems=problems) + result.bound.warnings(model.source, result.solve)
+    result.pending_storage_check = None
+
+
+class CheckedWhenRead(Mapping[str, torch.Tensor]):
+    """``tensors`` checked as the writer reads each one, so that the checks share the writer's
+    computation of a rescaled tensor instead of making their own: with ``storage``, what storing
+    it in its dtype loses (:meth:`storage_problems`, against ``original``); and its values
+    finite, else :class:`VerificationError` before the staged file can be kept (``what`` names
+    what produced the tensors). A tensor that overflows is a storage problem, left to the
+    storage check's refusal or bound."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], original: Mapping[str, torch.Tensor], what: str, *,
+                 storage: bool):
+        self._tensors, self._original, self._what = tensors, original, what
+        self._problems: dict[str, StorageCheck] | None = {} if storage else None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        tensor = self._tensors[key]
+        if self._problems is not None and (problem := storage_problem(key, self._original, tensor)) is not None:
+            self._problems[key] = problem
+        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise VerificationError(f"{self._what} produced NaN or Inf in tensor {key!r}; nothing was written.")
+        return tensor
+
+    def storage_problems(self) -> list[StorageCheck]:
+        """The problems found so far, in the order of ``tensors`` (as :func:`check_storage` lists them)."""
+        return [self._problems[key] for key in self._tensors if key in self._problems]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tensors
+
+    def __iter__(self):
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: str | Path,

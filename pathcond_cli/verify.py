@@ -14,6 +14,7 @@ import torch
 
 from .engine.evaluate import forward
 from .engine.graph import BatchNorm, Graph
+from .engine.layouts import layout_of
 from .engine.model import LoadedModel
 from .errors import VerificationError
 from .io.fileio import interrupts_deferred
@@ -68,7 +69,7 @@ class Verification:
 def tolerance_for(params: Mapping[str, torch.Tensor], keys: list[str]) -> float:
     """The loosest tolerance of the parameters' dtypes; float32's for a network without any (it
     computes in the input's dtype, and nothing of it was changed)."""
-    return max((TOLERANCE.get(params[k].dtype, 1e-5) for k in keys), default=TOLERANCE[torch.float32])
+    return max((TOLERANCE.get(layout_of(params, k)[1], 1e-5) for k in keys), default=TOLERANCE[torch.float32])
 
 
 def compare(

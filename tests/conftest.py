@@ -19,7 +19,7 @@ import fake_cuda
 from pathcond_cli.engine.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
     Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
-    ReLU, Scale, Upsample,
+    ReLU, Scale, Sub, Upsample,
 )
 
 
@@ -254,6 +254,9 @@ class NetBuilder:
     def add(self, *srcs: str) -> str:
         return self._push(Add(self._name("add"), tuple(srcs)), sum(self.dummy[s] for s in srcs))
 
+    def sub(self, a: str, b: str) -> str:
+        return self._push(Sub(self._name("sub"), (a, b)), self.dummy[a] - self.dummy[b])
+
     def concat(self, *srcs: str) -> str:
         return self._push(Concat(self._name("cat"), tuple(srcs)), torch.cat([self.dummy[s] for s in srcs], 1))
 
@@ -473,6 +476,20 @@ def fixed_filter_net(seed=0, dtype=torch.float64):
     return b.build()
 
 
+def sub_net(seed=0, dtype=torch.float64):
+    """Differences of activations: a conv branch minus another (channels tied as in a sum), a
+    1-channel map subtracted from a 3-channel one (broadcast: it feeds, and ties, every channel),
+    and a negation (a fixed edge of −1) feeding a residual difference."""
+    b = NetBuilder((1, 3, 3), seed, dtype)
+    stem = b.relu(b.conv(2, 1))
+    wide = b.conv(3, 3, padding=1, src=stem)
+    narrow = b.conv(1, 1, src=stem)
+    diff = b.relu(b.sub(wide, narrow))
+    b.conv(3, 1, src=diff); b.scale_by(-1.0)
+    b.sub(diff, b.cur); b.relu(); b.flatten(); b.linear(2)
+    return b.build()
+
+
 def shuffle_split_net(seed=0, dtype=torch.float64):
     """ShuffleNetV2's unit: split the channels, transform one half, concat, shuffle."""
     b = NetBuilder((1, 3, 3), seed, dtype)
@@ -621,6 +638,7 @@ NEW_OPS = {
     "crop": crop_net,
     "fixed_filter": fixed_filter_net,
     "channel_bias": channel_bias_net,
+    "sub": sub_net,
     "shuffle_split": shuffle_split_net,
     "gather": gather_net,
     "conv_transpose": conv_transpose_net,

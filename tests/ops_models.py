@@ -280,6 +280,25 @@ class BroadcastAdd(nn.Module):
         return self.fc(x.mean([2, 3]))
 
 
+class Differences(nn.Module):
+    """Differences of activations: two conv branches subtracted (a 1-channel one broadcast over
+    three), a negation, and a residual difference ``y - (-conv(y))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(2, 3, 1)
+        self.wide = nn.Conv2d(3, 3, 3, padding=1)
+        self.narrow = nn.Conv2d(3, 1, 1)
+        self.conv = nn.Conv2d(3, 3, 1)
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        y = F.relu(self.wide(x) - self.narrow(x))
+        y = F.relu(torch.sub(y, -self.conv(y)))
+        return self.fc(y.mean([2, 3]))
+
+
 OPS_MODELS = {
     "upsample_unet": (UpsampleUNet, (1, 6, 8)),
     "upsample_1d": (Upsample1d, (2, 9)),
@@ -293,6 +312,7 @@ OPS_MODELS = {
     "padded_maxpool": (PaddedMaxPool, (2, 9, 8)),
     "repvgg_block": (RepVGGBlock, (2, 6, 5)),
     "broadcast_add": (BroadcastAdd, (2, 5, 6)),
+    "differences": (Differences, (2, 5, 6)),
 }
 
 

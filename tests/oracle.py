@@ -34,7 +34,7 @@ from pathcond_cli.engine.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
     Concat,
     Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
-    ReLU, Scale, Upsample,
+    ReLU, Scale, Sub, Upsample,
 )
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
@@ -127,6 +127,8 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             y = xs[0]
             for other in xs[1:]:
                 y = y + other
+        elif isinstance(node, Sub):
+            y = xs[0] - xs[1]
         elif isinstance(node, Concat):
             y = torch.cat(xs, 1)
         else:  # pragma: no cover
@@ -660,15 +662,17 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             out = new_neurons(node.name, (C, *sps.pop()), "sum")
             for a, b_ in zip([n for part in parts for n in part], out):
                 edge(a, b_, const=1.0)
-        elif isinstance(node, Add):
-            # broadcasting: an axis of size 1 feeds every position of that axis
+        elif isinstance(node, (Add, Sub)):
+            # broadcasting: an axis of size 1 feeds every position of that axis; a difference
+            # reads its second input on fixed edges of −1
             oshape = tuple(max(sizes) for sizes in zip(*(shapes[i] for i in node.inputs)))
             out = new_neurons(node.name, oshape, "sum")
-            for i in node.inputs:
+            for position, i in enumerate(node.inputs):
                 assert len(shapes[i]) == len(oshape)
+                sign = -1.0 if isinstance(node, Sub) and position == 1 else 1.0
                 for opos in itertools.product(*(range(n) for n in oshape)):
                     ipos = tuple(0 if n == 1 else q for n, q in zip(shapes[i], opos))
-                    edge(elements[i][_flat(ipos, shapes[i])], out[_flat(opos, oshape)], const=1.0)
+                    edge(elements[i][_flat(ipos, shapes[i])], out[_flat(opos, oshape)], const=sign)
         elif isinstance(node, ChannelAffine):
             # one weight per channel on the edge from input neuron (c, pos) to output neuron (c, pos)
             C, per = ishape[0], math.prod(ishape[1:])

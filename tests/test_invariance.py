@@ -31,7 +31,7 @@ TOLERANCE = {"block": 1e-11, "lbfgs": 1e-9, "sequential": 1e-11}
 
 def pathcond(graph, params, method="block"):
     groups = build_groups(graph, params)
-    res = solve(groups, diag_g(groups), method=method, tol=TOLERANCE[method], max_iter=20000)
+    res = solve(groups, diag_g(groups), solver=method, tol=TOLERANCE[method], max_iter=20000)
     assert res.converged, res.kkt_residual
     changed = groups.apply(params, res.u)
     return {**params, **changed}, res, groups

@@ -21,7 +21,8 @@ from pathcond_cli.engine.groups import build_groups
 from pathcond_cli.solve.layer_shift import layer_shift_start
 from pathcond_cli.engine.model import LoadedModel
 from pathcond_cli.solve.objective import Objective, degenerate_mask
-from pathcond_cli.solve.solvers import BOUNDED_SOLVERS, solve
+from pathcond_cli.solve.options import BOUNDED_SOLVERS
+from pathcond_cli.solve.solvers import solve
 
 ARCHS = ["mlp", "conv_bn", "residual", "bottleneck", "concat", "self_loop", "grouped_conv"]
 
@@ -149,7 +150,7 @@ def test_bounded_solvers_reach_scipy_box_optimum(nets, arch):
     assert unbounded.u_inf > bound
     u_box, f_box = _box_optimum(ob, bound)
     for method in BOUNDED_SOLVERS:
-        res = solve(groups, diag_g(groups), method=method, tol=1e-9, max_iter=20000, max_log_scale=bound)
+        res = solve(groups, diag_g(groups), solver=method, tol=1e-9, max_iter=20000, max_log_scale=bound)
         assert res.converged, (method, res.kkt_residual)
         assert res.u.abs().max() <= bound
         assert res.groups_at_bound >= 1
@@ -170,7 +171,7 @@ def test_bound_is_inactive_when_loose(nets):
 def test_lbfgs_refuses_a_bound(nets):
     *_, groups, ob = _setup(nets, "mlp")
     with pytest.raises(ValueError, match="unconstrained"):
-        solve(groups, diag_g(groups), method="lbfgs", max_log_scale=1.0)
+        solve(groups, diag_g(groups), solver="lbfgs", max_log_scale=1.0)
     with pytest.raises(ValueError, match="≥ 0"):
         solve(groups, diag_g(groups), max_log_scale=float("nan"))
 

@@ -25,7 +25,7 @@ from conftest import NetBuilder
 from oracle import NeuronDAG, build_neuron_dag, engine_blocks, oracle_objective, to_theta_order
 from pathcond_cli.api import conditioning, histogram, rescaled_diag, summarise
 from pathcond_cli.solve.curvature import CoarseCorrection, LayerAggregates, ScaledHessian
-from pathcond_cli.solve.defaults import SOLVERS
+from pathcond_cli.solve.options import SOLVERS
 from pathcond_cli.engine.diag import DiagG, OuterLog, dense, diag_g, unused_parameters
 from pathcond_cli.engine.graph import Graph, Linear
 from pathcond_cli.engine.groups import RescalingGroups, build_groups
@@ -600,8 +600,8 @@ def test_plot_samples_from_factors_equal_the_strided_flattened_tensor(name):
 @pytest.mark.parametrize("name", SOLVER_CASES)
 def test_solvers_reach_the_same_point_from_factors_and_from_expanded_tensors(name, method):
     case = _case(name)
-    got = solve(case.groups, case.factored, method=method, tol=1e-10)
-    want = solve(case.groups, case.expanded, method=method, tol=1e-10)
+    got = solve(case.groups, case.factored, solver=method, tol=1e-10)
+    want = solve(case.groups, case.expanded, solver=method, tol=1e-10)
     assert got.converged and want.converged
     assert got.degenerate == want.degenerate
     _assert_close(got.u, want.u, 1e-8, "u")
@@ -641,4 +641,4 @@ def test_shares_of_a_group_dominated_by_its_self_loops():
         _assert_same_logs(current.log_a, torch.from_numpy(log_a), 1e-9, "log a")
     wide = _case("residual_self_loop_1e30")
     for diag in (wide.factored, wide.expanded):
-        assert solve(wide.groups, diag, method="block", tol=1e-10).converged
+        assert solve(wide.groups, diag, solver="block", tol=1e-10).converged

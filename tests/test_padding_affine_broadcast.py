@@ -172,7 +172,7 @@ class _ShiftAlone(nn.Module):
 
 def test_a_stored_shift_without_a_scale_is_a_channel_bias_on_fx_and_onnx():
     """A per-channel tensor added after a conv that has its own bias: a bias of its own on fixed
-    edges (refused up to 0.6.0), the same layer on every route."""
+    edges, the same layer on every route."""
     module = _ShiftAlone().eval()
     models = [module_model(module, (1, 3, 3))] + [load_onnx(export(module, torch.randn(2, 1, 3, 3), exporter))
                                                   for exporter in EXPORTERS]

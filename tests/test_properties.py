@@ -119,7 +119,7 @@ def test_apply_preserves_function(nets, recipe, u_seed, scale):
 
 def _pathcond(graph, params):
     groups = build_groups(graph, params)
-    res = solve(groups, diag_g(groups), method="block", tol=1e-11, max_iter=20000)
+    res = solve(groups, diag_g(groups), solver="block", tol=1e-11, max_iter=20000)
     assert res.converged, res.kkt_residual
     assert res.degenerate == []
     return {**params, **groups.apply(params, res.u)}, groups, res

@@ -1,7 +1,7 @@
 """What each route supports, node type by node type.
 
 Adding an op means one node class (its schema, in graph.py), one rule (its behaviour, in
-rules.py) and one handler per importer. This table states, for every node class, the ONNX
+rules.py) and one handler per importer (docs/adding-a-node-type.md). This table states, for every node class, the ONNX
 op types and the torch operations that produce it, or why a route has none; the tests check
 that the table covers exactly the node classes and that every entry is really registered.
 """
@@ -31,7 +31,8 @@ ROUTES = {
     g.LeakyReLU: (("LeakyRelu",), (nn.LeakyReLU, F.leaky_relu)),
     g.PReLU: (("PRelu",), (nn.PReLU,)),
     g.Identity: (("Identity", "Dropout"), (nn.Identity, nn.Dropout, F.dropout)),
-    g.Scale: (("Mul", "Div"), (operator.mul, operator.truediv, torch.mul, "mul", "div")),
+    g.Scale: (("Mul", "Div", "Neg"), (operator.mul, operator.truediv, torch.mul, "mul", "div", operator.neg, torch.neg,
+                                      "neg")),
     g.MaxPool: (("MaxPool",), (nn.MaxPool2d, F.max_pool2d)),
     g.AvgPool: (("AveragePool",), (nn.AvgPool2d, F.avg_pool2d)),
     g.AdaptiveAvgPool: (("GlobalAveragePool", "ReduceMean"), (nn.AdaptiveAvgPool2d, torch.mean, "mean")),
@@ -39,6 +40,7 @@ ROUTES = {
                                          nn.CircularPad2d, nn.Conv2d, F.pad, "__getitem__", operator.getitem)),
     g.Flatten: (("Flatten", "Reshape"), (nn.Flatten, torch.flatten, "view")),
     g.Add: (("Add", "Sum"), (operator.add, torch.add, "add")),
+    g.Sub: (("Sub",), (operator.sub, torch.sub, "sub")),
     g.Concat: (("Concat",), (torch.cat,)),
     g.ChannelShuffle: (("Reshape", "Transpose"), (nn.ChannelShuffle, torch.channel_shuffle, "transpose")),
     g.ChannelSlice: (("Split", "Slice"), (torch.chunk, torch.split, "__getitem__", operator.getitem)),

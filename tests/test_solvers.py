@@ -55,7 +55,7 @@ def _non_increasing(values, rel=1e-12):
 def test_solver_reaches_scipy_optimum(nets, arch, method):
     graph, params, dag, groups, diag, ob, u_star, f_star = setup(nets, arch)
     assert support(groups, diag.parts).size == ob.p  # the support g > 0 (SPEC §4)
-    res = solve(groups, diag, method=method, tol=TOL, max_iter=MAX_ITER)
+    res = solve(groups, diag, solver=method, tol=TOL, max_iter=MAX_ITER)
     u = res.u.numpy()
     assert np.isfinite(u).all()
     assert res.converged, f"{method}: KKT residual {res.kkt_residual:.3e} after {res.iterations} iterations"
@@ -78,8 +78,8 @@ def test_solver_reaches_scipy_optimum(nets, arch, method):
 @pytest.mark.parametrize("arch", ["mlp", "conv_residual", "bottleneck", "mlp_bottleneck"])
 def test_paper_and_block_updates_agree(nets, arch):
     *_, groups, diag, ob, u_star, f_star = setup(nets, arch)
-    block = solve(groups, diag, method="block", tol=TOL, max_iter=MAX_ITER)
-    seq = solve(groups, diag, method="sequential", tol=TOL, max_iter=MAX_ITER)
+    block = solve(groups, diag, solver="block", tol=TOL, max_iter=MAX_ITER)
+    seq = solve(groups, diag, solver="sequential", tol=TOL, max_iter=MAX_ITER)
     assert np.abs(block.u.numpy() - seq.u.numpy()).max() <= 1e-6
     assert block.objective[-1] == pytest.approx(seq.objective[-1], rel=1e-10)
 
@@ -159,7 +159,7 @@ def test_constant_g_network_gives_zero(nets, method):
     groups = build_groups(graph, params)
     ob = oracle_objective(dag, groups)
     assert np.abs(ob.grad(np.zeros(groups.num_free))).max() <= 1e-12
-    res = solve(groups, diag_g(groups), method=method, tol=TOL)
+    res = solve(groups, diag_g(groups), solver=method, tol=TOL)
     assert res.converged
     assert res.u.abs().max() <= 1e-12
     assert res.kkt_residual <= 1e-12
@@ -177,7 +177,7 @@ def test_constant_diag_gives_zero(nets, arch, method):
     assert np.abs(ob.grad(np.zeros(groups.num_free))).max() <= 1e-12
     assert own_kkt(ob, np.zeros(groups.num_free)) <= 1e-13
     constant = DiagG([torch.full(dp.value.shape, 0.3, dtype=torch.float64) for dp in groups.dag_params])
-    res = solve(groups, constant, method=method, tol=TOL)
+    res = solve(groups, constant, solver=method, tol=TOL)
     assert res.converged and res.u.abs().max() <= 1e-12
     assert res.objective[0] == pytest.approx(ob.value(np.zeros(groups.num_free)), rel=1e-12)
 
@@ -221,7 +221,7 @@ def test_degenerate_groups_frozen(nets, case, method):
     diag = diag_g(groups)
     for lg in diag.log_g:
         assert not torch.isnan(lg).any()
-    res = solve(groups, diag, method=method, tol=TOL, max_iter=MAX_ITER)
+    res = solve(groups, diag, solver=method, tol=TOL, max_iter=MAX_ITER)
     assert set(res.degenerate) == expected
     assert torch.isfinite(res.u).all()
     assert all(math.isfinite(v) for v in res.objective)
@@ -298,7 +298,7 @@ def test_solvers_with_extreme_dynamic_range(nets, factors, bias, method):
     groups = build_groups(graph, params)
     ob = oracle_objective(dag, groups, dag.log_diag_G())
     u_star, f_star = ob.minimise()
-    res = solve(groups, diag_g(groups), method=method, tol=1e-8, max_iter=MAX_ITER)
+    res = solve(groups, diag_g(groups), solver=method, tol=1e-8, max_iter=MAX_ITER)
     assert res.degenerate == []
     assert torch.isfinite(res.u).all(), f"{method}: u = {res.u}"
     assert all(math.isfinite(v) for v in res.objective)

@@ -166,7 +166,7 @@ def test_every_solver_reaches_the_brute_force_optimum_on_the_support(nets, name,
     dag = build_neuron_dag(graph, params)
     groups = build_groups(graph, params)
     diag = diag_g(groups)
-    result = solve(groups, diag, method=method, tol=1e-10, max_iter=20000)
+    result = solve(groups, diag, solver=method, tol=1e-10, max_iter=20000)
     assert result.converged
     frozen = Objective(groups, diag).degenerate().numpy()
     assert frozen.any(), "a group without support in or out is degenerate"
@@ -182,7 +182,7 @@ def test_bounded_solvers_lower_d_by_the_decrease_of_f(nets, name, method):
     graph, params = ZEROED[name](nets)
     groups = build_groups(graph, params)
     diag = diag_g(groups)
-    result = solve(groups, diag, method=method, tol=1e-9, max_iter=20000, max_log_scale=0.05)
+    result = solve(groups, diag, solver=method, tol=1e-9, max_iter=20000, max_log_scale=0.05)
     assert result.converged and result.u_inf <= 0.05
     before = analyse(_model(graph, params), device="cpu").conditioning
     after = analyse(_model(graph, _rescaled(groups, params, result.u)), device="cpu").conditioning

@@ -107,7 +107,7 @@ def test_mobileone_constants_are_an_identity_and_a_channel_bias_on_both_routes()
     data = onnx_models.export(module, _example(shape), "torchscript")
     added = [n for n in onnx.load_from_string(data).graph.node if n.op_type == "Add"
              and any(v.startswith("/stem/Constant") for v in n.input)]
-    assert len(added) == 1  # the graph constant in the stem that 0.6.0 refused
+    assert len(added) == 1  # the graph constant in the stem
     graph = load_onnx(data).graph
     assert [node.bias for node in graph.nodes if isinstance(node, ChannelBias)] == ["shift"]
     assert any(isinstance(node, Identity) and node.name == added[0].name for node in graph.nodes)

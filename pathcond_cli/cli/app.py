@@ -37,8 +37,9 @@ from ..io.fileio import (
     check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, is_character_device,
     printable, resolve_destination, written_files,
 )
-from ..solve.defaults import (
-    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS,
+from ..solve.options import (
+    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS, InvalidOption,
+    SolveOptions,
 )
 
 EXIT_HELP = (
@@ -60,8 +61,10 @@ _guarded = False
 # The interrupting signal received during the command, if any (see ``_interrupted``).
 _signal_received: int | None = None
 # The running command's report so far, once its input is read: with --json a failure prints it
-# with an ``error`` object, so that a pipeline always gets one document.
-_report_so_far: dict[str, Any] | None = None
+# with an ``error`` object, so that a pipeline always gets one document. A report that costs
+# passes over the network (diag(G)'s statistics and histograms) is given as the function that
+# builds it, called only when a failure prints it.
+_report_so_far: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 app = typer.Typer(
     name="pathcond",
@@ -156,6 +159,10 @@ DeviceOpt = Annotated[str, typer.Option(
     "--device", metavar="[auto|cpu|cuda|cuda:N]", autocompletion=_complete_device,
     help="auto (CUDA when present), cpu, cuda or cuda:N.",
 )]
+ThreadsOpt = Annotated[Optional[int], typer.Option(
+    "--threads", min=1, metavar="N", help="CPU threads torch computes with. Default: the CPUs this process may use "
+    "(its affinity), capped by SLURM_CPUS_PER_TASK and OMP_NUM_THREADS when set.",
+)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON report on stdout (schema: docs/json.md).")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No tables, summary or progress on stderr.")]
 PlotOpt = Annotated[Optional[str], typer.Option(
@@ -235,20 +242,6 @@ def _parse_path_norms(values: list[float] | None) -> tuple[float, ...]:
     return tuple(values or ())
 
 
-def _parse_max_log_scale(text: str) -> float | str:
-    """``auto``, ``none`` or a finite bound ≥ 0."""
-    value = text.strip().lower()
-    if value in ("auto", "none"):
-        return value
-    try:
-        bound = float(value)
-    except ValueError:
-        raise typer.BadParameter(f"'{text}' is not auto, none or a number", param_hint="--max-log-scale") from None
-    if not (math.isfinite(bound) and bound >= 0):
-        raise typer.BadParameter(f"'{text}' is not a finite bound ≥ 0", param_hint="--max-log-scale")
-    return bound
-
-
 def _parse_device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA only when torch sees that device."""
     value = text.strip().lower()
@@ -278,6 +271,14 @@ def _import_library() -> None:
     with interrupts_deferred():
         for name in ("torch", "pathcond_cli.api", "pathcond_cli.io.formats", "pathcond_cli.report.render"):
             importlib.import_module(name)
+
+
+def _use_threads(count: int | None) -> None:
+    """Size torch's threads (``--threads``, by default the CPUs this process may use) once torch is
+    imported, which ``_errors_to_exit_codes`` does."""
+    from ..threads import set_threads
+
+    set_threads(count)
 
 
 @contextlib.contextmanager
@@ -355,14 +356,24 @@ def _out_of_memory(exc: BaseException) -> bool:
 
 def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: str) -> None:
     """With --json, the report so far and its ``error`` on stdout (once the input was read)."""
-    if not as_json or _report_so_far is None:
+    report = _built_report_so_far() if as_json else None
+    if report is None:
         return
     from ..report.render import error_document
 
     with contextlib.suppress(OSError, ValueError):
-        document = error_document(_report_so_far, exc, exit_code, _shown_message(message))
+        document = error_document(report, exc, exit_code, _shown_message(message))
         sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
         sys.stdout.flush()
+
+
+def _built_report_so_far() -> dict[str, Any] | None:
+    if not callable(_report_so_far):
+        return _report_so_far
+    try:
+        return _report_so_far()
+    except Exception:  # noqa: BLE001 - the failure being reported matters more than its report
+        return None
 
 
 def _printable(text: str) -> str:
@@ -556,6 +567,7 @@ def rescale(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     solver_choice: Annotated[SolverChoice, typer.Option(
         "--solver", metavar=f"[{'|'.join(SOLVERS)}]", help=f"PathCond minimiser (default {DEFAULT_SOLVER}: Newton's "
         "method, 14-76 gradient-equivalent passes on every network measured, benchmarks/README.md).",
@@ -588,29 +600,18 @@ def rescale(
 
     Several: pathcond rescale runs/*.safetensors --arch model.yaml --output-dir rescaled --json > reports.jsonl
     """
-    solver, criterion = solver_choice.value, criterion_choice.value
-    if criterion == "enorm" and solver != DEFAULT_SOLVER:
-        raise typer.BadParameter("--solver chooses a PathCond minimiser; --criterion enorm has its own closed-form "
-                                 "solver", param_hint="--solver")
-    if not math.isfinite(tol):
-        raise typer.BadParameter(f"{tol} is not a finite tolerance", param_hint="--tol")
-    bound = _parse_max_log_scale(max_log_scale)
+    try:
+        options = SolveOptions(criterion_choice.value, solver_choice.value, tol, max_iter, max_log_scale)
+    except InvalidOption as error:
+        raise typer.BadParameter(str(error), param_hint=error.option) from None
     orders = _parse_path_norms(path_norm)
-    if isinstance(bound, float) and criterion == "enorm":
-        raise typer.BadParameter("--max-log-scale bounds PathCond's solvers; --criterion enorm takes no bound",
-                                 param_hint="--max-log-scale")
-    if isinstance(bound, float) and solver not in BOUNDED_SOLVERS:
-        raise typer.BadParameter(f"solver '{solver}' is unconstrained; with --max-log-scale use one of "
-                                 f"{', '.join(BOUNDED_SOLVERS)}", param_hint="--solver")
     if len(models) > 1 or output_dir is not None:
         _check_batch_options(models, as_json=as_json, output=output, report_file=report_file, plot=plot)
         if in_place and output_dir is not None:
             raise typer.BadParameter("--in-place replaces each input; --output-dir writes elsewhere: choose one",
                                      param_hint="--in-place")
-        solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": _parse_device(device),
-                         "criterion": criterion, "max_log_scale": bound}
         _rescale_batch(models, output_dir, arch, _parse_shape(input_shape), in_place, as_json, quiet, allow_unused,
-                       solve_options, orders)
+                       options, _parse_device(device), orders, threads)
         return
     (model,) = models
     if output == "-" and as_json:
@@ -625,18 +626,17 @@ def rescale(
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         _check_plot(plot)
-        solve_options = {"solver": solver, "tol": tol, "max_iter": max_iter, "device": device, "criterion": criterion,
-                         "max_log_scale": bound}
         report, result, report_path, plot_path = _rescale_to(model, output, arch, shape, in_place, report_file, plot,
-                                                             quiet, allow_unused, solve_options, orders)
+                                                             quiet, allow_unused, options, device, orders)
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
         _draw(plot_path, report, result.analysis, result)
 
 
-def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, solve_options,
-                path_norms=()):
-    """Load, rescale (``solve_options`` are :func:`pathcond_cli.api.rescale`'s), write and verify;
+def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused,
+                options: SolveOptions, device: str, path_norms=()):
+    """Load, rescale (with ``options``, on ``device``), write and verify;
     ``path_norms`` are the orders q reported beside ℓ1 and ℓ2. Returns the JSON report, the
     result, and where the report and the plot go."""
     from ..api import analyse, rescale as rescale_model, save
@@ -676,11 +676,13 @@ def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, 
             check_streamable(loaded)
         _report_so_far = loaded_report(loaded, "rescale")
         stages.stage("analysing: groups, diag(G), path count, path norms")
-        analysis = analyse(loaded, device=solve_options["device"], path_norms=path_norms)
-        _report_so_far = {**analysis_report(analysis), "command": "rescale"}
-        result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis, **solve_options)
+        analysis = analyse(loaded, device=device, path_norms=path_norms)
+        _report_so_far = lambda: {**analysis_report(analysis), "command": "rescale"}
+        # The storage check shares the write's computation of each rescaled tensor.
+        result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis,
+                               check_storage_when_written=True, options=options, device=device)
         seconds = {"load": load_seconds, **result.seconds}
-        _report_so_far = rescale_report(result, None, seconds)
+        _report_so_far = lambda: rescale_report(result, None, seconds)
 
         stages.stage("writing and verifying the written file")
         if destination is not None:
@@ -745,15 +747,16 @@ def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in
     return planned
 
 
-def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused, solve_options,
-                   path_norms) -> None:
+def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused,
+                   options: SolveOptions, device: str, path_norms, threads: int | None) -> None:
     """Several MODELs, one after another, each exactly as a single run writing to its planned output."""
     with _errors_to_exit_codes():
+        _use_threads(threads)
         planned = _batch_plan(models, output_dir, arch, in_place)
 
         def rescale_one(index: int) -> dict[str, Any]:
             report, *_ = _rescale_to(models[index], str(planned[index].destination), arch, shape, in_place, None,
-                                     None, quiet, allow_unused, solve_options, path_norms)
+                                     None, quiet, allow_unused, options, device, path_norms)
             return report
 
         _run_batch("rescale", models, rescale_one, as_json=as_json, quiet=quiet)
@@ -785,8 +788,8 @@ def _run_batch(command: str, models: list[str], process: Callable[[int], dict[st
                     failures.append(code)
                     stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
                                  highlight=False, markup=True, soft_wrap=True)
-                    report = error_document(_report_so_far or failure_report(command, describe(Path(model))), exc,
-                                            code, _shown_message(message))
+                    so_far = _built_report_so_far() or failure_report(command, describe(Path(model)))
+                    report = error_document(so_far, exc, code, _shown_message(message))
                 else:
                     if not quiet:
                         render_warnings(report, stderr)
@@ -840,6 +843,7 @@ def inspect(
     arch: ArchOpt = None,
     input_shape: ShapeOpt = None,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
     plot: PlotOpt = None,
     path_norm: PathNormOpt = None,
@@ -857,6 +861,8 @@ def inspect(
     if len(models) > 1:
         _check_batch_options(models, as_json=as_json, report_file=report_file, plot=plot)
         with _errors_to_exit_codes():
+            _use_threads(threads)
+
             def inspect_one(index: int) -> dict[str, Any]:
                 return _inspect_one(models[index], arch, shape, device, allow_unused, quiet, orders=orders)[0]
 
@@ -866,6 +872,7 @@ def inspect(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         _check_plot(plot)
         report, analysis, plot_path, report_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot,
                                                                 report_file, orders)
@@ -928,6 +935,7 @@ def compare(
     input_shape: ShapeOpt = None,
     input_bound: InputBoundOpt = 1.0,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     path_norm: PathNormOpt = None,
     as_json: JsonOpt = False,
     allow_unused: AllowUnusedOpt = False,
@@ -947,6 +955,7 @@ def compare(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         from ..report.render import compare_report, failure_report, render_compare
         from ..toolkit import compare_models
 
@@ -987,6 +996,7 @@ def prune(
     input_shape: ShapeOpt = None,
     input_bound: InputBoundOpt = 1.0,
     device: DeviceOpt = "auto",
+    threads: ThreadsOpt = None,
     path_norm: PathNormOpt = None,
     as_json: JsonOpt = False,
     report_file: ReportOpt = None,
@@ -1015,6 +1025,7 @@ def prune(
     if as_json and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
     with _errors_to_exit_codes(as_json):
+        _use_threads(threads)
         from ..io.destinations import check_destinations, written
         from ..io.formats import detect_format, files_read, output_format_mismatch
         from ..report.render import loaded_report, prune_report, render_prune
@@ -1064,6 +1075,7 @@ def spec_command(
         "-o", "--output", metavar="FILE", help="Write the spec to FILE (.yaml, .yml or .json) instead of stdout.",
     )] = None,
     allow_unused: AllowUnusedOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Print the architecture spec of MODEL, as a safetensors checkpoint of its tensors needs it.
 
@@ -1077,6 +1089,7 @@ def spec_command(
     if output is None and _closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but the spec is printed there; use -o FILE", param_hint="-o")
     with _errors_to_exit_codes():
+        _use_threads(threads)
         from ..io.destinations import check_destinations, written
         from ..io.formats import files_read, load_model
         from ..io.formats.onnx_format import batchnorm_folded_tensors

@@ -8,6 +8,7 @@ import torch
 
 from ..errors import InputError, UnsupportedModelError
 from .graph import Graph, Input, broadcast_problem
+from .layouts import stand_ins
 from .rules import rule_for
 
 
@@ -51,9 +52,11 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
 
     (Meta tensors would skip the arithmetic, but their one-off set-up costs seconds.)
     """
+    # Shapes do not depend on values: a checkpoint's tensors are not read from its file.
+    layouts = stand_ins(params)
+
     def param(key: str | None) -> torch.Tensor | None:
-        # Read when a node uses it: a checkpoint read when used is never held whole.
-        return None if key is None else params[key].to(torch.float32)
+        return None if key is None else layouts[key].to(torch.float32)
 
     shapes: dict[str, tuple[int, ...]] = {}
     values: dict[str, torch.Tensor] = {}

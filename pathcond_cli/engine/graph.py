@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import InputError, InvalidWeightsError, UnsupportedModelError
+from .layouts import stand_ins
 from .schema import (
     REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats,
 )
@@ -369,6 +370,18 @@ class Add(Node):
 
 
 @dataclass(frozen=True)
+class Sub(Node):
+    """Element-wise difference of two tensors, ``inputs[0] − inputs[1]``, of one rank (an axis of
+    size 1 is broadcast, as for :class:`Add`): a fixed edge of weight +1 from the first input and
+    one of weight −1 from the second. Positively homogeneous; the path norms and diag(G) take
+    |−1|^q = 1, and the two inputs' channels are tied as a sum's are."""
+
+    op: ClassVar[str] = "sub"
+    arity = (2, 2)
+    broadcasts_inputs = True
+
+
+@dataclass(frozen=True)
 class Concat(Node):
     """Concatenation along the channel axis."""
 
@@ -381,7 +394,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather, ChannelAffine, FixedFilter, ChannelBias,
+        ChannelGather, ChannelAffine, FixedFilter, ChannelBias, Sub,
     )
 }
 
@@ -456,26 +469,28 @@ class Graph:
                 return follower
         return None
 
-    def check_parameters(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Check that every tensor the graph reads exists with a plausible shape and finite values.
+    def check_parameters(self, params: Mapping[str, torch.Tensor], *, values: bool = True) -> None:
+        """Check that every tensor the graph reads exists with a plausible shape and dtype and, with
+        ``values`` (which reads each of them), finite values.
 
         All problems are collected before raising, so a spec with three typos shows three lines.
         """
         problems: list[str] = []
         not_finite: list[str] = []
+        layouts = stand_ins(params)
         for node in self.nodes:
             for role, key in node.parameter_keys().items():
-                if key not in params:
+                if key not in layouts:
                     problems.append(f"node '{node.name}' ({node.op}) needs tensor '{key}' ({role}), which the checkpoint lacks")
                     continue
-                tensor = params[key]
+                tensor = layouts[key]
                 expected_rank = node.roles.get(role)
                 if expected_rank and tensor.dim() not in expected_rank:
                     problems.append(
                         f"node '{node.name}' ({node.op}): tensor '{key}' ({role}) has shape {tuple(tensor.shape)}, "
                         f"expected rank {' or '.join(map(str, expected_rank))}"
                     )
-                elif tensor.is_floating_point() and not _finite(tensor):
+                elif values and tensor.is_floating_point() and not _finite(params[key]):
                     not_finite.append(key)
                 elif not tensor.is_floating_point():
                     problems.append(f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, expected floating point")

@@ -12,7 +12,7 @@ the free groups) stands for "fixed" and always holds 0.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from math import prod
@@ -22,7 +22,8 @@ import torch
 
 from .evaluate import infer_shapes
 from .graph import Graph
-from .rules import Affine, Ties, rule_for
+from .layouts import HeaderTensors, stand_ins
+from .rules import Affine, AffineLayer, Ties, rule_for
 
 
 # Elements per block when a layer-sized pass runs block by block: bounded float64 transients.
@@ -198,7 +199,10 @@ class WriteBack:
             log += dst_values[self.dst][out_rows][:, None]
         if self.src is not None:
             by_group = src_values[self.src].reshape(self.groups, in_per_group)[:, columns]
-            log -= by_group[torch.div(outputs, self.out_channels // self.groups, rounding_mode="floor")]
+            if self.groups == 1:
+                log -= by_group  # every row reads the same input groups: broadcast, no row-sized gather
+            else:
+                log -= by_group[torch.div(outputs, self.out_channels // self.groups, rounding_mode="floor")]
         return log
 
 
@@ -343,7 +347,9 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
 
 def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:
     """Analyse ``graph`` with checkpoint ``params``: groups, DAG parameters, write-back maps."""
-    graph.check_parameters(params)
+    # A checkpoint read from its file had its values checked by its loader: checking them
+    # again here would read every tensor once more.
+    graph.check_parameters(params, values=not isinstance(params, HeaderTensors))
     shapes = infer_shapes(graph, params)
     ties = Ties(graph, shapes)
     for node in graph.nodes:
@@ -371,7 +377,7 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     dag_params: list[DagParam] = []
     writebacks: list[WriteBack] = []
     for node in graph.nodes:
-        affine = rule_for(node).affine(node, graph, params)
+        affine = rule_for(node).affine(node, graph, _weight_unread(node, params))
         if affine is not None:
             weight = None if affine.weight is None else _reread_weight(node, graph, params, affine)
             _add_layer(node, affine, weight, node_groups, num_free, dag_params, writebacks)
@@ -381,6 +387,15 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
                               torch.zeros(num_free, dtype=torch.long), node_groups, shapes)
     partial.colours = _colour(dag_params, num_free)
     return partial
+
+
+def _weight_unread(node, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``params`` with a Linear's or Conv's weight as a stand-in of its shape: laying the layer out
+    needs the weight's shape only (each pass reads its values through :func:`_reread_weight`),
+    and its bias, read here, comes from other tensors."""
+    if not isinstance(rule_for(node), AffineLayer):
+        return params
+    return ChainMap({node.weight: stand_ins(params)[node.weight]}, params)
 
 
 def _reread_weight(node, graph: Graph, params: Mapping[str, torch.Tensor], affine: Affine) -> Reread:

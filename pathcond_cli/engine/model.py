@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from .graph import BatchNorm, Graph
+from .layouts import layout_of, stand_ins
 from .rules import rule_for
 
 NON_LEARNABLE_ROLES = ("running_mean", "running_var")
@@ -46,7 +48,7 @@ class LoadedModel:
     def parameter_count(self) -> int:
         """Learnable elements as torch counts them (BatchNorm γ, β included, statistics not)."""
         return sum(
-            self.params[key].numel()
+            math.prod(layout_of(self.params, key)[0])
             for node in self.graph.nodes
             for role, key in node.parameter_keys().items()
             if role not in NON_LEARNABLE_ROLES
@@ -59,7 +61,7 @@ class LoadedModel:
         for name in self.graph.outputs:
             final |= _producing_layers(self.graph, name)
         return sum(
-            rule_for(node).out_channels(node, self.params)
+            rule_for(node).out_channels(node, stand_ins(self.params))
             for node in self.graph.nodes
             if node.creates_channels and node.name not in final
         )

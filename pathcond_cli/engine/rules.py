@@ -33,7 +33,7 @@ from ..errors import UnsupportedModelError
 from .graph import (
     COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather,
     ChannelShuffle, ChannelSlice, Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Upsample,
+    LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Sub, Upsample,
 )
 
 ParamLookup = Callable[[str | None], torch.Tensor | None]
@@ -773,6 +773,23 @@ class AddRule(Rule):
         return ids[0]
 
 
+class SubRule(Rule):
+    """``a − b``: fixed edges of weight +1 from ``a`` and −1 from ``b``. In the squared network of
+    any power q each becomes |±1|^q = 1, so it is the sum ``a + b`` there (diag(G), path norms,
+    path counts, the path-metric's streams); the channels are tied as a sum's (AddRule.ties)."""
+
+    node_type = Sub
+
+    def forward(self, node, xs, param, train):
+        return xs[0] - xs[1]
+
+    def squared(self, node, xs, power):
+        return xs[0] + xs[1]
+
+    def ties(self, node, ties):
+        return AddRule.ties(self, node, ties)
+
+
 class ConcatRule(Rule):
     node_type = Concat
 
@@ -792,7 +809,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(), ChannelBiasRule(),
+        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(), ChannelBiasRule(), SubRule(),
     )
 }
 

@@ -19,31 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.groups import RescalingGroups
-from .dtype_limits import StorageCheck, lost_values, safe_log_scale
+from .dtype_limits import StorageCheck, safe_log_scale
+from .options import AUTO
 from .solvers import SolveResult
 
-AUTO, USER, NONE = "auto", "user", "none"
 # ln of float16's largest value: a neuron scaled beyond e^±11 pushes activations of order 1
 # out of a float16 copy's range.
 FLOAT16_LOG_RANGE = math.log(torch.finfo(torch.float16).max)
-
-
-def parse_bound(value: float | str | None) -> tuple[str, float | None]:
-    """The rule and the fixed bound of ``max_log_scale``: ``'auto'``, ``'none'`` or None, or a number ≥ 0."""
-    if value is None:
-        return NONE, None
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in (AUTO, NONE):
-            return text, None
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(f"max_log_scale must be 'auto', 'none' or a number ≥ 0, not {value!r}") from None
-    bound = float(value)
-    if not (math.isfinite(bound) and bound >= 0):
-        raise ValueError(f"max_log_scale must be 'auto', 'none' or a finite number ≥ 0, not {value!r}")
-    return USER, bound
 
 
 @dataclass
@@ -101,10 +83,13 @@ def within_dtype(
     unbounded: SolveResult,
     changed: MutableMapping[str, torch.Tensor],
     resolve: Callable[[float], SolveResult],
+    problems: list[StorageCheck],
 ) -> tuple[SolveResult, MutableMapping[str, torch.Tensor], BoundChoice]:
-    """The auto rule: keep the unbounded solve if its tensors are storable, else ``resolve`` at
-    the dtype-safe bound. Returns the solve kept, its changed tensors and the choice."""
-    lost = lost_values(params, changed)
+    """The auto rule: keep the unbounded solve if its tensors are storable (``problems``: what
+    :func:`~pathcond_cli.solve.dtype_limits.check_storage` found for ``changed``), else ``resolve`` at
+    the dtype-safe bound. Returns the solve kept, its changed tensors (not yet checked when
+    bounded) and the choice."""
+    lost = [p for p in problems if p.lost]
     choice = BoundChoice(AUTO, unbounded, lost)
     if not lost:
         return unbounded, changed, choice

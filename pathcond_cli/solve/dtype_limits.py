@@ -101,10 +101,10 @@ def safe_log_scale(groups: RescalingGroups, params: Mapping[str, torch.Tensor]) 
 def check_storage(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> list[StorageCheck]:
     """One entry per rescaled floating-point tensor that overflows or loses normal values."""
     # One key at a time: a rescaled tensor and its original are let go before the next is read.
-    return [problem for key in changed if (problem := _storage_problem(key, original, changed[key])) is not None]
+    return [problem for key in changed if (problem := storage_problem(key, original, changed[key])) is not None]
 
 
-def _storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.Tensor) -> StorageCheck | None:
+def storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.Tensor) -> StorageCheck | None:
     if not new.is_floating_point() or not new.numel():
         return None
     tiny = torch.finfo(new.dtype).tiny
@@ -134,12 +134,15 @@ def _finite_and_normal(values: torch.Tensor, tiny: float) -> bool:
 
 
 def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str, torch.Tensor],
-                    changed: Mapping[str, torch.Tensor], u_inf: float) -> list[str]:
+                    changed: Mapping[str, torch.Tensor], u_inf: float, *,
+                    problems: list[StorageCheck] | None = None) -> list[str]:
     """Warnings for tensors that keep their values with a few flushed below the smallest normal;
     :class:`StorageError` naming the tensors that would overflow or lose their values, and the
     auto bound. A warning does not name that bound: auto bounds only a rescaling that loses
-    values, so it would write the same values as the run warned."""
-    problems = check_storage(original, changed)
+    values, so it would write the same values as the run warned. ``problems``: what
+    :func:`check_storage` found for ``changed`` when the caller ran it already (each rescaled
+    tensor is then not computed again)."""
+    problems = check_storage(original, changed) if problems is None else problems
     fatal = [p for p in problems if p.lost]
     if fatal:
         advice = _advice(safe_log_scale(groups, original))

@@ -25,7 +25,8 @@ import torch
 from ..engine.diag import DiagG
 from ..engine.groups import RescalingGroups
 from .objective import Objective
-from .solvers import DEFAULT_MAX_ITER, DEFAULT_TOL, ProgressCallback, SolveResult
+from .options import DEFAULT_MAX_ITER, DEFAULT_TOL
+from .solvers import ProgressCallback, SolveResult
 
 METHOD = "enorm"
 

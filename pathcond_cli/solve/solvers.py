@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..engine.diag import DiagG
 from ..engine.groups import RescalingGroups
 from .curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
-from .defaults import BOUNDED_SOLVERS, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS
 from .layer_shift import layer_shift_start
 from .objective import Evaluation, Objective, block_step, paper_step
+from .options import DEFAULT_MAX_ITER, DEFAULT_TOL, SolveOptions
+
 MIN_STEP = 1e-10
 MAX_FIRST_STEP = 20.0
 FLAT_ITERATIONS = 3
@@ -101,35 +102,30 @@ class SolveResult:
 def solve(
     groups: RescalingGroups,
     diag: DiagG,
+    options: SolveOptions | None = None,
     *,
-    method: str = DEFAULT_SOLVER,
-    tol: float = DEFAULT_TOL,
-    max_iter: int = DEFAULT_MAX_ITER,
     device: torch.device | str = "cpu",
     progress: ProgressCallback | None = None,
-    max_log_scale: float | None = None,
+    **choices,
 ) -> SolveResult:
-    """Minimise F from u = 0 until the relative KKT residual is below ``tol``.
+    """Minimise F from u = 0 until the relative KKT residual is below ``options.tol``.
 
-    ``max_iter`` is a safety cap: a run that reaches it returns ``converged = False``.
-    ``max_log_scale`` bounds every |u_h| (natural log of a neuron's scale factor).
+    ``choices`` replace fields of ``options`` (default :class:`SolveOptions`), validated again.
+    ``max_iter`` is a safety cap: a run that reaches it returns ``converged = False``. A number
+    ``max_log_scale`` bounds every |u_h| (natural log of a neuron's scale factor); ``auto`` is the
+    caller's rule (:func:`pathcond_cli.api.rescale`), so here it solves unbounded like ``none``.
     """
-    if method not in SOLVERS:
-        raise ValueError(f"unknown solver '{method}'; choose one of {', '.join(SOLVERS)}")
-    if max_log_scale is not None and method not in BOUNDED_SOLVERS:
-        raise ValueError(f"solver '{method}' is unconstrained; with a maximum log scale use one of "
-                         f"{', '.join(BOUNDED_SOLVERS)}")
-    if max_log_scale is not None and not max_log_scale >= 0:
-        raise ValueError(f"the maximum log scale must be a number ≥ 0, not {max_log_scale}")
+    options = replace(options or SolveOptions(), **choices)
+    bound = options.bound
     start = time.perf_counter()
-    objective = Objective(groups, diag, device=device, bound=max_log_scale)
+    objective = Objective(groups, diag, device=device, bound=bound)
     u = torch.zeros(groups.num_free, dtype=torch.float64, device=objective.device)
     frozen = objective.degenerate()
     first = objective.evaluate(u, frozen)
-    run = {"newton": _newton, "block": _block, "lbfgs": _lbfgs, "sequential": _sequential}[method]
-    u, history, final, iterations = run(objective, u, frozen, first, tol, max_iter, progress)
-    return SolveResult.of_run(method, u, history, final.kkt_residual, iterations, objective.passes, frozen, start,
-                              tol, max_iter, max_log_scale)
+    run = {"newton": _newton, "block": _block, "lbfgs": _lbfgs, "sequential": _sequential}[options.solver]
+    u, history, final, iterations = run(objective, u, frozen, first, options.tol, options.max_iter, progress)
+    return SolveResult.of_run(options.solver, u, history, final.kkt_residual, iterations, objective.passes, frozen,
+                              start, options.tol, options.max_iter, bound)
 
 
 def _report(progress: ProgressCallback | None, iteration: int, ev: Evaluation) -> None:

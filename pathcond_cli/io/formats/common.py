@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ...engine.layouts import stand_ins
 from ...engine.rules import rule_for
 from ...errors import InputError, UsageError
 from ..fileio import describe
@@ -141,6 +142,7 @@ WEIGHT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.floa
 
 def check_weight_types(graph: Graph, params: Mapping[str, torch.Tensor], source: str) -> None:
     """Every tensor the network reads is a non-empty float16/bfloat16/float32/float64 tensor."""
+    params = stand_ins(params)
     problems = []
     for node in graph.nodes:
         for role, key in node.parameter_keys().items():

@@ -44,6 +44,7 @@ _EQUIVALENTS: dict[Any, tuple[Callable[..., Any], Callable[[tuple[Any, ...]], tu
         (aten.adaptive_avg_pool1d, F.adaptive_avg_pool1d), (aten.adaptive_avg_pool2d, F.adaptive_avg_pool2d),
         (aten.adaptive_avg_pool3d, F.adaptive_avg_pool3d), (aten.pad, F.pad),
         (aten.add, torch.add), (aten.add_, torch.add), (aten.mul, torch.mul), (aten.div, torch.div),
+        (aten.sub, torch.sub), (aten.neg, torch.neg),
         (aten.mean, torch.mean), (aten.cat, torch.cat),
         (aten.flatten, torch.flatten), (aten.view, torch.reshape), (aten.reshape, torch.reshape),
         (aten.transpose, torch.transpose), (aten.permute, torch.permute), (aten.squeeze, torch.squeeze),

@@ -32,9 +32,9 @@ SUPPORTED_SUMMARY = (
     "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
     "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
     "and circular padding, spatial crops, -inf padding before max pooling, multiplication or division by a "
-    "constant, a per-channel scale and shift by stored tensors (or a shift alone), a depthwise convolution by a "
-    "filter buffer (fixed), nearest and (bi/tri)linear Upsample/interpolate, flatten, channel "
-    "slices/chunks/splits and shuffles, residual add and torch.cat(dim=1)"
+    "constant, negation, a per-channel scale and shift by stored tensors (or a shift alone), a depthwise "
+    "convolution by a filter buffer (fixed), nearest and (bi/tri)linear Upsample/interpolate, flatten, channel "
+    "slices/chunks/splits and shuffles, residual add, the difference of two tensors and torch.cat(dim=1)"
 )
 
 
@@ -938,6 +938,21 @@ def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     return {"type": "add", "inputs": list(args)}
 
 
+def _sub_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    """``a - b``, ``torch.sub(a, b)``, ``a.sub(b)`` of two activations: a difference node;
+    ``-x``, ``torch.neg(x)``, ``x.neg()``: a fixed edge of −1, the scale node of factor −1."""
+    args, kwargs = node.args, node.kwargs
+    if node.target in (operator.neg, torch.neg, "neg"):
+        return [{"type": "scale", "factor": -1.0, "inputs": list(args)}]
+    if len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}:
+        raise Unsupported("only a plain difference of two tensors is supported")
+    numbers = [arg for arg in args if not isinstance(arg, torch.fx.Node)]
+    if numbers:
+        raise Unsupported(f"subtracting the number {numbers[0]!r} or from it is not supported: a constant that is no "
+                           "stored tensor cannot rescale with its channel (not positively homogeneous)")
+    return [{"type": "sub", "inputs": list(args)}]
+
+
 def _relu_method(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
     return [{"type": "relu", "inputs": [node.args[0]]}]
 
@@ -1086,6 +1101,7 @@ CALLS: dict[Callable[..., Any], _CallTranslator] = {
                     _scale_call),
     torch.mean: _mean_call,
     torch.cat: _cat,
+    **dict.fromkeys((operator.sub, operator.isub, torch.sub, operator.neg, torch.neg), _sub_call),
 }
 
 # Pure data movement, replayed on index tensors (see _Movements).
@@ -1110,4 +1126,5 @@ METHODS: dict[str, _CallTranslator] = {
     **dict.fromkeys(("add", "add_"), _add_call),
     **dict.fromkeys(("mul", "mul_", "div", "div_"), _scale_call),
     "mean": _mean_call,
+    **dict.fromkeys(("sub", "sub_", "neg"), _sub_call),
 }

@@ -35,6 +35,7 @@ from ...engine.graph import (
     PReLU,
     ReLU,
     Scale,
+    Sub,
     Upsample,
 )
 from ...errors import UnsupportedModelError
@@ -48,7 +49,7 @@ _NOT_HOMOGENEOUS = {
     "Sigmoid", "Tanh", "Gelu", "Erf", "Softmax", "LogSoftmax", "LayerNormalization", "Elu", "Selu",
     "Celu", "Softplus", "Softsign", "HardSigmoid", "HardSwish", "Mish", "Exp", "Log", "Sqrt", "Pow",
     "InstanceNormalization", "GroupNormalization", "LpNormalization", "Clip", "Reciprocal", "Div", "Mul",
-    "MatMul", "Einsum", "Attention", "Cos", "Sin", "Abs", "Neg", "ReduceMax", "ReduceSum", "ReduceL2", "Tan",
+    "MatMul", "Einsum", "Attention", "Cos", "Sin", "Abs", "ReduceMax", "ReduceSum", "ReduceL2", "Tan",
     "HardSwish", "Swish", "ThresholdedRelu", "Shrink",
 }
 
@@ -804,6 +805,17 @@ class Translator:
             return
         self._fuse_bias(node, x, static[0])
 
+    def _sub(self, node: onnx.NodeProto) -> None:
+        """Sub of two activations: a difference node. A stored constant subtracted is refused (it
+        is no bias pathcond could write back: the tensor would have to change sign)."""
+        if any(self._is_static(v) for v in node.input):
+            raise Unsupported("only a difference of two activations is supported, not a stored constant subtracted")
+        self._emit_for(node, Sub, self._activation(node, 0), self._activation(node, 1))
+
+    def _neg(self, node: onnx.NodeProto) -> None:
+        """Neg: a fixed edge of weight −1, the scale node of factor −1."""
+        self._emit_for(node, Scale, self._activation(node), factor=-1.0)
+
     def _adds_no_axis(self, node: onnx.NodeProto, x: str) -> bool:
         """Whether the sum has the shape of activation ``x`` (the constant broadcasts into it)."""
         shape, x_shape = self.shapes.get(node.output[0]), self.shapes.get(x)
@@ -899,6 +911,8 @@ HANDLERS: dict[str, Callable[[Translator, onnx.NodeProto], None]] = {
     "Squeeze": Translator._reshape,
     "Unsqueeze": Translator._reshape,
     "Add": Translator._add,
+    "Sub": Translator._sub,
+    "Neg": Translator._neg,
     "Concat": Translator._concat,
 }
 

@@ -29,6 +29,7 @@ import safetensors.torch
 import torch
 
 from ...engine.graph import Graph
+from ...engine.layouts import layout_of
 from ...engine.model import LoadedModel
 from ...errors import InputError, InvalidWeightsError, OutputError
 from ..companions import (SPEC_SUFFIXES, checkpoint_stem, is_companion_name, named_by_another_file, shard_name,
@@ -190,6 +191,20 @@ class MappedTensors(Mapping[str, torch.Tensor]):
             raise self._changed(key, "its size or modification time changed")
         return tensor
 
+    def layout(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The tensor's shape and dtype, from the header: its bytes are not read."""
+        if key not in self._known:
+            raise KeyError(key)
+        stored = self._file.get_slice(key)
+        dtype = safetensors.torch._TYPES.get(stored.get_dtype())
+        if dtype is None:
+            raise InputError(f"{describe(self._path)}: tensor '{shown(key)}' has element type {stored.get_dtype()}, "
+                             "which torch has no type for")
+        return tuple(stored.get_shape()), dtype
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._known
+
     def _changed(self, key: str, reason: str) -> InputError:
         return InputError(
             f"{describe(self._path)}: tensor '{shown(key)}' can no longer be read as it was ({reason}): the file "
@@ -323,6 +338,12 @@ class ChainedTensors(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._owner[key][key]
+
+    def layout(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        return layout_of(self._owner[key], key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._owner
 
     def __iter__(self):
         return iter(self._owner)
@@ -500,11 +521,11 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
     ``originals``) with the values of ``tensors``, one tensor at a time: the header is laid out
     from ``originals`` (each written tensor must have its original's shape and dtype), then each
     tensor is fetched, written and let go, so a checkpoint is never held whole in memory
-    (safetensors' own writer serialises it at once). Each original is read once, for its layout:
-    a checkpoint's tensors are read from its file each time they are asked for."""
+    (safetensors' own writer serialises it at once). The layout comes from the originals' header
+    when they are read from a file: only the tensors' values are read, once."""
     if sys.byteorder != "little":
         raise OutputError("safetensors stores little-endian values; pathcond cannot write them on a big-endian machine")
-    layouts = {key: _stored_layout(originals[key]) for key in (originals if keys is None else keys)}
+    layouts = {key: _stored_layout(originals, key) for key in (originals if keys is None else keys)}
     order = sorted(layouts, key=lambda key: _layout_rank(layouts[key][0]) + (key,))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -525,9 +546,10 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals:
             del tensor  # before the next tensor is computed, not when it is assigned
 
 
-def _stored_layout(tensor: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], int]:
+def _stored_layout(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[torch.dtype, tuple[int, ...], int]:
     """A tensor's dtype, shape and size in bytes: what the header says of it."""
-    return tensor.dtype, tuple(tensor.shape), tensor.numel() * tensor.element_size()
+    shape, dtype = layout_of(tensors, key)
+    return dtype, shape, math.prod(shape) * dtype.itemsize
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
