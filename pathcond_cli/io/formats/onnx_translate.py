@@ -43,7 +43,7 @@ from .movement import UnsupportedMovement, movement_layer
 from .offenders import NotHomogeneous, Unsupported, grouped, offender_note
 from .onnx_fold import SHAPE_QUERIES
 from .onnx_read import DEFAULT_DOMAINS, constant_tensor, node_label, one_line, value_shapes
-from .spec import LAYER_TYPES
+from .spec import node_from_layer
 
 _NOT_HOMOGENEOUS = {
     "Sigmoid", "Tanh", "Gelu", "Erf", "Softmax", "LogSoftmax", "LayerNormalization", "Elu", "Selu",
@@ -301,8 +301,8 @@ class Translator:
         if layer is None:
             self.node_of_value[value] = self._source(source)
         else:
-            kind = layer.pop("type")
-            node = LAYER_TYPES[kind].node(name=self._unique(node_label(op)), inputs=(self._source(source),), **layer)
+            node = node_from_layer({**layer, "name": self._unique(node_label(op)), "inputs": [self._source(source)]},
+                                   source=self.label)
             self._emit(node, value)
         return value
 

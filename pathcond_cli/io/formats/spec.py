@@ -122,6 +122,18 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
     return Graph(expanded, outputs, source)
 
 
+def node_from_layer(layer: Mapping[str, Any], *, source: str) -> Node:
+    """The node one spec layer describes (``name``, ``type``, ``inputs`` and the type's fields),
+    validated and normalised as a spec file's layers are: the node constructor the importers share
+    (fx and data movement emit layers for :func:`graph_from_spec`; ONNX builds its moved values here)."""
+    problems: list[str] = []
+    offenders: list[tuple[str, str]] = []
+    node = _parse_layer(0, layer, None, problems, offenders)
+    problems += [f"layer '{name}' has type '{kind}': not positively homogeneous" for kind, name in offenders]
+    _raise_if_any(problems, source)
+    return node
+
+
 def spec_from_graph(graph: Graph) -> dict[str, Any]:
     """The spec of ``graph``, every field explicit: ``graph_from_spec`` of it gives an equal graph."""
     layers = []
