@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .common import InputShape
 
 
+@runtime_checkable
 class Format(Protocol):
     """A checkpoint format: its loader, its writer and its companion files.
 
