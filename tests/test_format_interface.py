@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import pathcond_cli.io.formats as formats
+from pathcond_cli.io import formats
 from pathcond_cli.io.companions import companion_format
 from pathcond_cli.io.formats.detection import FORMAT_OF_KIND
 from pathcond_cli.io.formats.interface import Format

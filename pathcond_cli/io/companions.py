@@ -10,7 +10,6 @@ import os
 import re
 from pathlib import Path
 
-
 # Bytes of the random tag in a companion's name when the preferred name is taken.
 COMPANION_TAG_BYTES = 4
 # What the companion writer inserts before the first dot of a name already taken, and its length.

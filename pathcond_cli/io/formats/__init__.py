@@ -27,7 +27,12 @@ from .common import (
     shapes_by_input,
     shown,
 )
-from .detection import FORMAT_OF_KIND, SHARD_INDEX_SUFFIX, detect_format, output_format_mismatch
+from .detection import (
+    FORMAT_OF_KIND,
+    SHARD_INDEX_SUFFIX,
+    detect_format,
+    output_format_mismatch,
+)
 from .interface import Format
 
 __all__ = [

@@ -12,7 +12,6 @@ from pathlib import Path
 from ...errors import InputError
 from .common import shown
 
-
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 # The format (:attr:`LoadedModel.format`) of each kind of file :func:`detect_format` tells apart.
 FORMAT_OF_KIND = {"onnx": "onnx", "safetensors": "safetensors", "safetensors-index": "safetensors"}

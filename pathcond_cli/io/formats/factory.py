@@ -12,7 +12,7 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
-import torch.nn as nn
+from torch import nn
 
 from ...engine.graph import Graph
 from ...errors import InputError, UsageError

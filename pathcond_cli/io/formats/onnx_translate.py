@@ -42,7 +42,13 @@ from ...errors import UnsupportedModelError
 from .movement import UnsupportedMovement, movement_layer
 from .offenders import NotHomogeneous, Unsupported, grouped, offender_note
 from .onnx_fold import SHAPE_QUERIES
-from .onnx_read import DEFAULT_DOMAINS, constant_tensor, node_label, one_line, value_shapes
+from .onnx_read import (
+    DEFAULT_DOMAINS,
+    constant_tensor,
+    node_label,
+    one_line,
+    value_shapes,
+)
 from .spec import node_from_layer
 
 _NOT_HOMOGENEOUS = {
