@@ -52,7 +52,9 @@ def build(name: str):
     if name.startswith("mlp"):
         return zoo.mlp(int(name[3:])), (3072,)
     factory, shape = {"cifar_nv": (zoo.cifar_nv, (3, 32, 32)), "resnet18": (zoo.resnet18, (3, 224, 224)),
-                      "resnet50": (zoo.resnet50, (3, 224, 224)), "vgg16": (zoo.vgg16, (3, 224, 224)),
+                      "resnet50": (zoo.resnet50, (3, 224, 224)),
+                      "resnet152": (lambda: zoo._finish(zoo.ResNet(zoo.Bottleneck, [3, 8, 36, 3], 1000)), (3, 224, 224)),
+                      "vgg16": (zoo.vgg16, (3, 224, 224)),
                       "alexnet": (zoo.alexnet, (3, 224, 224)),
                       # the fx importer does not take x.mean yet: the head pools with AdaptiveAvgPool2d
                       "mnasnet": (lambda: zoo.mnasnet(alpha=0.5, mean_pool=False), (3, 224, 224)),

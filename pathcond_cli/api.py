@@ -22,7 +22,8 @@ import torch
 from . import __version__
 from .engine.calibration import calibration_warnings
 from .engine.diag import (
-    DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g, path_count, path_norm, zeros_per_layer,
+    DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g_and_l2_norm, path_count, path_norm,
+    zeros_per_layer,
 )
 from .engine.graph import BatchNorm, Graph
 from .engine.groups import DagParam, RescalingGroups, build_groups
@@ -420,9 +421,9 @@ def analyse(model: LoadedModel, *, device: str | torch.device = "auto",
     groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
     # One balancing serves diag(G) and every path norm.
     u_ext = timed("diag_g", lambda: groups.extend(balancing_exponents(groups)))
-    diag = timed("diag_g", lambda: diag_g(groups, device=device, u_ext=u_ext))
+    diag, l2 = timed("diag_g", lambda: diag_g_and_l2_norm(groups, device=device, u_ext=u_ext))
     paths = timed("path_count", lambda: path_count(groups, device=device))
-    norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext))
+    norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext, known=[l2]))
     return Analysis(model, groups, diag, paths, seconds, str(device), norms)
 
 
@@ -439,13 +440,14 @@ def path_norm_orders(extra: Iterable[float]) -> list[float]:
 
 
 def path_norms_of(groups: RescalingGroups, orders: Iterable[float], *, device: str | torch.device = "cpu",
-                  u_ext: torch.Tensor | None = None) -> dict[str, PathNorm]:
+                  u_ext: torch.Tensor | None = None, known: Iterable[PathNorm] = ()) -> dict[str, PathNorm]:
     """‖Φ(θ)‖_q for each q, one forward pass each on one balanced copy of θ (``u_ext``: the
-    balancing, computed here when not given)."""
+    balancing, computed here when not given), except for the norms ``known`` already."""
     groups = groups.to(device)
-    if u_ext is None:
+    known = {norm.q: norm for norm in known}
+    if u_ext is None and any(q not in known for q in orders):
         u_ext = groups.extend(balancing_exponents(groups))
-    norms = [path_norm(groups, q, device=device, u_ext=u_ext) for q in orders]
+    norms = [known[q] if q in known else path_norm(groups, q, device=device, u_ext=u_ext) for q in orders]
     return {norm.key: norm for norm in norms}
 
 

@@ -1,12 +1,11 @@
-"""How often one `pathcond rescale` computes each rescaled tensor, serialises the ONNX model and
-bins log g (issue 28, point 2): work a run repeated is counted, not timed.
+"""How often one `pathcond rescale` computes each rescaled tensor, serialises the ONNX model,
+bins log g and runs the squared network: work a run repeated is counted, not timed.
 
 A rescaled tensor is computed from the original when read (``RescaledTensors``), so counting
-those reads counts its computations. Two is the minimum a run can do without holding every
-rescaled tensor at once, which the memory bound (tests/test_memory_bound.py) forbids: ``rescale``
-decides the bound and refuses or warns about storage before anything is written (the storage
-check, which also establishes that every value is finite), and the write computes each tensor
-again, checking its values as it goes; the verification reads the written file.
+those reads counts its computations. Without holding every rescaled tensor at once, which the
+memory bound (tests/test_memory_bound.py) forbids, the write is where each is computed: the
+storage check, the auto bound and the non-finite check run on the tensor the writer computes,
+and the verification reads the written file.
 """
 
 from __future__ import annotations
@@ -108,3 +107,22 @@ def test_a_non_finite_rescaled_tensor_is_refused_by_the_write_that_computes_it(t
     with pytest.raises(VerificationError, match="NaN or Inf"):
         pathcond_cli.api.save(result, out)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("arch", ["mlp", "conv_residual", "concat"])
+def test_diag_g_pass_gives_the_l2_path_norm(nets, monkeypatch, arch):
+    """diag(G)'s forward pass is the squared network of power 2 on the balanced ψ = (Dθ)², whose
+    total is ‖Φ‖₂²: the analysis takes ℓ2 from it, bit for bit what a pass of its own gives, and
+    runs three squared-network passes (diag(G), path count, ℓ1), not four."""
+    from pathcond_cli.engine import diag as diag_module
+
+    graph, params = nets.catalogue[arch]()
+    model = pathcond_cli.api.LoadedModel(graph, params, "safetensors", arch)
+    passes = []
+    squared_network = diag_module.squared_network
+    monkeypatch.setattr(diag_module, "squared_network", lambda *a, **k: passes.append(k["power"]) or squared_network(*a, **k))
+    analysis = pathcond_cli.api.analyse(model, device="cpu")
+    assert sorted(passes) == [0, 1, 2]
+    groups = analysis.groups
+    u_ext = groups.extend(diag_module.balancing_exponents(groups))
+    assert analysis.path_norms["l2"] == diag_module.path_norm(groups, 2.0, u_ext=u_ext)

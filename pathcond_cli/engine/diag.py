@@ -445,11 +445,19 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext
     ψ = (Dθ)² is built per tensor with a log scale (D an admissible balancing: ``u_ext``,
     computed here when not given), and log g(θ) = log ∂L/∂Ψ(Dθ) + 2(B u_D) since g(Dθ) = g(θ) / d².
     """
+    return diag_g_and_l2_norm(groups, device=device, u_ext=u_ext)[0]
+
+
+def diag_g_and_l2_norm(groups: RescalingGroups, *, device: torch.device | str = "cpu",
+                       u_ext: torch.Tensor | None = None) -> tuple[DiagG, PathNorm]:
+    """:func:`diag_g` and ‖Φ(θ)‖₂: diag(G)'s forward pass is the squared network of power 2 on
+    ψ = (Dθ)², whose total is ‖Φ‖₂² (SPEC §8), so one pass serves both."""
     groups = groups.to(device)
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
     log_g: list[LogG] = []
-    for dp, lg in _balanced_log_gradients(groups, u_ext, 2, device):
+    gradients, total = _balanced_log_gradients(groups, u_ext, 2, device)
+    for dp, lg in gradients:
         if isinstance(lg, OuterLog):
             lg = OuterLog(*lg.shifted(2 * u_ext[dp.dst].reshape(-1), -2 * u_ext[dp.src].reshape(-1)))
             checked = [lg.rows, lg.cols]
@@ -462,21 +470,24 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext
         if any(t.numel() and not float(t.max()) < math.inf for t in checked):
             raise ArithmeticError("diag(G) could not be represented even in the log domain")
         log_g.append(lg)
-    return DiagG(log_g)
+    return DiagG(log_g), _norm_of_total(2.0, *total)
 
 
 def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power: float, device, *,
-                            times_value: bool = False):
+                            times_value: bool = False) -> tuple[list[tuple[DagParam, LogG]], tuple[float, float]]:
     """(dp, log ∂S/∂ψ) per DAG parameter, S = Σ_P Π ψ the squared network of ``power`` on the
-    balanced ψ = |Dθ|^power: one forward and one backward pass (log ψ·∂S/∂ψ with ``times_value``)."""
+    balanced ψ = |Dθ|^power, and S as (mantissa, ln offset): one forward and one backward pass
+    (log ψ·∂S/∂ψ with ``times_value``)."""
     # The scores (times_value) are a float64 value per parameter: keeping ψ for the backward
     # sweep at most doubles that, and saves building every layer's ψ twice.
     layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power), keep=times_value)
-    gradients = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=power, device=device),
-                              power=power, times_value=times_value)
+    forward = squared_network(groups.graph, layers, power=power, device=device)
+    gradients = log_gradients(groups.graph, layers, forward, power=power, times_value=times_value)
+    per_parameter = []
     for dp in groups.dag_params:
         weight_log, bias_log = gradients[dp.layer]
-        yield dp, bias_log if dp.is_bias else weight_log
+        per_parameter.append((dp, bias_log if dp.is_bias else weight_log))
+    return per_parameter, forward.total(groups.graph)
 
 
 def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str = "cpu",
@@ -492,7 +503,7 @@ def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str
     groups = groups.to(device)
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
-    return [lg.reshape(dp.shape) for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device, times_value=True)]
+    return [lg.reshape(dp.shape) for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device, times_value=True)[0]]
 
 
 def path_sum(groups: RescalingGroups, power: float, make: Callable[[DagParam], ScaledTensor], *,
@@ -524,7 +535,11 @@ def path_norm(groups: RescalingGroups, q: float, *, device: torch.device | str =
     groups = groups.to(device)
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
-    mantissa, offset = path_sum(groups, q, lambda dp: balanced_power(dp, u_ext, device, q), device=device)
+    return _norm_of_total(q, *path_sum(groups, q, lambda dp: balanced_power(dp, u_ext, device, q), device=device))
+
+
+def _norm_of_total(q: float, mantissa: float, offset: float) -> PathNorm:
+    """‖Φ‖_q from ‖Φ‖_q^q as (mantissa, ln offset)."""
     ln_total = math.log(mantissa) + offset if mantissa > 0 else -math.inf
     return PathNorm(float(q), ln_total / q / math.log(10))
 

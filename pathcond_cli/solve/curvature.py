@@ -63,18 +63,30 @@ class ScaledHessian:
 class LayerAggregates:
     """A partition of the free groups by the layer that names them (a residual stream's
     channels share the name of its first layer), and, per tensor, which side of it lies in a
-    single aggregate. Built once per solve."""
+    single aggregate. Built once per solve, from the flat slots in one host transfer."""
 
     def __init__(self, objective: Objective):
-        groups = objective.groups
+        groups, flat = objective.groups, objective.flat
         names = [label.rsplit(":", 1)[0] for label in groups.labels]
         index = {name: i for i, name in enumerate(dict.fromkeys(names))}
         self.count = len(index)
         self.of_group = torch.tensor([index[n] for n in names] + [self.count], dtype=torch.long, device=objective.device)
-        source_sets = [set(self.of_group[dp.src].unique().tolist()) for dp in groups.dag_params]
+        tensors, size = len(groups.dag_params), self.count + 1
+        source_pairs = torch.unique(flat.col_owner * size + self.of_group[flat.col_group])
+        destination_pairs = torch.unique(flat.row_owner * size + self.of_group[flat.row_group])
+        source_sets: list[set[int]] = [set() for _ in range(tensors)]
+        destination_counts = [0] * tensors
+        for key in torch.cat([source_pairs, destination_pairs + tensors * size]).tolist():
+            if key < tensors * size:
+                source_sets[key // size].add(key % size)
+            else:
+                destination_counts[key // size - tensors] += 1
         self.sources = [sorted(aggregates - {self.count}) for aggregates in source_sets]
         self.single_source = [len(aggregates) == 1 for aggregates in source_sets]
-        self.single_destination = [self.of_group[dp.dst].unique().numel() == 1 for dp in groups.dag_params]
+        self.single_destination = [count == 1 for count in destination_counts]
+        self.has_sources, self.single_source_mask, self.single_destination_mask = (
+            torch.tensor(flags, dtype=torch.bool, device=objective.device)
+            for flags in ([bool(sources) for sources in self.sources], self.single_source, self.single_destination))
 
 
 class CoarseCorrection:
@@ -85,14 +97,15 @@ class CoarseCorrection:
     a deep network's Laplacian slow. With n_I² = Σ_{h∈I} d_h, E's coupling between aggregates I
     and J is Σ_{i∈I, j∈J} (p/S) w_ij / (n_I n_J): a block sum of w, which the evaluation at the
     same point already holds as per-tensor row sums (a tensor whose sources lie in one
-    aggregate) or column sums (destinations in one aggregate). Only a tensor with neither, or
-    whose inactive groups carry weight on the summed side, needs products with its coupling
-    matrix (about one pass, counted). E is factorised once; if rounding leaves it indefinite,
-    no correction is used.
+    aggregate) or column sums (destinations in one aggregate), summed into E for every tensor
+    at once over the flat slots. Only a tensor with neither, or whose inactive groups carry
+    weight on the summed side, needs products with its coupling matrix (about one pass,
+    counted). E is factorised once; if rounding leaves it indefinite, no correction is used.
     """
 
     def __init__(self, hessian: ScaledHessian, aggregates: LayerAggregates, current: Evaluation):
         objective = hessian.objective
+        flat = objective.flat
         self.aggregates = aggregates
         n = aggregates.count
         agg = aggregates.of_group[:-1]
@@ -104,27 +117,37 @@ class CoarseCorrection:
         half_ext = torch.cat([half_scale, half_scale.new_full((1,), -torch.inf)])[aggregates.of_group]
         active_ext = objective.groups.extend(hessian.active.to(torch.float64)) > 0
         basis_ext = objective.groups.extend(self.basis)
-        coarse = torch.zeros((n + 1) * (n + 1), dtype=torch.float64, device=objective.device)
-        needs_products = False
-        silent_sources, silent_destinations = _silent_sides(objective, current, active_ext)
-        for t, (dp, part, sources) in enumerate(zip(objective.groups.dag_params, hessian.coupling.parts,
-                                                    aggregates.sources)):
-            if part is None or not sources:
-                continue
-            dst_agg, src_agg = aggregates.of_group[dp.dst], aggregates.of_group[dp.src]
-            log_rows, log_cols = current.tensor_log_rows[t], current.tensor_log_cols[t]
-            if aggregates.single_source[t] and silent_sources[t]:
-                block = torch.exp(log_rows + half_ext[dp.dst] + half_ext[dp.src[:, :1]]) * active_ext[dp.dst]
-                coarse.index_add_(0, (dst_agg * (n + 1) + src_agg[:, :1]).reshape(-1), -block.reshape(-1))
-            elif aggregates.single_destination[t] and silent_destinations[t]:
-                block = torch.exp(log_cols + half_ext[dp.src] + half_ext[dp.dst[:, :1]]) * active_ext[dp.src]
-                coarse.index_add_(0, (dst_agg[:, :1] * (n + 1) + src_agg).reshape(-1), -block.reshape(-1))
-            else:
-                needs_products = True
-                for j in sources:
-                    rows = hessian.coupling.rows(part, (basis_ext * (aggregates.of_group == j))[dp.src]) * basis_ext[dp.dst]
-                    coarse.index_add_(0, (dst_agg * (n + 1) + j).reshape(-1), -rows.reshape(-1))
-        objective.passes += needs_products
+        of_group = aggregates.of_group
+        # Per tensor: whether its inactive source groups carry no weight (so its row sums hold
+        # only active columns), the same for destinations, and whether any group on each side is active.
+        row_active, col_active = active_ext[flat.row_group], active_ext[flat.col_group]
+        tensors = len(objective.groups.dag_params)
+        silent_sources = _all_per_tensor(col_active | torch.isneginf(current.log_cols), flat.col_owner, tensors)
+        silent_destinations = _all_per_tensor(row_active | torch.isneginf(current.log_rows), flat.row_owner, tensors)
+        present = ~_all_per_tensor(~row_active, flat.row_owner, tensors) & ~_all_per_tensor(~col_active, flat.col_owner,
+                                                                                             tensors)
+        by_rows = aggregates.single_source_mask & silent_sources
+        by_cols = ~by_rows & aggregates.single_destination_mask & silent_destinations
+        row_blocks = torch.where(by_rows[flat.row_owner], torch.exp(
+            current.log_rows + half_ext[flat.row_group] + half_ext[flat.row_first_source]) * row_active, 0.0)
+        col_blocks = torch.where(by_cols[flat.col_owner], torch.exp(
+            current.log_cols + half_ext[flat.col_group] + half_ext[flat.col_first_destination]) * col_active, 0.0)
+        coarse = torch.zeros((n + 1) * (n + 1), dtype=torch.float64, device=objective.device).index_add_(
+            0, torch.cat([of_group[flat.row_group] * (n + 1) + of_group[flat.row_first_source],
+                          of_group[flat.col_first_destination] * (n + 1) + of_group[flat.col_group]]),
+            -torch.cat([row_blocks, col_blocks]))
+        # which tensors need products, and which coupling buckets are materialised, in one host transfer
+        flags = torch.cat([(aggregates.has_sources & present & ~by_rows & ~by_cols).to(torch.float64),
+                           hessian.coupling.pending]).tolist()
+        hessian.coupling.settle(flags[tensors:])
+        by_products = [t for t, flag in enumerate(flags[:tensors]) if flag]
+        for t in by_products:
+            dp = objective.groups.dag_params[t]
+            dst_agg = of_group[dp.dst]
+            for j in aggregates.sources[t]:
+                rows = hessian.coupling.tensor_rows(t, (basis_ext * (of_group == j))[dp.src]) * basis_ext[dp.dst]
+                coarse.index_add_(0, (dst_agg * (n + 1) + j).reshape(-1), -rows.reshape(-1))
+        objective.passes += bool(by_products)
         coarse = coarse.reshape(n + 1, n + 1)[:-1, :-1]
         coarse = coarse + coarse.T
         diagonal = torch.zeros(n, dtype=torch.float64, device=objective.device)
@@ -135,28 +158,24 @@ class CoarseCorrection:
             0, agg, self.basis * hessian.shares_difference)
         coarse -= torch.outer(shares, shares) / objective.p
         self.factor, info = torch.linalg.cholesky_ex(coarse)
-        self.usable = bool(info == 0) and bool(torch.isfinite(self.factor).all())
+        # decided on the device: reading it would cost a host synchronisation per Newton step
+        self.factorised = (info == 0) & torch.isfinite(self.factor).all()
+
+    @property
+    def usable(self) -> bool:
+        return bool(self.factorised)
 
     def __call__(self, residual: torch.Tensor) -> torch.Tensor:
-        if not self.usable:
-            return residual
         agg = self.aggregates.of_group[:-1]
         projected = torch.zeros(self.aggregates.count, dtype=residual.dtype, device=residual.device)
         projected.index_add_(0, agg, self.basis * residual)
         solved = torch.cholesky_solve(projected[:, None], self.factor)[:, 0]
-        return residual + self.basis * solved[agg]
+        return torch.where(self.factorised, residual + self.basis * solved[agg], residual)
 
 
-def _silent_sides(objective: Objective, current: Evaluation, active_ext: torch.Tensor) -> tuple[list[bool], list[bool]]:
-    """Per tensor: whether its inactive source groups carry no weight (so its row sums hold
-    only active columns), and the same for its destination groups and column sums. Fetched in
-    one host transfer."""
-    flags = [torch.stack([(active_ext[dp.src] | torch.isneginf(cols)).all(), (active_ext[dp.dst] | torch.isneginf(rows)).all()])
-             for dp, rows, cols in zip(objective.groups.dag_params, current.tensor_log_rows, current.tensor_log_cols)]
-    if not flags:
-        return [], []
-    sources, destinations = torch.stack(flags).T.tolist()
-    return sources, destinations
+def _all_per_tensor(flags: torch.Tensor, owner: torch.Tensor, tensors: int) -> torch.Tensor:
+    """Per tensor: whether ``flags`` holds on every one of its slots."""
+    return flags.new_ones(tensors).scatter_reduce(0, owner, flags, "amin")
 
 
 def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: float, max_steps: int,
@@ -174,21 +193,24 @@ def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: fl
     preconditioned = precondition(residual)
     direction = preconditioned.clone()
     residual_dot = residual @ preconditioned
-    stop2 = forcing**2 * float(residual @ residual)
+    start_norm2 = residual @ residual
     for _ in range(max_steps):
         product = hessian(direction)
         curvature = direction @ product
-        if float(curvature) <= 0:
-            break
         step = residual_dot / curvature
+        next_residual = residual - step * product
+        # the curvature, the new residual's norm and the first one in one host transfer
+        curvature_value, residual_norm2, start_value = torch.stack(
+            [curvature, next_residual @ next_residual, start_norm2]).tolist()
+        if curvature_value <= 0:
+            break
         solution += step * direction
-        residual -= step * product
-        if float(residual @ residual) <= stop2:
+        residual = next_residual
+        if residual_norm2 <= forcing**2 * start_value:
             break
         preconditioned = precondition(residual)
         new_dot = residual @ preconditioned
         direction = preconditioned + (new_dot / residual_dot) * direction
         residual_dot = new_dot
-    if not bool(solution.abs().max() > 0):
-        solution = rhs
+    solution = torch.where(solution.abs().max() > 0, solution, rhs)
     return solution * hessian.inverse_sqrt_d

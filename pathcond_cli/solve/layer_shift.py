@@ -22,6 +22,8 @@ the point only if it lowers F.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..engine.diag import OuterLog
@@ -42,11 +44,22 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
     aggregate in ``range(count)``, the ground to ``count``. Costs one pass over ḡ (counted).
     """
     objective.passes += 1
+    flat = objective.flat
     aggregate = layer_of_group.clone()
     aggregate[:-1][frozen] = count
     size = count + 1
-    blocks, log_rows = [], []
-    for t, dp in enumerate(objective.groups.dag_params):
+    # A tensor whose sources lie in one aggregate adds its rows' sums of ḡ to one block each,
+    # taken for every such tensor at once over the flat slots; the others, per source aggregate.
+    source_pairs = torch.unique(flat.col_owner * size + aggregate[flat.col_group]).tolist()
+    source_counts = Counter(key // size for key in source_pairs)
+    several = [t for t, sources in source_counts.items() if sources > 1]
+    log_rows = _log_row_sums(flat)
+    single = torch.ones(len(objective.groups.dag_params), dtype=torch.bool, device=objective.device)
+    single[several] = False
+    blocks = [aggregate[flat.row_group] * size + aggregate[flat.row_first_source]]
+    log_rows = [torch.where(single[flat.row_owner], log_rows, -torch.inf)]
+    for t in several:
+        dp = objective.groups.dag_params[t]
         sources, local = torch.unique(aggregate[dp.src], return_inverse=True)
         log_rows.append(_log_rows_by_source(objective, t, local, len(sources)).reshape(-1))
         blocks.append((aggregate[dp.dst][:, :, None] * size + sources).reshape(-1))
@@ -54,12 +67,23 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
     log_blocks = group_logsumexp(slot, torch.cat(log_rows), len(pairs))
     shift_k = torch.zeros(size, dtype=torch.float64, device=objective.device).index_add(
         0, aggregate[:-1], objective.k)[:count]
-    # one unknown per layer: solved on the CPU whatever the device, without a sync per step
-    log_blocks, pairs = log_blocks.cpu(), pairs.cpu()
+    # one unknown per layer: solved on the CPU whatever the device, without a sync per step;
+    # the blocks, their pairs (exact in float64) and the layers' k in one transfer
+    on_host = torch.cat([log_blocks, pairs.to(torch.float64), shift_k]).cpu()
+    log_blocks, pairs, shift_k = on_host[:len(pairs)], on_host[len(pairs):2 * len(pairs)].long(), on_host[2 * len(pairs):]
     present = torch.isfinite(log_blocks)
     pairs = pairs[present]
-    shifts = _minimise(log_blocks[present], pairs // size, pairs % size, shift_k.cpu(), count, objective.p)
+    shifts = _minimise(log_blocks[present], pairs // size, pairs % size, shift_k, count, objective.p)
     return torch.cat([shifts, shifts.new_zeros(1)]).to(objective.device)[aggregate[:-1]]
+
+
+def _log_row_sums(flat) -> torch.Tensor:
+    """log Σ_j ḡ_ij per row slot: the sums of w at u = 0, in the log domain for the tensors whose
+    range forbids linear scale."""
+    zeros_rows, zeros_cols = flat.row_group.new_zeros(flat.row_group.shape, dtype=torch.float64), \
+        flat.col_group.new_zeros(flat.col_group.shape, dtype=torch.float64)
+    log_rows, _, _, _, lost = flat.log_sums(zeros_rows, zeros_cols)
+    return flat.log_sums(zeros_rows, zeros_cols, exact_everywhere=True)[0] if bool(lost) else log_rows
 
 
 def _log_rows_by_source(objective: Objective, t: int, local: torch.Tensor, count: int) -> torch.Tensor:

@@ -22,16 +22,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import partial
-
 import torch
 
-from ..engine.diag import DiagG, LogG, OuterLog, dense, zero_count
+from ..engine.diag import DiagG, LogG, OuterLog, dense
 from ..engine.groups import RescalingGroups
+from .flat import SAFE_RANGE, Bucket, FlatG, finite_extreme, group_logsumexp
 
 LOG2 = math.log(2.0)
 LOG4 = math.log(4.0)
-SAFE_RANGE = 650.0
 # ḡ in linear scale is kept for tensors up to this many bytes in all (the bound's constant
 # share), recomputed per pass beyond: a Newton solve recomputes it at every CG product.
 GBAR_CACHE_BYTES = 2**30
@@ -63,25 +61,30 @@ class Support:
 def support(groups: RescalingGroups, log_g: Iterable[LogG]) -> Support:
     """The :class:`Support` of log g (−inf where g = 0), read one tensor at a time (a generator
     holds one): an outer product by its factors (a row × column is in the support iff both
-    are finite), never expanded, and never a float64 copy of the network."""
-    size = 0
+    are finite), never expanded, and never a float64 copy of the network. p is counted on the
+    device and read once."""
+    counts = []
 
     def indicators():
-        nonlocal size
         for lg in log_g:
-            size += lg.numel() - zero_count(lg)
-            yield (torch.isfinite(lg.rows), torch.isfinite(lg.cols)) if isinstance(lg, OuterLog) else torch.isfinite(lg)
+            if isinstance(lg, OuterLog):
+                finite = torch.isfinite(lg.rows), torch.isfinite(lg.cols)
+                counts.append(finite[0].sum() * finite[1].sum())
+            else:
+                finite = torch.isfinite(lg)
+                counts.append(finite.sum())
+            yield finite
 
     n_in, n_out = groups.incidence_sums(indicators())
-    return Support(size, n_in, n_out)
+    return Support(int(torch.stack(counts).sum()) if counts else 0, n_in, n_out)
 
 
 @dataclass
 class Evaluation:
     """F(u) and, per free group, the shares a_h = p·A_h/S and c_h = p·C_h/S, kept as logs
-    (``log_a``, ``log_c``) because they can lie far outside float64's range. Per tensor, the
-    logs of the row sums ``[G, O/G]`` and column sums ``[G, I/G]`` of w (self-loops included)
-    they came from, which the Newton solver's coarse correction aggregates by layer."""
+    (``log_a``, ``log_c``) because they can lie far outside float64's range. The logs of the
+    row sums and column sums of w (self-loops included) they came from, over ``flat``'s slots
+    (``log_rows``, ``log_cols``); per tensor, ``[G, O/G]`` and ``[G, I/G]``, as views."""
 
     value: float
     log_a: torch.Tensor
@@ -89,8 +92,9 @@ class Evaluation:
     gradient: torch.Tensor
     kkt_residual: float
     log_total: torch.Tensor
-    tensor_log_rows: list[torch.Tensor]
-    tensor_log_cols: list[torch.Tensor]
+    flat: FlatG
+    log_rows: torch.Tensor
+    log_cols: torch.Tensor
 
     @property
     def a(self) -> torch.Tensor:
@@ -100,15 +104,23 @@ class Evaluation:
     def c(self) -> torch.Tensor:
         return torch.exp(self.log_c)
 
+    @property
+    def tensor_log_rows(self) -> list[torch.Tensor]:
+        return [self.log_rows[rows].reshape(shape) for rows, shape in zip(self.flat.row_slices, self.flat.dst_shapes)]
+
+    @property
+    def tensor_log_cols(self) -> list[torch.Tensor]:
+        return [self.log_cols[cols].reshape(shape) for cols, shape in zip(self.flat.col_slices, self.flat.src_shapes)]
+
 
 class Objective:
     """F for one network, on one device. Counts its passes over the parameters.
 
     Because w_i = g_i · e^{−2u_dst} · e^{2u_src} factorises, g is summed over kernel positions
-    once (ḡ, shape ``[G, O/G, I/G]``) and a pass is two batched matrix–vector products per
-    tensor: row sums give A, column sums give C, their total gives S. The products run in
-    linear scale only when the tensor's dynamic range (of ḡ and of e^{2u}) guarantees that no
-    positive term underflows; otherwise that tensor is reduced exactly with logsumexp. Sums
+    once (ḡ, shape ``[G, O/G, I/G]``) and a pass is the row and column sums of every tensor's
+    ḡ against the two factors, taken over flat buffers of all tensors at once
+    (:class:`~pathcond_cli.solve.flat.FlatG`): batched mat-vecs in linear scale where a tensor's
+    dynamic range guarantees that no positive term underflows, the log domain otherwise. Sums
     across tensors and groups are log-sum-exp, so nothing overflows or underflows.
     """
 
@@ -125,34 +137,18 @@ class Objective:
         self.k = self.support.k
         # The KKT residual's normaliser: the group's support parameters, as k counts them.
         self.degree = (self.support.n_in + self.support.n_out).clamp_min(1)
-        self.log_gbar: list[LogG] = []
-        self.gbar = LinearG(self.log_gbar, cache_bytes=GBAR_CACHE_BYTES)
-        self.gbar_shift: list[float | None] = []
-        self.gbar_range: list[float | None] = []
         self_loop_log = torch.full((groups.num_free + 1,), -torch.inf, dtype=torch.float64, device=self.device)
+        parts: list[LogG] = []
         for lg, dp in zip(diag.parts, self.groups.dag_params):
-            if isinstance(lg, OuterLog):
-                # A kernel of one: ḡ is g, kept as its factors; every product with it is exact in
-                # the log domain at O(O + I), so it has no linear-scale form (and no shift or range).
-                log_gbar = lg.to(self.device)
-                shift = spread = None
-                self.log_gbar.append(log_gbar)
-                self.gbar.add(None)
-            else:
-                lg = lg.to(self.device).reshape(dp.view)
-                # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit):
-                # ḡ is then a view of log g, not a second parameter-sized copy.
-                log_gbar = lg[..., 0] if dp.view[3] == 1 else torch.logsumexp(lg, dim=3)
-                finite = log_gbar[torch.isfinite(log_gbar)]
-                shift = float(finite.max()) if finite.numel() else 0.0
-                spread = shift - float(finite.min()) if finite.numel() else 0.0
-                self.log_gbar.append(log_gbar)
-                self.gbar.add(shift if spread < SAFE_RANGE else None)
-            self.gbar_shift.append(shift)
-            self.gbar_range.append(spread)
+            log_gbar = _kernel_summed(lg.to(self.device), dp)
             if dp.self_loops is not None:
                 self_loop_log = torch.logaddexp(self_loop_log, _self_loop_logs(dp, log_gbar, groups.num_free + 1))
+            parts.append(log_gbar)
         self.self_loop_log = self_loop_log[:-1]
+        self.flat = FlatG(self.groups, parts, cache_bytes=GBAR_CACHE_BYTES)
+        self.log_gbar: list[LogG] = self.flat.parts
+        self.gbar = LinearG.of_flat(self.flat)
+        self.gbar_shift = self.gbar.shifts
         self.passes = 0
 
     def degenerate(self) -> torch.Tensor:
@@ -166,85 +162,33 @@ class Objective:
         return [dense(lg).reshape(dp.view[:3])[..., None] - 2 * dp.exponent(u_ext)
                 for lg, dp in zip(self.log_gbar, self.groups.dag_params)]
 
-    def tensor_ranges(self, log_dst: torch.Tensor, log_src: torch.Tensor) -> list[list[float]]:
-        """Per tensor: largest and smallest finite ``log_dst`` over its destination groups and
-        ``log_src`` over its sources (±inf when none is finite), fetched in one transfer so that
-        a pass costs a single host–device synchronisation."""
-        bounds = []
-        for dp in self.groups.dag_params:
-            dst, src = log_dst[dp.dst], log_src[dp.src]
-            bounds.append(torch.stack([_finite_max(dst), _finite_min(dst), _finite_max(src), _finite_min(src)]))
-        return torch.stack(bounds).tolist() if bounds else []
-
-    def linear_scale(self, t: int, ranges: list[float]) -> float | None:
-        """The log scale for tensor ``t``'s linear-scale products, or None when its dynamic range
-        (of ḡ and of the two factors) could make a positive term underflow."""
-        top_dst, low_dst, top_src, low_src = ranges
-        if not self.gbar.usable(t) or self.gbar_range[t] + max(top_dst - low_dst, top_src - low_src) >= SAFE_RANGE:
-            return None
-        return self.gbar_shift[t] + top_dst + top_src
-
-    def _tensor_sums(self, t: int, log_dst: torch.Tensor, log_src: torch.Tensor,
-                     ranges: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-        """log of the row sums ``[G, O/G]`` and column sums ``[G, I/G]`` of w for tensor ``t``."""
-        log_gbar = self.log_gbar[t]
-        if isinstance(log_gbar, OuterLog):
-            # w = (ḡ_rows e^{dst}) ⊗ (ḡ_cols e^{src}): each sum is one factor times the other's total.
-            log_rows, log_cols = log_gbar.shifted(log_dst, log_src)
-            return (log_rows + torch.logsumexp(log_cols, dim=1, keepdim=True),
-                    log_cols + torch.logsumexp(log_rows, dim=1, keepdim=True))
-        scale = self.linear_scale(t, ranges)
-        if scale is not None:
-            e_dst, e_src = torch.exp(log_dst - ranges[0]), torch.exp(log_src - ranges[2])
-            gbar = self.gbar[t]
-            rows = e_dst * torch.bmm(gbar, e_src[:, :, None])[:, :, 0]
-            cols = e_src * torch.bmm(e_dst[:, None, :], gbar)[:, 0, :]
-            return torch.log(rows) + scale, torch.log(cols) + scale
-        log_w = log_gbar + log_dst[:, :, None] + log_src[:, None, :]
-        return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
-
-    def _sums_between_groups(self, t: int, log_dst: torch.Tensor,
-                             log_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_tensor_sums` without the parameters whose two ends lie in one free group, summed
-        without them rather than subtracted: a group's self-loops may outweigh the rest of its
-        weight by more than float64 resolves, and a difference would then be rounding."""
-        dp, log_gbar = self.groups.dag_params[t], self.log_gbar[t]
-        if isinstance(log_gbar, OuterLog):
-            log_rows, log_cols = log_gbar.shifted(log_dst, log_src)
-            size = self.groups.num_free + 1
-            return (log_rows + _other_groups(group_logsumexp(dp.src.reshape(-1), log_cols.reshape(-1), size), dp.dst),
-                    log_cols + _other_groups(group_logsumexp(dp.dst.reshape(-1), log_rows.reshape(-1), size), dp.src))
-        log_w = (log_gbar + log_dst[:, :, None] + log_src[:, None, :]).masked_fill(dp.self_loops[..., 0], -torch.inf)
-        return torch.logsumexp(log_w, dim=2), torch.logsumexp(log_w, dim=1)
-
     def evaluate(self, u: torch.Tensor, frozen: torch.Tensor | None = None) -> Evaluation:
-        """F(u), log shares, ∂F/∂u and the relative KKT residual (frozen groups excluded)."""
+        """F(u), log shares, ∂F/∂u and the relative KKT residual (frozen groups excluded).
+
+        The host reads F's parts and the residual in one transfer, with whether some tensor's
+        range needed the log domain; only then (extreme scales) is the pass redone exactly."""
         self.passes += 1
         H = self.groups.num_free
         u_ext = self.groups.extend(u)
-        row_logs, col_logs, between_rows, between_cols, dst_index, src_index = [], [], [], [], [], []
-        ranges = self.tensor_ranges(-2 * u_ext, 2 * u_ext)
-        for t, dp in enumerate(self.groups.dag_params):
-            log_dst, log_src = -2 * u_ext[dp.dst], 2 * u_ext[dp.src]
-            rows, cols = self._tensor_sums(t, log_dst, log_src, ranges[t])
-            row_logs.append(rows)
-            col_logs.append(cols)
-            if dp.self_loops is not None:
-                rows, cols = self._sums_between_groups(t, log_dst, log_src)
-            between_rows.append(rows.reshape(-1))
-            between_cols.append(cols.reshape(-1))
-            dst_index.append(dp.dst.reshape(-1))
-            src_index.append(dp.src.reshape(-1))
-        log_total = torch.logsumexp(torch.cat([r.reshape(-1) for r in row_logs]), dim=0)
-        log_in = group_logsumexp(torch.cat(dst_index), torch.cat(between_rows), H + 1)[:H]
-        log_out = group_logsumexp(torch.cat(src_index), torch.cat(between_cols), H + 1)[:H]
-        log_a, log_c = log_in + self.log_p - log_total, log_out + self.log_p - log_total
-        value = self.p * float(log_total) + 2 * float(self.k @ u)
-        gradient = 2 * (self.k - torch.exp(log_a) + torch.exp(log_c))
-        if frozen is not None:
-            gradient = torch.where(frozen, torch.zeros_like(gradient), gradient)
-        residual = float((self.feasible_gradient(u, gradient).abs() / (2 * self.degree)).max()) if H else 0.0
-        return Evaluation(value, log_a, log_c, gradient, residual, log_total, row_logs, col_logs)
+        x, y = (-2 * u_ext)[self.flat.row_group], (2 * u_ext)[self.flat.col_group]
+        exact_everywhere = False
+        while True:
+            log_rows, log_cols, between_rows, between_cols, lost = self.flat.log_sums(
+                x, y, exact_everywhere=exact_everywhere)
+            log_total = torch.logsumexp(log_rows, dim=0)
+            log_in = group_logsumexp(self.flat.row_group, between_rows, H + 1)[:H]
+            log_out = group_logsumexp(self.flat.col_group, between_cols, H + 1)[:H]
+            log_a, log_c = log_in + self.log_p - log_total, log_out + self.log_p - log_total
+            gradient = 2 * (self.k - torch.exp(log_a) + torch.exp(log_c))
+            if frozen is not None:
+                gradient = torch.where(frozen, torch.zeros_like(gradient), gradient)
+            residual = (self.feasible_gradient(u, gradient).abs() / (2 * self.degree)).max() if H else log_total.new_zeros(())
+            total, shift, kkt, redo = torch.stack([log_total, self.k @ u, residual, lost.to(log_total.dtype)]).tolist()
+            if not redo:
+                break
+            exact_everywhere = True
+        value = self.p * total + 2 * shift
+        return Evaluation(value, log_a, log_c, gradient, kkt, log_total, self.flat, log_rows, log_cols)
 
     def feasible_gradient(self, u: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
         """The gradient with the components that push a group out of the box at its bound set
@@ -273,30 +217,25 @@ class Objective:
 
 
 class LinearG:
-    """ḡ per tensor in linear scale, e^{log ḡ − shift} (None where its range forbids linear scale).
+    """ḡ per tensor in linear scale, e^{log ḡ − shift} (None where its range forbids linear scale):
+    views into :class:`~pathcond_cli.solve.flat.FlatG`'s stacks where it keeps them (up to its cache
+    budget), recomputed from log ḡ when asked for otherwise."""
 
-    Kept in memory while the kept tensors total at most ``cache_bytes``; past that, each
-    is recomputed from log ḡ when asked for (the same numbers, one tensor at a time), so a
-    network too large for a second float64 copy of its parameters still solves, at the
-    cost of one exp per element per pass.
-    """
-
-    def __init__(self, log_gbar: list[torch.Tensor], *, cache_bytes: int):
+    def __init__(self, log_gbar: list[LogG], shifts: list[float | None], kept: dict[int, torch.Tensor]):
         self.log_gbar = log_gbar
-        self.shifts: list[float | None] = []
-        self.kept: dict[int, torch.Tensor] = {}
-        self.room = cache_bytes
+        self.shifts = shifts
+        self.kept = kept
 
-    def add(self, shift: float | None) -> None:
-        """Register the tensor just appended to ``log_gbar`` (``shift`` None: log scale only)."""
-        t = len(self.shifts)
-        self.shifts.append(shift)
-        if shift is None:
-            return
-        size = self.log_gbar[t].numel() * self.log_gbar[t].element_size()
-        if size <= self.room:
-            self.kept[t] = self[t]
-            self.room -= size
+    @classmethod
+    def of_flat(cls, flat: FlatG) -> LinearG:
+        shifts: list[float | None] = [None] * len(flat.parts)
+        # one host transfer for every tensor's scale
+        for t, (shift, usable) in zip(flat.dense_tensors, zip(*torch.stack(
+                [flat.shift, flat.linear_usable.to(flat.shift.dtype)]).tolist()) if flat.dense_tensors else []):
+            shifts[t] = shift if usable else None
+        kept = {t: bucket.linear[batch] for bucket in flat.buckets if bucket.linear is not None
+                for t, batch in zip(bucket.tensors, bucket.batches) if shifts[t] is not None}
+        return cls(flat.parts, shifts, kept)
 
     def __getitem__(self, t: int) -> torch.Tensor | None:
         if t in self.kept:
@@ -315,82 +254,130 @@ class LinearG:
 class Coupling:
     """The matrices W_t = ḡ_ij · e^{x_i + y_j} of every tensor, x on destination groups and y on
     source groups (``[H + 1]`` each, −inf to leave a group out), for repeated products.
-    Each is kept as ``(e_dst, e_src, matrix)``, W = diag(e_dst) · matrix() · diag(e_src), where
-    ``matrix`` None stands for all ones (an outer-product ḡ: its factors are in the two vectors).
 
-    Used where every entry of W is at most about 1 (w/S, or the Jacobi-scaled Hessian): a tensor
-    is kept factorised (ḡ and two vectors) when its dynamic range allows linear-scale products,
-    otherwise materialised once as exp of its logs. Terms that underflow are below 1e-280 of the
-    unit scale and do not matter. Parameters within one group are included: callers subtract
-    them (their row of B is zero).
+    Held over :class:`~pathcond_cli.solve.flat.FlatG`'s slots as W = diag(e_rows) · M · diag(e_cols):
+    M is a bucket's stacked linear ḡ when every tensor in it has the dynamic range for
+    linear-scale products, otherwise the bucket's W materialised once as exp of its logs (e = 1
+    on its slots); an outer-product ḡ has M all ones, its factors in the two vectors.
+
+    Used where every entry of W is at most about 1 (w/S, or the Jacobi-scaled Hessian). Terms
+    that underflow are below 1e-280 of the unit scale and do not matter. Parameters within one
+    group are included: callers subtract them (their row of B is zero).
     """
 
     def __init__(self, objective: Objective, log_dst: torch.Tensor, log_src: torch.Tensor):
         self.objective = objective
-        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []
-        materialised = False
-        for t, (dp, ranges) in enumerate(zip(objective.groups.dag_params, objective.tensor_ranges(log_dst, log_src))):
-            if not (math.isfinite(ranges[0]) and math.isfinite(ranges[2])):
-                self.parts.append(None)
-                continue
-            dst, src = log_dst[dp.dst], log_src[dp.src]
-            log_gbar = objective.log_gbar[t]
-            if isinstance(log_gbar, OuterLog):
-                # W = e^{rows + dst} ⊗ e^{cols + src}, the first factor scaled to peak at 1. The peak
-                # stays on the device (no sync per tensor); with no finite row it is float64's
-                # lowest, and both factors are then exactly 0.
-                log_rows, log_cols = log_gbar.shifted(dst, src)
-                peak = _finite_max(log_rows).clamp_min(torch.finfo(torch.float64).min)
-                self.parts.append((torch.exp(log_rows - peak), torch.exp(log_cols + peak), None))
-                continue
-            scale = objective.linear_scale(t, ranges)
-            if scale is not None and abs(scale) < SAFE_RANGE:
-                e_dst = torch.exp(dst - ranges[0]) * math.exp(scale)
-                self.parts.append((e_dst, torch.exp(src - ranges[2]), partial(objective.gbar.__getitem__, t)))
-            else:
-                dense = torch.exp(objective.log_gbar[t] + dst[:, :, None] + src[:, None, :])
-                materialised = True
-                ones_dst, ones_src = torch.ones_like(dst), torch.ones_like(src)
-                self.parts.append((ones_dst, ones_src, partial(_itself, dense)))
-        objective.passes += materialised  # exp over the materialised tensors: about one pass
+        flat = self.flat = objective.flat
+        x, y = log_dst[flat.row_group], log_src[flat.col_group]
+        ranges = flat.ranges(x, y)
+        present = torch.isfinite(ranges[0]) & torch.isfinite(ranges[2])
+        top_x = torch.where(torch.isfinite(ranges[0]), ranges[0], 0.0)
+        top_y = torch.where(torch.isfinite(ranges[2]), ranges[2], 0.0)
+        scale = flat.shift + top_x + top_y
+        factorised = flat.linear_safe(ranges) & (scale.abs() < SAFE_RANGE)
+        e_dst = torch.exp(x[:flat.dense_rows] - top_x[flat.row_tensor] + scale[flat.row_tensor])
+        e_dst = torch.where(present[flat.row_tensor], e_dst, 0.0)
+        e_src = torch.exp(y[:flat.dense_cols] - top_y[flat.col_tensor])
+        needs_dense = (present & ~factorised).to(torch.float64)
+        #: per bucket, 1.0 where it must be materialised: read on the host by :meth:`settle`
+        self.pending = needs_dense.new_zeros(len(flat.buckets)).scatter_reduce(0, flat.bucket_of_dense, needs_dense,
+                                                                              "amax")
+        self.matrices: list[torch.Tensor | Bucket] | None = None
+        self._logs = x, y
+        # An outer product: the first factor scaled to peak at 1 per tensor; with no finite row
+        # its peak is float64's lowest, and both factors are then exactly 0.
+        outer_rows = flat.outer_row_log + x[flat.dense_rows:]
+        outer_cols = flat.outer_col_log + y[flat.dense_cols:]
+        peak = finite_extreme(outer_rows, flat.outer_row_tensor, len(flat.outer_tensors), "amax").clamp_min(
+            torch.finfo(torch.float64).min)
+        self.e_rows = torch.cat([e_dst, torch.exp(outer_rows - peak[flat.outer_row_tensor])])
+        self.e_cols = torch.cat([e_src, torch.exp(outer_cols + peak[flat.outer_col_tensor])])
 
-    def rows(self, part, x_src: torch.Tensor) -> torch.Tensor:
-        e_dst, e_src, matrix = part
-        return e_dst * _times(matrix, e_src * x_src)
+    def settle(self, materialise: list[float] | None = None) -> None:
+        """Materialise the buckets that need it: ``materialise`` is :attr:`pending` read on the
+        host, by a caller that reads it with its own values in one transfer; read here otherwise."""
+        if self.matrices is not None:
+            return
+        flat, (x, y) = self.flat, self._logs
+        materialise = self.pending.tolist() if materialise is None else materialise
+        self.matrices = []
+        for bucket, dense_bucket in zip(flat.buckets, materialise):
+            if dense_bucket:
+                batches = bucket.batch_count
+                self.matrices.append(torch.exp(bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1)
+                                               + y[bucket.cols].reshape(batches, 1, -1)))
+                self.e_rows[bucket.rows] = 1.0
+                self.e_cols[bucket.cols] = 1.0
+            else:
+                self.matrices.append(bucket)
+        self.objective.passes += any(materialise)  # exp over the materialised tensors: about one pass
+
+    def _matrix(self, b: int) -> torch.Tensor:
+        self.settle()
+        matrix = self.matrices[b]
+        return matrix.linear_gbar(matrix.shift_per_batch) if isinstance(matrix, Bucket) else matrix
+
+    def row_products(self, v: torch.Tensor) -> torch.Tensor:
+        """W v per row slot, ``v`` given per column slot."""
+        self.settle()
+        flat = self.flat
+        scaled = self.e_cols * v
+        *pieces, outer = flat.col_pieces(scaled, -1, 1)
+        dense = [torch.bmm(self._matrix(b), piece).view(-1) for b, piece in enumerate(pieces)]
+        outer = _segment_sum(outer, flat.outer_col_tensor, len(flat.outer_tensors))
+        return self.e_rows * torch.cat(dense + [outer[flat.outer_row_tensor]])
+
+    def col_products(self, v: torch.Tensor) -> torch.Tensor:
+        """Wᵀ v per column slot, ``v`` given per row slot."""
+        self.settle()
+        flat = self.flat
+        scaled = self.e_rows * v
+        *pieces, outer = flat.row_pieces(scaled, 1, -1)
+        dense = [torch.bmm(piece, self._matrix(b)).view(-1) for b, piece in enumerate(pieces)]
+        outer = _segment_sum(outer, flat.outer_row_tensor, len(flat.outer_tensors))
+        return self.e_cols * torch.cat(dense + [outer[flat.outer_col_tensor]])
+
+    def tensor_rows(self, t: int, x_src: torch.Tensor) -> torch.Tensor:
+        """W_t x_src for tensor ``t`` alone (``x_src`` shaped like its sources), shaped like its destinations."""
+        self.settle()
+        flat, dp = self.flat, self.objective.groups.dag_params[t]
+        rows, cols = flat.row_slices[t], flat.col_slices[t]
+        scaled = (self.e_cols[cols] * x_src.reshape(-1)).reshape(dp.src.shape)
+        if flat.dense_index[t] < 0:
+            return self.e_rows[rows].reshape(dp.dst.shape) * scaled.sum()
+        b = next(i for i, bucket in enumerate(flat.buckets) if t in bucket.tensors)
+        bucket = flat.buckets[b]
+        matrix = self._matrix(b)[bucket.batches[bucket.tensors.index(t)]]
+        return self.e_rows[rows].reshape(dp.dst.shape) * torch.bmm(matrix, scaled[:, :, None])[:, :, 0]
 
     def bilinear(self, x_dst: torch.Tensor, x_src: torch.Tensor) -> torch.Tensor:
         """Σ_t x_dstᵀ W_t x_src (``[H + 1]`` vectors indexed by group), a 0-d tensor."""
-        total = x_dst.new_zeros(())
-        for dp, part in zip(self.objective.groups.dag_params, self.parts):
-            if part is not None:
-                total = total + (x_dst[dp.dst] * self.rows(part, x_src[dp.src])).sum()
-        return total
+        return x_dst[self.flat.row_group] @ self.row_products(x_src[self.flat.col_group])
 
     def symmetric_product(self, x: torch.Tensor) -> torch.Tensor:
         """Per group h: Σ_t (W_t x_src at h as a destination + W_tᵀ x_dst at h as a source)."""
-        out = torch.zeros_like(x)
-        for dp, part in zip(self.objective.groups.dag_params, self.parts):
-            if part is None:
-                continue
-            e_dst, e_src, matrix = part
-            out.index_add_(0, dp.dst.reshape(-1), self.rows(part, x[dp.src]).reshape(-1))
-            cols = e_src * _times_transposed(matrix, e_dst * x[dp.dst])
-            out.index_add_(0, dp.src.reshape(-1), cols.reshape(-1))
-        return out
+        flat = self.flat
+        out = torch.zeros_like(x).index_add_(0, flat.row_group, self.row_products(x[flat.col_group]))
+        return out.index_add_(0, flat.col_group, self.col_products(x[flat.row_group]))
 
 
-def _itself(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _segment_sum(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
+    return values.new_zeros(count).index_add_(0, index, values)
 
 
-def _times(matrix, x: torch.Tensor) -> torch.Tensor:
-    """matrix() · x per conv group (``[G, O/G, I/G]`` by ``[G, I/G]``); None is all ones."""
-    return x.sum(1, keepdim=True) if matrix is None else torch.bmm(matrix(), x[:, :, None])[:, :, 0]
-
-
-def _times_transposed(matrix, x: torch.Tensor) -> torch.Tensor:
-    """matrix()ᵀ · x per conv group (``[G, O/G]`` in, ``[G, I/G]`` out); None is all ones."""
-    return x.sum(1, keepdim=True) if matrix is None else torch.bmm(x[:, None, :], matrix())[:, 0, :]
+def _kernel_summed(lg: LogG, dp) -> LogG:
+    """A tensor's log ḡ (g summed over kernel positions), ``[G, O/G, I/G]``, or an :class:`OuterLog`
+    where it is one: a Linear layer fed one vector, or a tensor with one column (a bias: its
+    column factor is log 1)."""
+    if isinstance(lg, OuterLog):
+        return lg
+    lg = lg.reshape(dp.view)
+    # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit): ḡ is then
+    # a view of log g, not a second parameter-sized copy.
+    log_gbar = lg[..., 0] if dp.view[3] == 1 else torch.logsumexp(lg, dim=3)
+    if dp.view[0] == 1 and dp.view[2] == 1:
+        return OuterLog(log_gbar.reshape(-1), log_gbar.new_zeros(1))
+    return log_gbar
 
 
 def _self_loop_logs(dp, log_gbar: LogG, size: int) -> torch.Tensor:
@@ -403,35 +390,6 @@ def _self_loop_logs(dp, log_gbar: LogG, size: int) -> torch.Tensor:
         return torch.where(torch.arange(size, device=within.device) < size - 1, within, -torch.inf)
     masked = torch.where(dp.self_loops[..., 0], log_gbar, torch.full_like(log_gbar, -torch.inf))
     return group_logsumexp(dp.dst.reshape(-1), torch.logsumexp(masked, dim=2).reshape(-1), size)
-
-
-def _finite_max(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, torch.full_like(x, -torch.inf)).amax()
-
-
-def _finite_min(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, torch.full_like(x, torch.inf)).amin()
-
-
-def _other_groups(log_by_group: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """Per entry of ``groups`` (indices into ``log_by_group``, ``[H + 1]``, the last the fixed slot):
-    log Σ over every other slot of exp(log_by_group), or over all of them for the fixed slot,
-    which has no self-loops. Prefix and suffix log-sums, so nothing is subtracted."""
-    none = log_by_group.new_full((1,), -torch.inf)
-    before = torch.cat([none, torch.logcumsumexp(log_by_group, 0)[:-1]])
-    after = torch.cat([torch.logcumsumexp(log_by_group.flip(0), 0).flip(0)[1:], none])
-    others = torch.logaddexp(before, after)
-    others[-1] = torch.logsumexp(log_by_group, 0)
-    return others[groups]
-
-
-def group_logsumexp(index: torch.Tensor, log_values: torch.Tensor, size: int) -> torch.Tensor:
-    """log Σ exp(values) per group index (``size`` groups), −inf for groups with no entry."""
-    peak = torch.full((size,), -torch.inf, dtype=log_values.dtype, device=log_values.device)
-    peak = peak.scatter_reduce(0, index, log_values, "amax")
-    safe_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    summed = torch.zeros_like(peak).index_add(0, index, torch.exp(log_values - safe_peak[index]))
-    return torch.log(summed) + safe_peak
 
 
 def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:

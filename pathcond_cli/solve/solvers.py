@@ -187,7 +187,9 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
         hessian = ScaledHessian(objective, u, current, active, NEWTON_REACH)
         forcing = min(0.5, max(current.kkt_residual**0.5, 0.1 * tol / current.kkt_residual))
         direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS, CoarseCorrection(hessian, aggregates, current))
-        t = min(1.0, MAX_FIRST_STEP / max(float(direction.abs().max()), 1e-300))
+        # the largest move and the slope along the direction in one host transfer
+        largest, slope = torch.stack([direction.abs().max(), current.gradient @ direction]).tolist()
+        t = min(1.0, MAX_FIRST_STEP / max(largest, 1e-300))
         while True:
             target = _project(objective, u + t * direction)
             step = target - u
@@ -196,7 +198,9 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
             if abs(change) <= UNRESOLVED_CHANGE * max(1.0, abs(current.value)):
                 change = objective.change(u, current, step)
                 candidate.value = current.value + change
-            if change <= ARMIJO * float(current.gradient @ step) and change <= 0:
+            # without a bound the step is t·direction; a projected one needs its own slope
+            step_slope = t * slope if objective.bound is None else float(current.gradient @ step)
+            if change <= ARMIJO * step_slope and change <= 0:
                 break
             t *= 0.5
             if t < MIN_STEP:
