@@ -23,6 +23,7 @@ from onnx import numpy_helper
 from torch import nn
 
 import pathcond_cli.io.formats.onnx_format as onnx_format
+import pathcond_cli.io.formats.onnx_read as onnx_read
 from cli_support import assert_clean_exit, assert_unchanged, invoke, onnx_mlp_model, snapshot, write_onnx_mlp
 from onnx_models import export
 from pathcond_cli.solve.dtype_limits import StorageCheck, check_storage
@@ -49,7 +50,7 @@ def _view_net_onnx() -> onnx.ModelProto:
     data = export(_ViewNet().eval(), torch.randn(2, 3, 4, 4), "torchscript-unfolded")
     model = onnx.load_from_string(data)
     sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer}
-    assert max(sizes.values()) > onnx_format.SHAPE_DATA_MAX_ELEMENTS, "the weights must be stripped"
+    assert max(sizes.values()) > onnx_read.SHAPE_DATA_MAX_ELEMENTS, "the weights must be stripped"
     assert any(n.op_type == "Shape" for n in model.graph.node), "the reshape target must be computed"
     return model
 
@@ -57,7 +58,7 @@ def _view_net_onnx() -> onnx.ModelProto:
 def test_shape_inference_without_the_weights_is_the_inference_of_the_whole_model():
     model = _view_net_onnx()
     graph_input = model.graph.input[0]
-    inferred = onnx_format._infer_shapes(model, {graph_input.name: (3, 4, 4)}, "view.onnx", batch=2)
+    inferred = onnx_read.infer_shapes(model, {graph_input.name: (3, 4, 4)}, "view.onnx", batch=2)
 
     whole = onnx.ModelProto()
     whole.CopyFrom(model)
@@ -72,7 +73,7 @@ def test_shape_inference_without_the_weights_is_the_inference_of_the_whole_model
 
     assert inferred == expected
     assert list(inferred.graph.initializer) == list(model.graph.initializer), "every weight is put back, bit for bit"
-    assert onnx_format._value_shapes(inferred)[model.graph.output[0].name] == (2, 40)
+    assert onnx_read.value_shapes(inferred)[model.graph.output[0].name] == (2, 40)
 
 
 def test_a_model_with_computed_shapes_and_large_weights_loads_exactly(tmp_path):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from pathcond_cli.api import module_model, rescale_module
 from pathcond_cli.errors import InputError, UnsupportedModelError
 from pathcond_cli.engine.evaluate import forward
-from pathcond_cli.io.formats.fx_import import graph_from_module, load_factory
+from pathcond_cli.io.formats.factory import load_factory
+from pathcond_cli.io.formats.fx_import import graph_from_module
 from pathcond_cli.engine.graph import FixedFilter
 from pathcond_cli.engine.groups import build_groups
 

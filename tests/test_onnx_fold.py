@@ -11,7 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 from pathcond_cli.errors import UnsupportedModelError
 from pathcond_cli.engine.evaluate import forward
 from pathcond_cli.io.formats.onnx_fold import fold_shape_arithmetic
-from pathcond_cli.io.formats.onnx_format import _infer_shapes, load_onnx
+from pathcond_cli.io.formats.onnx_format import load_onnx
+from pathcond_cli.io.formats.onnx_read import infer_shapes
 
 
 def _shuffle_view(extra_nodes=(), output="shuffled") -> onnx.ModelProto:
@@ -45,12 +46,12 @@ def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 
 
 def _other_batch(model: onnx.ModelProto) -> onnx.ModelProto:
-    return _infer_shapes(model, {"x": (4, 3)}, "view.onnx", batch=3)
+    return infer_shapes(model, {"x": (4, 3)}, "view.onnx", batch=3)
 
 
 def test_shape_chain_becomes_constants_in_place():
     model = _shuffle_view()
-    inferred = _infer_shapes(model, {"x": (4, 3)}, "view.onnx")
+    inferred = infer_shapes(model, {"x": (4, 3)}, "view.onnx")
     folded = fold_shape_arithmetic(inferred, _other_batch)
 
     assert [n.op_type for n in folded.graph.node] == ["Relu", "Constant", "Constant", "Constant", "Constant",
@@ -68,7 +69,7 @@ def test_batch_dependent_value_read_as_data_is_not_folded():
     # change the function for every other batch.
     cast = helper.make_node("Cast", ["batch"], ["batch_float"], to=TensorProto.FLOAT)
     scale = helper.make_node("Mul", ["shuffled", "batch_float"], ["z"])
-    inferred = _infer_shapes(_shuffle_view([cast, scale], output="z"), {"x": (4, 3)}, "view.onnx")
+    inferred = infer_shapes(_shuffle_view([cast, scale], output="z"), {"x": (4, 3)}, "view.onnx")
     folded = fold_shape_arithmetic(inferred, _other_batch)
     kept = {n.output[0]: n.op_type for n in folded.graph.node}
     assert kept["batch_float"] == "Cast" and kept["target"] == "Constant" and kept["half"] == "Constant"
@@ -80,7 +81,7 @@ def test_batch_dependent_value_read_as_data_is_not_folded():
 def test_without_other_batch_only_shape_readers_get_batch_dependent_constants():
     cast = helper.make_node("Cast", ["batch"], ["batch_float"], to=TensorProto.FLOAT)
     scale = helper.make_node("Mul", ["shuffled", "batch_float"], ["z"])
-    inferred = _infer_shapes(_shuffle_view([cast, scale], output="z"), {"x": (4, 3)}, "view.onnx")
+    inferred = infer_shapes(_shuffle_view([cast, scale], output="z"), {"x": (4, 3)}, "view.onnx")
     kept = {n.output[0]: n.op_type for n in fold_shape_arithmetic(inferred).graph.node}
     assert kept["batch_float"] == "Cast" and kept["target"] == "Constant"
 

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from pathcond_cli.engine import graph as g
-from pathcond_cli.io.formats import fx_import, onnx_format
+from pathcond_cli.io.formats import fx_import, onnx_translate
 from pathcond_cli.io.formats.spec import LAYER_TYPES
 from pathcond_cli.engine.rules import RULES
 
@@ -52,9 +52,9 @@ ROUTES = {
                     (torch.conv1d, torch.conv2d, torch.conv3d)),
 }
 
-_FX_REGISTRIES = (fx_import._MODULES, fx_import._FUNCTIONS, fx_import._CALLS, fx_import._METHODS,
-                  fx_import._STORED_READERS)
-_FX_MOVEMENTS = (*fx_import._MOVEMENT_FUNCTIONS, *fx_import._MOVEMENT_METHODS)
+_FX_REGISTRIES = (fx_import.MODULES, fx_import.FUNCTIONS, fx_import.CALLS, fx_import.METHODS,
+                  fx_import.STORED_READERS)
+_FX_MOVEMENTS = (*fx_import.MOVEMENT_FUNCTIONS, *fx_import.MOVEMENT_METHODS)
 
 
 def test_the_table_lists_every_node_class():
@@ -69,7 +69,7 @@ def test_every_node_class_has_a_rule_a_spec_type_and_its_importers(node_type):
     if isinstance(onnx_ops, str):
         assert onnx_ops
     else:
-        assert all(op in onnx_format._HANDLERS for op in onnx_ops), onnx_ops
+        assert all(op in onnx_translate.HANDLERS for op in onnx_ops), onnx_ops
     if isinstance(fx_ops, str):
         assert fx_ops
     else:

@@ -27,7 +27,7 @@ from cli_support import (
     write_mlp, write_onnx_mlp,
 )
 from pathcond_cli.errors import InputError, UnsupportedModelError, VerificationError
-from pathcond_cli.io.formats import onnx_format
+from pathcond_cli.io.formats import onnx_translate
 
 
 def _fails_cleanly(directory, code: int, args, *needles: str, input: bytes | None = None) -> str:
@@ -334,7 +334,7 @@ def test_type_error_inside_the_onnx_importer_stays_an_internal_error(tmp_path, m
     def broken(translator, node):
         raise TypeError("unsupported operand type(s) for +: 'int' and 'NoneType'")
 
-    monkeypatch.setitem(onnx_format._HANDLERS, "Relu", broken)
+    monkeypatch.setitem(onnx_translate.HANDLERS, "Relu", broken)
     monkeypatch.delenv("PATHCOND_DEBUG", raising=False)
     stderr = _fails_cleanly(tmp_path, 1, ["rescale", model, "-o", tmp_path / "out.onnx"], "internal error", "TypeError",
                             "NoneType")

@@ -30,7 +30,7 @@ from cli_support import (
     assert_clean_exit, assert_unchanged, invoke, onnx_mlp_model, parse_single_json, snapshot, write_sharded_mlp,
 )
 from onnx_models import exported
-from pathcond_cli.io.formats import onnx_format
+from pathcond_cli.io.formats import onnx_format, onnx_read, onnx_write
 from pathcond_cli.engine.graph import Graph
 from pathcond_cli.verify import compare
 
@@ -230,7 +230,7 @@ def dynamo_export(tmp_path_factory) -> Path:
         pytest.skip(f"torch.onnx.export(dynamo=True) is unavailable here: {type(exc).__name__}: {exc}")
     finally:
         logging.disable(previous)
-    assert onnx_format._external_tensors(onnx.load(str(path), load_external_data=False))
+    assert onnx_read.external_tensors(onnx.load(str(path), load_external_data=False))
     return path
 
 
@@ -249,7 +249,7 @@ def test_a_dynamo_export_with_external_data_is_written_loadable_and_checked(tmp_
     for tensor in written.graph.initializer:
         stored = tensor.data_location == TensorProto.EXTERNAL
         large_float = tensor.data_type in FLOAT_TYPES and numpy_helper.to_array(
-            tensor, base_dir=str(tmp_path)).nbytes >= onnx_format.EXTERNAL_MIN_BYTES
+            tensor, base_dir=str(tmp_path)).nbytes >= onnx_write.EXTERNAL_MIN_BYTES
         assert stored == large_float, (tensor.name, tensor.data_type, tuple(tensor.dims), stored)
     x = np.random.default_rng(1).standard_normal((2, 3, 10, 10)).astype(np.float32)
     _assert_same_function(model, out, x, 1e-4)
@@ -266,7 +266,7 @@ def test_stdout_receives_a_self_contained_model(tmp_path, dynamo_export):
     result = invoke("rescale", model, "-o", "-")
     assert_clean_exit(result, 0)
     streamed = result.stdout_bytes
-    assert not onnx_format._external_tensors(onnx.load_from_string(streamed))
+    assert not onnx_read.external_tensors(onnx.load_from_string(streamed))
     x = np.random.default_rng(2).standard_normal((1, 3, 10, 10)).astype(np.float32)
     _assert_same_function(model, streamed, x, 1e-4)
     assert_unchanged(tmp_path, before)

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError, UsageError
+from .companions import TAKEN_TAG, TAKEN_TAG_CHARS, preferred_companion
 from .fileio import NAME_MAX, check_destination, describe, resolve_destination, same_file
 
 # Messages quote this many characters of a path at most.
 SHOWN_CHARS = 200
-# What the companion writer inserts before the first dot of a name already taken.
-_TAKEN_TAG = "-[0-9a-f]{8}"
-_TAKEN_TAG_BYTES = 9
 # Stands for the shard numbers in a shard name (a byte no file name holds).
 _NUMBER = "\x00"
 
@@ -58,24 +56,13 @@ def written(option: str, name: str | os.PathLike | None, kind: str | None = None
     text = os.fsdecode(name)
     if kind is None or text in ("", "-"):
         return Written(option, text, devices=devices)
-    preferred = _preferred_companion(kind, Path(text).name)
+    preferred = preferred_companion(kind, Path(text).name, _NUMBER)
     if preferred is None:
         return Written(option, text)
     stem, dot, suffix = preferred.partition(".")
-    pattern = (re.escape(stem) + f"(?:{_TAKEN_TAG})?" + re.escape(dot + suffix)).replace(re.escape(_NUMBER), r"\d{5,}")
+    pattern = (re.escape(stem) + f"(?:{TAKEN_TAG})?" + re.escape(dot + suffix)).replace(re.escape(_NUMBER), r"\d{5,}")
     longest = preferred.replace(_NUMBER, "0" * 5)
     return Written(option, text, re.compile(pattern, re.DOTALL), longest)
-
-
-def _preferred_companion(kind: str, name: str) -> str | None:
-    """The name the writer of format ``kind`` prefers for a companion of output ``name``."""
-    if kind == "onnx":
-        return f"{name}.data"
-    if kind == "safetensors-index":
-        from .formats.safetensors_format import checkpoint_stem
-
-        return f"{checkpoint_stem(name)}-{_NUMBER}-of-{_NUMBER}.safetensors"
-    return None
 
 
 def check_destinations(outputs: Sequence[Written | None], reads: Sequence[Path], *,
@@ -116,7 +103,7 @@ def _check_name(item: Written) -> None:
     if item.name.endswith(("/", os.sep)) or item.name in ("", ".", ".."):
         raise OutputError(f"cannot write '{_shown(item.name)}': that names a directory; {item.option} takes a file "
                           "name (no directory is created).")
-    if item.longest is not None and len(os.fsencode(item.longest)) + _TAKEN_TAG_BYTES > NAME_MAX:
+    if item.longest is not None and len(os.fsencode(item.longest)) + TAKEN_TAG_CHARS > NAME_MAX:
         raise OutputError(f"cannot write '{_shown(item.name)}': the files written beside it ('{_shown(item.longest)}' "
                           f"or a tagged variant) would have names longer than {NAME_MAX} bytes; choose a shorter name.")
 

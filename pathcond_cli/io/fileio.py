@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import OutputError
+from .companions import COMPANION_TAG_BYTES
 
 # Every temporary file or directory pathcond creates beside an output ends with this.
 TMP_SUFFIX = ".pathcond-tmp"
@@ -307,20 +308,9 @@ class Stage:
             return preferred
         stem, dot, suffix = preferred.partition(".")
         while True:
-            candidate = f"{stem}-{secrets.token_hex(_COMPANION_TAG_BYTES)}{dot}{suffix}"
+            candidate = f"{stem}-{secrets.token_hex(COMPANION_TAG_BYTES)}{dot}{suffix}"
             if candidate not in taken and not os.path.lexists(self.directory / candidate):
                 return candidate
-
-
-# Bytes of the random tag in a companion's name when the preferred name is taken.
-_COMPANION_TAG_BYTES = 4
-
-
-def is_companion_name(name: str, preferred: str) -> bool:
-    """Whether ``name`` is one that :meth:`Stage.companion_name` gives for ``preferred``."""
-    stem, dot, suffix = preferred.partition(".")
-    tagged = re.escape(stem) + f"-[0-9a-f]{{{2 * _COMPANION_TAG_BYTES}}}" + re.escape(dot + suffix)
-    return name == preferred or re.fullmatch(tagged, name, re.DOTALL) is not None
 
 
 # What a user or a scheduler sends to stop a run: Ctrl-C, and Slurm, Kubernetes or `kill` at a time limit.

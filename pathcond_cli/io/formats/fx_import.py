@@ -8,15 +8,11 @@ be translated is collected, so one error lists the whole graph's unsupported ope
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import operator
-import os
-import sys
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,12 +20,12 @@ import torch.fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...engine.graph import Graph
-from ...errors import InputError, UnsupportedModelError, UsageError
-from . import shown
+from ...engine.graph import COPYING_PAD_MODES, Graph
+from ...errors import UnsupportedModelError, UsageError
+from .common import shown
 from .export_graph import exported_graph
 from .movement import UnsupportedMovement, movement_layer
-from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
+from .offenders import NOT_HOMOGENEOUS_TYPES, NotHomogeneous, Unsupported, grouped, offender_note
 from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
@@ -42,18 +38,10 @@ SUPPORTED_SUMMARY = (
 )
 
 
-class _Unsupported(Exception):
-    """Why one fx node cannot be part of a ReLU DAG."""
-
-
 # Translators of one fx node into spec layers: from normalised kwargs (with the node and the
 # traced values), or from the node's raw arguments.
 _FunctionTranslator = Callable[[Mapping[str, Any], torch.fx.Node, Mapping[torch.fx.Node, Any]], dict[str, Any]]
 _CallTranslator = Callable[[torch.fx.Node, Mapping[torch.fx.Node, Any]], list[dict[str, Any]]]
-
-
-class _NotHomogeneous(_Unsupported):
-    """The node computes a function that is not positively homogeneous (grouped by op type)."""
 
 
 def graph_from_module(
@@ -142,79 +130,6 @@ def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
     return values, failure
 
 
-def factory_source_files(spec: str) -> list[Path]:
-    """The files ``import`` executes for ``module.path:callable`` (each package's ``__init__``
-    and the module), found as :func:`load_factory` finds them but without importing anything."""
-    from importlib.machinery import PathFinder
-
-    module_name = spec.rpartition(":")[0]
-    search: list[str] = [os.getcwd(), *sys.path]
-    files = []
-    parts = module_name.split(".") if module_name else []
-    for depth in range(1, len(parts) + 1):
-        name = ".".join(parts[:depth])
-        module = sys.modules.get(name)
-        if module is not None:
-            origin, locations = getattr(module, "__file__", None), getattr(module, "__path__", None)
-        else:
-            try:
-                found = PathFinder.find_spec(name, search)
-            except (ImportError, ValueError, OSError):
-                break
-            if found is None:
-                break
-            origin = found.origin if found.has_location else None
-            locations = found.submodule_search_locations
-        if origin:
-            files.append(Path(origin))
-        search = list(locations or [])
-        if not search:
-            break
-    return files
-
-
-def load_factory(spec: str) -> nn.Module:
-    """Call ``module.path:callable`` (``callable`` may be dotted) and return the nn.Module it builds.
-
-    The current directory is put on ``sys.path`` so that a local ``mynet.py`` is found as
-    ``mynet:build``.
-    """
-    module_name, _, attribute = spec.rpartition(":")
-    if not module_name or not attribute:
-        raise InputError(f"architecture factory '{spec}': expected the form module.path:callable, e.g. mynet:build")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        target: Any = importlib.import_module(module_name)
-    except (Exception, SystemExit) as exc:  # importing runs arbitrary user code, which may raise anything
-        raise InputError(
-            f"architecture factory '{spec}': cannot import module '{module_name}' "
-            f"({_raised(exc)}); it is looked up on sys.path and in the current directory"
-        ) from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise InputError(f"architecture factory '{spec}': module '{module_name}' has no attribute '{attribute}'")
-        target = getattr(target, part)
-    if not callable(target):
-        raise InputError(f"architecture factory '{spec}': '{attribute}' is not callable")
-    try:
-        built = target()
-    except (Exception, SystemExit) as exc:  # the factory is user code; sys.exit() there ends nothing but the factory
-        raise InputError(f"architecture factory '{spec}': calling {attribute}() failed ({_raised(exc)})") from None
-    if not isinstance(built, nn.Module):
-        raise InputError(
-            f"architecture factory '{spec}': {attribute}() returned {type(built).__name__}, not a torch.nn.Module"
-        )
-    return built
-
-
-def _raised(exc: BaseException) -> str:
-    """What user code raised, in a message; a sys.exit() call is named as such."""
-    if isinstance(exc, SystemExit):
-        return f"it called sys.exit({exc.code!r})" if exc.code is not None else "it called sys.exit()"
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _trace(module: nn.Module, input_shape: tuple[int, ...], source: str) -> torch.fx.GraphModule:
     """The module's graph from torch.fx; where fx cannot trace it (a forward that branches on
     its input's shape), from torch.export, which takes the branches the given shape takes."""
@@ -297,11 +212,11 @@ def _spec_from_trace(
                           [moves.layer_input(_tensor(arg), layers) for arg in layer.pop("inputs")])
                 layer.pop("inputs", None)
                 layers.append({"name": name, **({"inputs": inputs} if inputs else {}), **layer})
-        except _NotHomogeneous:
+        except NotHomogeneous:
             offenders.append((_operation(node, modules), node.name))
             moves.offenders.add(node)
             after_refusal.add(node)
-        except _Unsupported as exc:
+        except Unsupported as exc:
             if follows_refusal:
                 follow_on.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
             else:
@@ -311,7 +226,7 @@ def _spec_from_trace(
     for node in moves.unresolved():
         try:
             moves.layer_input(node, layers)
-        except _Unsupported as exc:
+        except Unsupported as exc:
             if node in after_refusal:
                 follow_on.append(f"fx node '{node.name}' ({_describe(node, modules)}): {exc}")
             else:
@@ -407,14 +322,14 @@ class _Movements:
 
     def record(self, node: torch.fx.Node) -> None:
         if node not in self.values:
-            raise _Unsupported("the module could not be run on a zero input to resolve its shapes")
+            raise Unsupported("the module could not be run on a zero input to resolve its shapes")
         sources = [a for a in node.all_input_nodes if a in self.index or isinstance(self.values.get(a), torch.Tensor)]
         if len(sources) != 1:
-            raise _Unsupported("moves data between several tensors")
+            raise Unsupported("moves data between several tensors")
         (source,) = sources
         origin = self.origin.get(source, source)
         if source not in self.index and not isinstance(self.values.get(source), torch.Tensor):
-            raise _Unsupported(f"{source.name} is not a tensor")
+            raise Unsupported(f"{source.name} is not a tensor")
         start = self.index.get(source)
         if start is None:
             shape = self.values[source].shape
@@ -431,7 +346,7 @@ class _Movements:
             else:
                 result = node.target(*args, **kwargs)
         except (RuntimeError, TypeError, IndexError, ValueError) as exc:
-            raise _Unsupported(f"cannot be replayed on its input's index map ({exc})") from None
+            raise Unsupported(f"cannot be replayed on its input's index map ({exc})") from None
         self.origin[node], self.index[node] = origin, result
 
     def unresolved(self) -> list[torch.fx.Node]:
@@ -451,11 +366,11 @@ class _Movements:
             return self.emitted[arg]
         origin, index = self.origin[arg], self.index[arg]
         if not isinstance(index, torch.Tensor):
-            raise _Unsupported(f"'{arg.name}' is a tuple of tensors, not a tensor")
+            raise Unsupported(f"'{arg.name}' is a tuple of tensors, not a tensor")
         try:
             layer = movement_layer(tuple(self.values[origin].shape[1:]), index)
         except UnsupportedMovement as exc:
-            raise _Unsupported(str(exc)) from None
+            raise Unsupported(str(exc)) from None
         if layer is None:
             self.emitted[arg] = self.names[origin]
         else:
@@ -512,7 +427,7 @@ def _outputs(node: torch.fx.Node, names: Mapping[torch.fx.Node, str], moves: _Mo
     for value in values:
         try:
             outputs.append(moves.layer_input(_tensor(value), layers))
-        except _Unsupported as exc:
+        except Unsupported as exc:
             problems.append(f"the module's output: {exc}")
     return outputs, problems
 
@@ -520,9 +435,9 @@ def _outputs(node: torch.fx.Node, names: Mapping[torch.fx.Node, str], moves: _Mo
 def _tensor(arg: Any) -> torch.fx.Node:
     """``arg`` as a tensor-valued fx node; constants and shape values are not layer inputs."""
     if not isinstance(arg, torch.fx.Node) or _is_shape_query(arg):
-        raise _Unsupported(f"{arg!r} is not a tensor computed from the network's input")
+        raise Unsupported(f"{arg!r} is not a tensor computed from the network's input")
     if arg.op == "get_attr":
-        raise _Unsupported(f"the stored tensor '{arg.target}' is used as an activation; a parameter or constant "
+        raise Unsupported(f"the stored tensor '{arg.target}' is used as an activation; a parameter or constant "
                            "outside its module is supported only as a per-channel scale or shift")
     return arg
 
@@ -534,32 +449,32 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         return [{"type": "input", "inputs": []}]
     if node.op == "call_module":
         module = modules[node.target]
-        translate_module = _MODULES.get(type(module))
+        translate_module = MODULES.get(type(module))
         if translate_module is None:
-            raise _Unsupported(_not_supported(type(module).__name__))
+            raise Unsupported(_not_supported(type(module).__name__))
         if len(node.args) != 1 or node.kwargs:
-            raise _Unsupported("called with more than one argument")
+            raise Unsupported("called with more than one argument")
         steps = translate_module(module, node.target)
         steps = steps if isinstance(steps, list) else [steps]
         return [{**steps[0], "inputs": [node.args[0]]}, *steps[1:]]
     if node.op == "call_function":
-        translate_call = _CALLS.get(node.target)
+        translate_call = CALLS.get(node.target)
         if translate_call is not None:
             return translate_call(node, values)
-        translate_reader = _STORED_READERS.get(node.target)
+        translate_reader = STORED_READERS.get(node.target)
         if translate_reader is not None:
             kwargs = _keyword_arguments(node, root)
             return [{**translate_reader(kwargs, stored), "inputs": [kwargs["input"]]}]
-        translate_function = _FUNCTIONS.get(node.target)
+        translate_function = FUNCTIONS.get(node.target)
         if translate_function is None:
-            raise _Unsupported(_not_supported(getattr(node.target, "__name__", "")) + _stored_reads(node))
+            raise Unsupported(_not_supported(getattr(node.target, "__name__", "")) + _stored_reads(node))
         return [translate_function(_keyword_arguments(node, root), node, values)]
     if node.op == "call_method":
-        translate_method = _METHODS.get(node.target)
+        translate_method = METHODS.get(node.target)
         if translate_method is None:
-            raise _Unsupported(_not_supported(node.target) + _stored_reads(node))
+            raise Unsupported(_not_supported(node.target) + _stored_reads(node))
         return translate_method(node, values)
-    raise _Unsupported(f"fx operation '{node.op}' is not supported")
+    raise Unsupported(f"fx operation '{node.op}' is not supported")
 
 
 def _stored_reads(node: torch.fx.Node) -> str:
@@ -575,14 +490,14 @@ def _stored_reads(node: torch.fx.Node) -> str:
 def _not_supported(name: str) -> str:
     # An ATen operation left by torch.export is named with its overload (``gelu.default``).
     if name.partition(".")[0].lower().rstrip("_") in NOT_HOMOGENEOUS_TYPES:
-        raise _NotHomogeneous()
+        raise NotHomogeneous()
     return "not supported"
 
 
 def _rank(arg: Any, values: Mapping[torch.fx.Node, Any]) -> int:
     value = values.get(arg) if isinstance(arg, torch.fx.Node) else None
     if not isinstance(value, torch.Tensor):
-        raise _Unsupported("the rank of its input is unknown (the module could not be run on a zero input)")
+        raise Unsupported("the rank of its input is unknown (the module could not be run on a zero input)")
     return value.dim()
 
 
@@ -647,7 +562,7 @@ def _conv_padding(padding: Any, dilation: Any, kernel_size: Sequence[int]) -> in
         dilation = [dilation] * len(kernel_size) if isinstance(dilation, int) else dilation
         totals = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
         if any(total % 2 for total in totals):
-            raise _Unsupported("padding='same' with an even receptive field pads asymmetrically")
+            raise Unsupported("padding='same' with an even receptive field pads asymmetrically")
         return tuple(total // 2 for total in totals)
     return padding
 
@@ -667,7 +582,7 @@ class _StoredTensors:
         """The ``state_dict`` key of a parameter the layer reads as its ``role``."""
         target = self._target(arg, role)
         if target not in self.parameter_keys:
-            raise _Unsupported(_constant_outside_filter(target, role))
+            raise Unsupported(_constant_outside_filter(target, role))
         return target
 
     def optional_key(self, arg: Any, role: str) -> str | None:
@@ -677,7 +592,7 @@ class _StoredTensors:
         """The ``state_dict`` key of a BatchNorm statistic (a buffer: read, never rescaled)."""
         target = self._target(arg, role)
         if target not in self.state_keys:
-            raise _Unsupported(f"its {role} '{target}' is a buffer registered with persistent=False, which the "
+            raise Unsupported(f"its {role} '{target}' is a buffer registered with persistent=False, which the "
                                "module's state_dict, where pathcond reads the network's tensors, does not hold")
         return target
 
@@ -690,7 +605,7 @@ class _StoredTensors:
     @staticmethod
     def _target(arg: Any, role: str) -> str:
         if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
-            raise _Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
+            raise Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
                                "tensors are layer parameters")
         return arg.target
 
@@ -720,7 +635,7 @@ def _fixed_filter(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str
     x = stored.values.get(kwargs["input"])
     channels = x.shape[1] if isinstance(x, torch.Tensor) else None
     if kwargs.get("groups", 1) != channels or tuple(filters.shape[:2]) != (channels, 1) or kwargs.get("bias") is not None:
-        raise _Unsupported(_constant_outside_filter(weight.target, "weight"))
+        raise Unsupported(_constant_outside_filter(weight.target, "weight"))
     dilation = kwargs.get("dilation", 1)
     return {"type": "fixed_filter", "kernel": list(filters.shape[2:]),
             "coefficients": filters.detach().double().flatten().tolist(), "stride": kwargs.get("stride", 1),
@@ -735,9 +650,9 @@ def _linear_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[
 def _batch_norm_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
     """``F.batch_norm`` on stored statistics and affine terms, in eval mode (timm's BatchNormAct2d)."""
     if kwargs.get("training"):
-        raise _Unsupported("training=True normalises with batch statistics even in eval mode")
+        raise Unsupported("training=True normalises with batch statistics even in eval mode")
     if kwargs.get("weight") is None or kwargs.get("bias") is None:
-        raise _Unsupported("without weight and bias (affine=False) there is nothing to rescale; not supported")
+        raise Unsupported("without weight and bias (affine=False) there is nothing to rescale; not supported")
     return _batchnorm_layer(
         stored.key(kwargs["weight"], "weight"), stored.key(kwargs["bias"], "bias"),
         *(stored.statistic(kwargs.get(role), role) for role in ("running_mean", "running_var")),
@@ -747,7 +662,7 @@ def _batch_norm_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> d
 
 def _conv_transpose(module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, target: str) -> dict[str, Any]:
     if module.padding_mode != "zeros":
-        raise _Unsupported(f"padding_mode='{module.padding_mode}' is not supported (only zero padding)")
+        raise Unsupported(f"padding_mode='{module.padding_mode}' is not supported (only zero padding)")
     return {
         "type": "conv_transpose", "weight": f"{target}.weight", "bias": _bias_key(module, target),
         "stride": module.stride, "padding": module.padding, "output_padding": module.output_padding,
@@ -782,9 +697,9 @@ def _channel_shuffle_module(module: nn.ChannelShuffle, target: str) -> dict[str,
 
 def _batchnorm(module: nn.BatchNorm1d | nn.BatchNorm2d, target: str) -> dict[str, Any]:
     if not module.affine:
-        raise _Unsupported("affine=False (no weight and bias to rescale) is not supported")
+        raise Unsupported("affine=False (no weight and bias to rescale) is not supported")
     if module.running_mean is None:
-        raise _Unsupported("track_running_stats=False normalises with batch statistics even in eval mode")
+        raise Unsupported("track_running_stats=False normalises with batch statistics even in eval mode")
     keys = (f"{target}.{role}" for role in ("weight", "bias", "running_mean", "running_var"))
     return _batchnorm_layer(*keys, eps=module.eps, momentum=module.momentum)
 
@@ -823,14 +738,14 @@ def _kernel_and_stride(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _max_pool(args: Mapping[str, Any]) -> dict[str, Any]:
     if args.get("return_indices"):
-        raise _Unsupported("return_indices=True is not supported")
+        raise Unsupported("return_indices=True is not supported")
     return {"type": "maxpool", **_kernel_and_stride(args), "dilation": args.get("dilation", 1),
             "ceil_mode": bool(args.get("ceil_mode", False))}
 
 
 def _avg_pool(args: Mapping[str, Any]) -> dict[str, Any]:
     if args.get("divisor_override") is not None:
-        raise _Unsupported("divisor_override is not supported")
+        raise Unsupported("divisor_override is not supported")
     return {"type": "avgpool", **_kernel_and_stride(args), "ceil_mode": bool(args.get("ceil_mode", False)),
             "count_include_pad": bool(args.get("count_include_pad", True))}
 
@@ -838,7 +753,7 @@ def _avg_pool(args: Mapping[str, Any]) -> dict[str, Any]:
 def _adaptive_avg_pool(args: Mapping[str, Any]) -> dict[str, Any]:
     size = args["output_size"]
     if size is None or (isinstance(size, (list, tuple)) and None in size):
-        raise _Unsupported("an output_size that keeps an input size (None) is not a fixed output size")
+        raise Unsupported("an output_size that keeps an input size (None) is not a fixed output size")
     return {"type": "adaptive_avgpool", "output_size": size}
 
 
@@ -848,7 +763,7 @@ def _flatten_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _flatten(start_dim: Any, end_dim: Any) -> dict[str, Any]:
     if start_dim != 1 or end_dim != -1:
-        raise _Unsupported(f"only flattening from dim 1 to the end is supported (got start_dim={start_dim}, end_dim={end_dim})")
+        raise Unsupported(f"only flattening from dim 1 to the end is supported (got start_dim={start_dim}, end_dim={end_dim})")
     return {"type": "flatten"}
 
 
@@ -874,12 +789,12 @@ def _keyword_arguments(node: torch.fx.Node, root: nn.Module) -> dict[str, Any]:
     if signature is None:
         normalized = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
         if normalized is None:
-            raise _Unsupported("its arguments cannot be matched to the function's signature")
+            raise Unsupported("its arguments cannot be matched to the function's signature")
         return normalized.kwargs
     try:
         bound = signature.bind(*node.args, **node.kwargs)
     except TypeError as exc:
-        raise _Unsupported(f"its arguments cannot be matched to the function's signature ({exc})") from None
+        raise Unsupported(f"its arguments cannot be matched to the function's signature ({exc})") from None
     bound.apply_defaults()
     return dict(bound.arguments)
 
@@ -896,17 +811,17 @@ def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
     """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end (a
     negative width crops, as in timm's NASNet ``nn.ZeroPad2d((-1, 1, -1, 1))``)."""
     mode, value = args.get("mode", "constant"), args.get("value") or 0
-    if mode not in ("constant", "reflect", "replicate", "circular"):
-        raise _Unsupported(f"mode={mode!r} is not supported (constant, reflect, replicate, circular)")
+    if mode not in ("constant", *COPYING_PAD_MODES):
+        raise Unsupported(f"mode={mode!r} is not supported (constant, {', '.join(COPYING_PAD_MODES)})")
     if mode == "constant" and value not in (0, -math.inf):
-        raise _Unsupported(f"padding with the constant {value!r} is not positively homogeneous (a padded neuron keeps "
+        raise Unsupported(f"padding with the constant {value!r} is not positively homogeneous (a padded neuron keeps "
                            "its value whatever its channel's scale); only 0, and -inf before max pooling, are")
     if mode == "constant":
         mode = "-inf" if value == -math.inf else "zeros"
     pad = list(args["pad"])
     spatial = rank - 2
     if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) for v in pad):
-        raise _Unsupported(f"only integer padding or cropping of the spatial axes is supported (pad={tuple(pad)})")
+        raise Unsupported(f"only integer padding or cropping of the spatial axes is supported (pad={tuple(pad)})")
     pairs = [(0, 0)] * (spatial - len(pad) // 2) + [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
     return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs], "mode": mode}
 
@@ -918,20 +833,20 @@ def _pad_function(kwargs: Mapping[str, Any], node: torch.fx.Node, values: Mappin
 def _scale(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """``x * c``, ``c * x``, ``x / c``: a fixed edge of weight c (1/c)."""
     if len(args) != 2 or kwargs:
-        raise _Unsupported("only a product or quotient of a tensor and a number is supported")
+        raise Unsupported("only a product or quotient of a tensor and a number is supported")
     tensors = [a for a in args if isinstance(a, torch.fx.Node)]
     numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
     if len(tensors) == 2:
-        raise _NotHomogeneous()
+        raise NotHomogeneous()
     if len(tensors) != 1 or len(numbers) != 1:
-        raise _Unsupported("only a product or quotient of a tensor and a number is supported")
+        raise Unsupported("only a product or quotient of a tensor and a number is supported")
     divides = getattr(target, "__name__", target) in ("truediv", "div", "div_", "itruediv")
     if divides and args[0] is not tensors[0]:
-        raise _Unsupported("dividing a number by a tensor is not homogeneous")
+        raise Unsupported("dividing a number by a tensor is not homogeneous")
     factor = float(numbers[0])
     if divides:
         if factor == 0:
-            raise _Unsupported("division by zero")
+            raise Unsupported("division by zero")
         factor = 1.0 / factor
     return {"type": "scale", "factor": factor, "inputs": tensors}
 
@@ -944,7 +859,7 @@ def _mean(args: Sequence[Any], kwargs: Mapping[str, Any], values: Mapping[torch.
     rank = _rank(x, values)
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     if set(kwargs) - {"dim", "keepdim"} or rank < 3 or sorted(d % rank for d in dims) != list(range(2, rank)):
-        raise _Unsupported(f"only a mean over every spatial axis is supported (dims {dims} of a rank-{rank} input)")
+        raise Unsupported(f"only a mean over every spatial axis is supported (dims {dims} of a rank-{rank} input)")
     pool = {"type": "adaptive_avgpool", "output_size": [1] * (rank - 2), "inputs": [x]}
     return [pool] if keepdim else [pool, {"type": "flatten"}]
 
@@ -956,17 +871,17 @@ def _upsample(args: Mapping[str, Any]) -> dict[str, Any]:
     """nn.Upsample (attributes) and F.interpolate (kwargs): nearest or (bi/tri)linear only."""
     mode = args.get("mode", "nearest")
     if mode not in _RESIZE_MODES:
-        raise _Unsupported(
+        raise Unsupported(
             f"mode={mode!r} is not supported (nearest, linear, bilinear, trilinear): bicubic weights are negative "
             "and torch and ONNX runtimes disagree at the borders, area is adaptive average pooling"
         )
     if args.get("antialias"):
-        raise _Unsupported("antialias=True is not supported")
+        raise Unsupported("antialias=True is not supported")
     if args.get("recompute_scale_factor"):
-        raise _Unsupported("recompute_scale_factor=True is not supported; pass the output size instead")
+        raise Unsupported("recompute_scale_factor=True is not supported; pass the output size instead")
     size, scale_factor = args.get("size"), args.get("scale_factor")
     if (size is None) == (scale_factor is None):
-        raise _Unsupported("exactly one of size and scale_factor must be given")
+        raise Unsupported("exactly one of size and scale_factor must be given")
     layer: dict[str, Any] = {"type": "upsample", "mode": _RESIZE_MODES[mode],
                              "align_corners": bool(args.get("align_corners") or False)}
     if size is not None:
@@ -990,7 +905,7 @@ def _interpolate_function(kwargs: Mapping[str, Any], node: torch.fx.Node,
 
 def _dropout(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if kwargs.get("training", True):
-        raise _Unsupported("training=True applies dropout at inference too")
+        raise Unsupported("training=True applies dropout at inference too")
     return {"type": "identity"}
 
 
@@ -999,25 +914,25 @@ def _cat(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[
     torch.cat's overloads (``dim`` as an int or a name) on every torch version."""
     args, kwargs = node.args, node.kwargs
     if len(args) > 2 or set(kwargs) - {"tensors", "dim"} or (args and "tensors" in kwargs):
-        raise _Unsupported("only torch.cat(tensors, dim) is supported")
+        raise Unsupported("only torch.cat(tensors, dim) is supported")
     tensors = args[0] if args else kwargs.get("tensors")
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     if dim != 1:
-        raise _Unsupported(f"only concatenation along dim 1 (channels) is supported (got dim={dim})")
+        raise Unsupported(f"only concatenation along dim 1 (channels) is supported (got dim={dim})")
     if not isinstance(tensors, (list, tuple)):
-        raise _Unsupported("its tensors must be a list or tuple of tensors")
+        raise Unsupported("its tensors must be a list or tuple of tensors")
     return [{"type": "concat", "inputs": list(tensors)}]
 
 
 def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}:
-        raise _Unsupported("only a plain sum of two tensors is supported")
+        raise Unsupported("only a plain sum of two tensors is supported")
     numbers = [arg for arg in args if not isinstance(arg, torch.fx.Node)]
     tensors = [arg for arg in args if isinstance(arg, torch.fx.Node)]
     if numbers == [0] and tensors:
         return {"type": "identity", "inputs": tensors}  # MobileOne's ``out += identity`` with identity = 0
     if numbers:
-        raise _Unsupported(f"adding the number {numbers[0]!r} is not supported: a constant that is no stored tensor "
+        raise Unsupported(f"adding the number {numbers[0]!r} is not supported: a constant that is no stored tensor "
                            "cannot rescale with its channel (not positively homogeneous); a stored tensor holding "
                            "one value per channel can (register it as a parameter or buffer)")
     return {"type": "add", "inputs": list(args)}
@@ -1030,10 +945,10 @@ def _sub_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[
     if node.target in (operator.neg, torch.neg, "neg"):
         return [{"type": "scale", "factor": -1.0, "inputs": list(args)}]
     if len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}:
-        raise _Unsupported("only a plain difference of two tensors is supported")
+        raise Unsupported("only a plain difference of two tensors is supported")
     numbers = [arg for arg in args if not isinstance(arg, torch.fx.Node)]
     if numbers:
-        raise _Unsupported(f"subtracting the number {numbers[0]!r} or from it is not supported: a constant that is no "
+        raise Unsupported(f"subtracting the number {numbers[0]!r} or from it is not supported: a constant that is no "
                            "stored tensor cannot rescale with its channel (not positively homogeneous)")
     return [{"type": "sub", "inputs": list(args)}]
 
@@ -1085,11 +1000,11 @@ def _per_channel_pair(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) 
     (x,) = [a for a in node.args if a is not stored[0]]
     tensor, activation = values.get(stored[0]), values.get(x) if isinstance(x, torch.fx.Node) else None
     if not isinstance(tensor, torch.Tensor) or not isinstance(activation, torch.Tensor):
-        raise _Unsupported(f"the stored tensor '{stored[0].target}' cannot be matched to its activation's channels")
+        raise Unsupported(f"the stored tensor '{stored[0].target}' cannot be matched to its activation's channels")
     aligned = (1,) * (activation.dim() - tensor.dim()) + tuple(tensor.shape)
     if (tensor.dim() > activation.dim() or activation.shape[1] == 1 or aligned[1] != activation.shape[1]
             or any(size != 1 for axis, size in enumerate(aligned) if axis != 1)):
-        raise _Unsupported(f"the stored tensor '{stored[0].target}' of shape {tuple(tensor.shape)} does not hold one "
+        raise Unsupported(f"the stored tensor '{stored[0].target}' of shape {tuple(tensor.shape)} does not hold one "
                            f"value per channel of an activation of shape {tuple(activation.shape)}")
     return x, stored[0].target
 
@@ -1115,7 +1030,7 @@ def _is_shape_query(node: torch.fx.Node) -> bool:
     return _is_whole_shape(node)
 
 
-_MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
+MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.Linear: _linear,
     nn.Conv1d: _conv,
     nn.Conv2d: _conv,
@@ -1150,7 +1065,7 @@ _MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
     nn.UpsamplingBilinear2d: _by_attributes(_upsample),
 }
 
-_FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
+FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
     F.relu: _with_input(_fixed("relu")),
     torch.relu: _with_input(_fixed("relu")),
     torch.relu_: _with_input(_fixed("relu")),
@@ -1172,7 +1087,7 @@ _FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
 
 # Functions whose weights are stored tensors read through get_attr (a module that calls the
 # functional form on its own parameters, as timm's BatchNormAct2d and StdConv2d do).
-_STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTensors], dict[str, Any]]] = {
+STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTensors], dict[str, Any]]] = {
     F.batch_norm: _batch_norm_function,
     F.linear: _linear_function,
     **dict.fromkeys((torch.conv1d, torch.conv2d, torch.conv3d), _conv_function),
@@ -1180,7 +1095,7 @@ _STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTe
 
 # Functions read from their raw arguments: overloaded (torch.add's and torch.cat's schemas are
 # ambiguous to fx's normaliser) or operators.
-_CALLS: dict[Callable[..., Any], _CallTranslator] = {
+CALLS: dict[Callable[..., Any], _CallTranslator] = {
     **dict.fromkeys((operator.add, operator.iadd, torch.add), _add_call),
     **dict.fromkeys((operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div),
                     _scale_call),
@@ -1190,11 +1105,11 @@ _CALLS: dict[Callable[..., Any], _CallTranslator] = {
 }
 
 # Pure data movement, replayed on index tensors (see _Movements).
-_MOVEMENT_FUNCTIONS = (
+MOVEMENT_FUNCTIONS = (
     torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
     torch.unsqueeze, torch.narrow, torch.channel_shuffle, F.channel_shuffle, operator.getitem,
 )
-_MOVEMENT_METHODS = (
+MOVEMENT_METHODS = (
     "view", "reshape", "flatten", "transpose", "permute", "contiguous", "chunk", "split", "squeeze", "unsqueeze",
     "narrow", "__getitem__",
 )
@@ -1202,10 +1117,10 @@ _MOVEMENT_METHODS = (
 
 def _is_movement(node: torch.fx.Node) -> bool:
     if node.op == "call_function":
-        return node.target in _MOVEMENT_FUNCTIONS
-    return node.op == "call_method" and node.target in _MOVEMENT_METHODS
+        return node.target in MOVEMENT_FUNCTIONS
+    return node.op == "call_method" and node.target in MOVEMENT_METHODS
 
-_METHODS: dict[str, _CallTranslator] = {
+METHODS: dict[str, _CallTranslator] = {
     "relu": _relu_method,
     "relu_": _relu_method,
     **dict.fromkeys(("add", "add_"), _add_call),

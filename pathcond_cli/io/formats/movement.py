@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-
-class UnsupportedMovement(Exception):
-    """Why a data movement is not one the ReLU DAG can represent."""
+from ...engine.graph import COPYING_PAD_MODES
+from .offenders import UnsupportedMovement
 
 
 def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:
@@ -53,7 +52,7 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
     raise UnsupportedMovement(
         f"it reshapes {shape} to {tuple(index.shape)} (batch excluded): only a flatten to (batch, features), "
         "a selection of whole channels (slice, split, shuffle, gather), a crop of the spatial axes (x[:, :, a:b]), "
-        "or a reflect, replicate or circular padding is supported"
+        f"or a {', '.join(COPYING_PAD_MODES[:-1])} or {COPYING_PAD_MODES[-1]} padding is supported"
     )
 
 
@@ -103,7 +102,8 @@ def _copying_pad(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] 
     if len(shape) < 2 or index.dim() != len(shape) or index.shape[0] != shape[0]:
         return None
     strides = [prod(shape[axis + 1:]) for axis in range(len(shape))]
-    for mode in ("circular", "reflect", "replicate"):
+    # Circular first: on an axis of one or two elements a wrap is also a replication or a reflection.
+    for mode in sorted(COPYING_PAD_MODES, key=lambda mode: mode != "circular"):
         begins, ends, expected = [], [], torch.arange(shape[0]).reshape(-1, *[1] * (len(shape) - 1)) * strides[0]
         for axis, size in enumerate(shape[1:], start=1):
             extra = index.shape[axis] - size

@@ -1,4 +1,6 @@
-"""Non-homogeneous operations, listed by operation type in one line each.
+"""What the importers refuse: the exceptions they raise for a node that cannot become part of
+the ReLU DAG (one set, shared by the fx and ONNX importers and the data-movement reader), and
+the non-homogeneous operations, listed by operation type in one line each.
 
 A transformer has dozens of GELUs, softmaxes and LayerNorms; one line per node would bury the
 message. Importers collect ``(operation, node)`` pairs and report each operation once with
@@ -6,6 +8,20 @@ its count and every node.
 """
 
 from __future__ import annotations
+
+
+class Unsupported(Exception):
+    """Why one node of an imported graph (fx or ONNX) cannot become part of the ReLU DAG. Importers
+    collect these, so that one error lists every unsupported node; one is never shown alone."""
+
+
+class NotHomogeneous(Unsupported):
+    """The node computes a function that is not positively homogeneous (grouped by op type)."""
+
+
+class UnsupportedMovement(Unsupported):
+    """Why a data movement is not one the ReLU DAG can represent."""
+
 
 # Lower-case names of layer types, modules and functions that are not positively homogeneous:
 # fx reports them by name, and a spec that names one describes a network pathcond cannot rescale.

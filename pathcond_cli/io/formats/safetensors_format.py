@@ -31,19 +31,19 @@ import torch
 from ...engine.graph import Graph
 from ...engine.layouts import layout_of
 from ...engine.model import LoadedModel
-from ...errors import InputError, InvalidWeightsError, OutputError, UsageError
-from ..fileio import atomic_write, describe, file_state, is_companion_name
-from . import InputShape, check_weight_types, contained_file, named_by_another_file, parse_json, shapes_by_input, shown
-from .fx_import import load_factory, module_import
+from ...errors import InputError, InvalidWeightsError, OutputError
+from ..companions import (SPEC_SUFFIXES, checkpoint_stem, is_companion_name, named_by_another_file, shard_name,
+                          sidecar_candidates)
+from ..fileio import atomic_write, describe, file_state
+from .common import (INPUT_COPIES, InputShape, check_weight_types, contained_file, parse_json, refuse_beyond_memory,
+                     shown)
+from .factory import graph_from_factory
 from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
 
 SPEC_METADATA_KEY = "pathcond.spec"
-SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 # safetensors itself refuses larger headers; a larger length field means corruption.
 MAX_HEADER_BYTES = 100_000_000
 MAX_INDEX_BYTES = 100_000_000
-# Longest first: what is left is the name sidecars and output shards are named after.
-_CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".index.json", ".safetensors", ".json")
 _UNUSED_SHOWN = 20
 _SAFETENSORS_ERRORS = (safetensors.SafetensorError, OSError, ValueError, RuntimeError, TypeError)
 
@@ -138,21 +138,6 @@ def write_safetensors(
         _write_sharded(tensors, model.params, payload, destination, added, companion_name)
     else:
         _write_file(destination, tensors, model.params, {**payload.metadata, **added})
-
-
-def sidecar_candidates(checkpoint: Path) -> list[Path]:
-    """Where a spec for ``checkpoint`` is looked for, in order."""
-    stem = checkpoint_stem(checkpoint.name)
-    names = [f"{stem}.pathcond{suffix}" for suffix in SPEC_SUFFIXES] + [f"{stem}{suffix}" for suffix in SPEC_SUFFIXES]
-    return [checkpoint.with_name(n) for n in names if n != checkpoint.name]
-
-
-def checkpoint_stem(file_name: str) -> str:
-    """``model`` for ``model.safetensors`` and ``model.safetensors.index.json``."""
-    for suffix in _CHECKPOINT_SUFFIXES:
-        if file_name.endswith(suffix) and len(file_name) > len(suffix):
-            return file_name[: -len(suffix)]
-    return Path(file_name).stem
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -316,7 +301,7 @@ def own_shards(path: Path) -> list[Path]:
         own = []
         for file in sorted(set(weight_map.values())):
             numbered = re.findall(r"-(\d{5})-of-(\d{5})", file)
-            if (any(is_companion_name(file, f"{stem}-{number}-of-{total}.safetensors") for number, total in numbered)
+            if (any(is_companion_name(file, shard_name(stem, number, total)) for number, total in numbered)
                     and _holds_exactly(path.parent / file, {k for k, f in weight_map.items() if f == file})
                     and not named_by_another_file(path, file, ".json")):
                 own.append(path.parent / file)
@@ -433,26 +418,10 @@ def _graph_from_arch(arch: str, input_shape: InputShape | None) -> tuple[Graph, 
     if arch.lower().endswith(SPEC_SUFFIXES):
         return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape), []
     if ":" in arch:
-        return _graph_from_factory(arch, input_shape)
+        return graph_from_factory(arch, input_shape)
     raise InputError(
         f"--arch '{arch}': expected a spec file (.yaml, .yml, .json) or a Python factory module.path:callable"
     )
-
-
-def _graph_from_factory(arch: str, input_shape: InputShape | None) -> tuple[Graph, list[str]]:
-    """The traced graph of the module ``arch`` returns; ``input_shape`` may name the module's one input
-    (the module is traced with the first shape named: one whose forward takes several is refused
-    before it runs, and a name that is not its input afterwards)."""
-    named = dict(input_shape) if isinstance(input_shape, Mapping) else {}
-    if input_shape is None:
-        raise UsageError(
-            f"--arch '{arch}': tracing a Python factory needs the batch-free shape of the module's one input "
-            "(--input-shape, e.g. 3,32,32)"
-        )
-    shape = next(iter(named.values())) if named else input_shape
-    graph, _, notes = module_import(load_factory(arch), shape, source=arch)
-    shapes_by_input(named or None, [node.name for node in graph.inputs], f"--arch '{arch}'")
-    return graph, notes
 
 
 def _no_architecture_message(display: str, candidates: list[Path]) -> str:
@@ -612,9 +581,48 @@ def _write_sharded(
     stem = checkpoint_stem(destination.name)
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(payload.shards, start=1):
-        file = companion_name(f"{stem}-{number:05d}-of-{len(payload.shards):05d}.safetensors")
+        file = companion_name(shard_name(stem, f"{number:05d}", f"{len(payload.shards):05d}"))
         _write_file(destination.with_name(file), tensors, originals, shard.metadata, keys=shard.keys)
         weight_map.update(dict.fromkeys(shard.keys, file))
     index = {"metadata": {**payload.metadata, **added}, "weight_map": dict(sorted(weight_map.items()))}
     text = json.dumps(index, indent=2) + "\n"
     atomic_write(destination, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+# -- the format -------------------------------------------------------------------------------
+
+
+class SafetensorsFormat:
+    """Safetensors checkpoints (one file, or an index and its shards) with their architecture: the
+    :class:`~.interface.Format`."""
+
+    name = "safetensors"
+
+    def load(self, source: Path | bytes, *, arch: str | None, input_shape: InputShape | None, name: str | None,
+             allow_unused: bool) -> LoadedModel:
+        model = load_safetensors(source, arch=arch, input_shape=input_shape, name=name, allow_unused=allow_unused)
+        for node in model.graph.inputs:
+            # The spec's shapes are only known by running the network; its input bounds the cost.
+            elements = math.prod(node.shape)
+            refuse_beyond_memory(8 * INPUT_COPIES * elements, model.source,
+                                 f"input '{shown(node.name)}' has shape {shown(str(tuple(node.shape)))} per example")
+        return model
+
+    def write(self, model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: Path,
+              metadata: Mapping[str, str], *, companion_name: Callable[[str], str], self_contained: bool) -> None:
+        write_safetensors(model, changed, destination, metadata, companion_name=companion_name)
+
+    def check_streamable(self, model: LoadedModel) -> None:
+        """A safetensors file has no size limit: any model can be sent to stdout."""
+
+    def companions(self, path: Path) -> list[Path]:
+        try:
+            return index_shards(path)
+        except (InputError, OSError, ValueError):
+            return []  # not an index pathcond can read: it consists of itself
+
+    def own_companions(self, path: Path) -> list[Path]:
+        return own_shards(path)
+
+
+FORMAT = SafetensorsFormat()

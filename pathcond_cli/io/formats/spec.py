@@ -32,6 +32,7 @@ import yaml
 from ...engine.graph import NODE_TYPES, AdaptiveAvgPool, Graph, Identity, Input, Node, node_attributes
 from ...engine.schema import REQUIRED, ints
 from ...errors import InputError, UnsupportedModelError, UsageError
+from .common import parse_json, shapes_by_input
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 
 FORMAT_VERSION = 1
@@ -119,6 +120,18 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
                          "are batch-free):\n" + "\n".join(f"  - {p}" for p in input_problems))
     _raise_if_any(problems + input_problems, source)
     return Graph(expanded, outputs, source)
+
+
+def node_from_layer(layer: Mapping[str, Any], *, source: str) -> Node:
+    """The node one spec layer describes (``name``, ``type``, ``inputs`` and the type's fields),
+    validated and normalised as a spec file's layers are: the node constructor the importers share
+    (fx and data movement emit layers for :func:`graph_from_spec`; ONNX builds its moved values here)."""
+    problems: list[str] = []
+    offenders: list[tuple[str, str]] = []
+    node = _parse_layer(0, layer, None, problems, offenders)
+    problems += [f"layer '{name}' has type '{kind}': not positively homogeneous" for kind, name in offenders]
+    _raise_if_any(problems, source)
+    return node
 
 
 def spec_from_graph(graph: Graph) -> dict[str, Any]:
@@ -226,8 +239,6 @@ def parse_spec_text(text: str, *, source: str) -> dict[str, Any]:
     :data:`MAX_SPEC_DEPTH` levels, and no YAML aliases (``*name``), whose expansion can make a
     500-byte file describe billions of elements.
     """
-    from . import parse_json
-
     if len(text) > MAX_SPEC_BYTES:
         raise InputError(f"{source}: an architecture spec of {len(text)} characters is refused (at most {MAX_SPEC_BYTES}).")
     try:
@@ -406,8 +417,6 @@ def _tensor_key(label: str, layer: Mapping[str, Any], role: str, nullable: bool,
 
 
 def _with_input_shape(nodes: list[Node], input_shape: Any, source: str, problems: list[str]) -> list[Node]:
-    from . import shapes_by_input
-
     inputs = [n for n in nodes if isinstance(n, Input)]
     given = shapes_by_input(input_shape, [n.name for n in inputs], source)
     shapes: dict[str, tuple[int, ...]] = {}

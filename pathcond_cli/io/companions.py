@@ -1,0 +1,94 @@
+"""The companion-file rules in one place: what a checkpoint's companions (safetensors shards, ONNX
+external data) are named, how a taken name is tagged, and when a companion provably belongs to
+one checkpoint alone (named after it, and named by no other file beside it). The formats' readers,
+writers, :mod:`.fileio`'s stage and :mod:`.destinations` all ask here. Imports nothing of pathcond."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from pathlib import Path
+
+# Bytes of the random tag in a companion's name when the preferred name is taken.
+COMPANION_TAG_BYTES = 4
+# What the companion writer inserts before the first dot of a name already taken, and its length.
+TAKEN_TAG = f"-[0-9a-f]{{{2 * COMPANION_TAG_BYTES}}}"
+TAKEN_TAG_CHARS = 1 + 2 * COMPANION_TAG_BYTES
+
+
+def is_companion_name(name: str, preferred: str) -> bool:
+    """Whether ``name`` is one that :meth:`Stage.companion_name` gives for ``preferred``."""
+    stem, dot, suffix = preferred.partition(".")
+    tagged = re.escape(stem) + TAKEN_TAG + re.escape(dot + suffix)
+    return name == preferred or re.fullmatch(tagged, name, re.DOTALL) is not None
+
+
+def named_by_another_file(path: Path, name: str, suffix: str) -> bool:
+    """Whether a file ending in ``suffix`` beside ``path``, other than ``path``, holds the bytes
+    of ``name`` (a model or index that names it as its data must): a cheap scan, erring towards
+    yes."""
+    needle = name.encode("utf-8", "surrogateescape")
+    for entry in os.scandir(path.parent):
+        if not entry.name.lower().endswith(suffix) or not entry.is_file() or os.path.samefile(entry.path, path):
+            continue
+        with open(entry.path, "rb") as handle:
+            if os.fstat(handle.fileno()).st_size == 0:
+                continue
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                if data.find(needle) >= 0:
+                    return True
+    return False
+
+
+# Longest first: what is left is the name sidecars and output shards are named after.
+_CHECKPOINT_SUFFIXES = (".safetensors.index.json", ".index.json", ".safetensors", ".json")
+
+
+def checkpoint_stem(file_name: str) -> str:
+    """``model`` for ``model.safetensors`` and ``model.safetensors.index.json``."""
+    for suffix in _CHECKPOINT_SUFFIXES:
+        if file_name.endswith(suffix) and len(file_name) > len(suffix):
+            return file_name[: -len(suffix)]
+    return Path(file_name).stem
+
+
+def companion_format(path: Path) -> str | None:
+    """The format whose companions a checkpoint named like ``path`` may have: an index (any
+    ``.json``) names shards, an ``.onnx`` model external data; None for any other name."""
+    if path.name.endswith(".json"):
+        return "safetensors"
+    if path.suffix == ".onnx":
+        return "onnx"
+    return None
+
+
+def external_data_name(model_name: str) -> str:
+    """The name the ONNX writer prefers for the external data of the model named ``model_name``."""
+    return f"{model_name}.data"
+
+
+def shard_name(stem: str, number: str, total: str) -> str:
+    """The name the safetensors writer prefers for shard ``number`` of ``total`` (both written
+    with five digits) of the index whose :func:`checkpoint_stem` is ``stem``."""
+    return f"{stem}-{number}-of-{total}.safetensors"
+
+
+def preferred_companion(kind: str, name: str, number: str) -> str | None:
+    """The name the writer of format ``kind`` prefers for a companion of output ``name``, with
+    ``number`` in place of a shard's number and count."""
+    if kind == "onnx":
+        return external_data_name(name)
+    if kind == "safetensors-index":
+        return shard_name(checkpoint_stem(name), number, number)
+    return None
+
+
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def sidecar_candidates(checkpoint: Path) -> list[Path]:
+    """Where a spec for ``checkpoint`` is looked for, in order."""
+    stem = checkpoint_stem(checkpoint.name)
+    names = [f"{stem}.pathcond{suffix}" for suffix in SPEC_SUFFIXES] + [f"{stem}{suffix}" for suffix in SPEC_SUFFIXES]
+    return [checkpoint.with_name(n) for n in names if n != checkpoint.name]
