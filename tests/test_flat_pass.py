@@ -1,8 +1,9 @@
-"""The solver's flat pass (issue 28.3): the same numbers as tensor-by-tensor sums, and a number
-of operations per pass that does not grow with the number of tensors.
+"""The solver's flat pass: the same numbers as tensor-by-tensor sums, and a number of
+operations per pass that does not grow with the number of tensors.
 
 The reference here is the per-tensor computation the flat buffers replaced, done in the log
-domain with logsumexp over each tensor's ``[G, O/G, I/G]`` weights (exact at any scale).
+domain with logsumexp over each tensor's ``[G, O/G, I/G]`` weights (exact at any scale). Every
+tensor lives on the run's device (the fake CUDA device under ``PATHCOND_FAKE_CUDA=1``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from reference_models import BasicBlock, ResNet, _finish
 from test_families import build
 
-from pathcond_cli.api import analyse, module_model
+from pathcond_cli.api import analyse, module_model, resolve_device
 from pathcond_cli.engine.diag import DiagG, OuterLog, dense
 from pathcond_cli.solve.objective import Coupling, Objective, group_logsumexp
 
@@ -25,9 +26,16 @@ from bench_syncs import operation_counter
 FAMILIES = ["resnet", "densenet", "shufflenet_v2", "squeezenet1_1", "resnext", "vgg11_bn"]
 
 
+DEVICE = resolve_device("auto")
+
+
 def _analysis(module, shape):
-    analysis = analyse(module_model(module, shape, name="flat"))
+    analysis = analyse(module_model(module, shape, name="flat"), device=DEVICE)
     return analysis.groups, analysis.diag
+
+
+def _random(size: int, seed: int) -> torch.Tensor:
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(DEVICE)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -71,8 +79,8 @@ def test_flat_evaluation_equals_the_per_tensor_sums(family, u_scale):
     """u_scale 400 puts e^{±800} between groups of one tensor: past linear scale, so the flat
     pass must take the log domain for those tensors and still agree."""
     groups, diag = family
-    objective = Objective(groups, diag)
-    u = u_scale * torch.randn(groups.num_free, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    objective = Objective(groups, diag, device=DEVICE)
+    u = u_scale * _random(groups.num_free, 3)
     got = objective.evaluate(u)
     rows, cols, log_in, log_out, log_total = _per_tensor(groups, diag, u)
     _same_logs(got.log_total, log_total, 1e-12)
@@ -87,13 +95,13 @@ def test_flat_evaluation_equals_the_per_tensor_sums(family, u_scale):
 
 def test_flat_coupling_products_equal_the_per_tensor_products(family):
     groups, diag = family
-    objective = Objective(groups, diag)
-    u = torch.randn(groups.num_free, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    objective = Objective(groups, diag, device=DEVICE)
+    u = _random(groups.num_free, 4)
     u_ext = groups.extend(u)
     log_total = objective.evaluate(u).log_total
     log_dst, log_src = -2 * u_ext - log_total, 2 * u_ext
     log_src[-1] = -torch.inf
-    x = torch.randn(len(u_ext), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    x = _random(len(u_ext), 5)
     want = torch.zeros_like(x)
     for lg, dp in zip(diag.parts, groups.dag_params):
         w = torch.exp(torch.logsumexp(dense(lg).reshape(dp.view), dim=3) + log_dst[dp.dst][:, :, None]
@@ -112,8 +120,8 @@ def _resnet(blocks: int):
 
 def _operations_per_pass(groups, diag) -> tuple[int, int, int]:
     """aten operations of one evaluation, of one Newton operator product, and of one accurate change of F."""
-    objective = Objective(groups, diag)
-    u = 0.1 * torch.randn(groups.num_free, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    objective = Objective(groups, diag, device=DEVICE)
+    u = 0.1 * _random(groups.num_free, 6)
     current = objective.evaluate(u)
     u_ext = groups.extend(u)
     coupling = Coupling(objective, -2 * u_ext - current.log_total, 2 * u_ext)
@@ -137,7 +145,7 @@ def test_operations_per_pass_do_not_grow_with_the_number_of_tensors():
 def test_outer_products_and_biases_need_no_stacked_copy(family):
     """Biases (a column of one) and Linear layers fed one vector are held by their factors."""
     groups, diag = family
-    objective = Objective(groups, diag)
+    objective = Objective(groups, diag, device=DEVICE)
     for t, dp in enumerate(groups.dag_params):
         if dp.view[0] == 1 and dp.view[2] == 1:
             assert isinstance(objective.log_gbar[t], OuterLog)
