@@ -323,6 +323,19 @@ def test_an_interrupt_between_files_keeps_every_finished_file(tmp_path, signum, 
     assert leftovers(tmp_path) == []
 
 
+def _interrupt_in_the_file(monkeypatch, path: Path, signum: int, error: BaseException) -> None:
+    """The single-file run of ``path`` fails with ``error`` after the handler has recorded ``signum``."""
+    real_rescale_to = pathcond_cli.cli.app._rescale_to
+
+    def interrupted(model, *args):
+        if Path(model) == path:
+            pathcond_cli.cli.app._signal_received = signum
+            raise error
+        return real_rescale_to(model, *args)
+
+    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted)
+
+
 def test_a_library_error_raised_by_an_interrupt_is_reported_as_the_interrupt(tmp_path, monkeypatch):
     """A signal that lands inside a C extension can come back as that library's own error (the
     test suite once saw a file of an interrupted batch reported as unreadable, exit 3): once the
@@ -330,15 +343,7 @@ def test_a_library_error_raised_by_an_interrupt_is_reported_as_the_interrupt(tmp
     paths, spec = _models(tmp_path / "in", 3)
     out = tmp_path / "out"
     out.mkdir()
-    real_rescale_to = pathcond_cli.cli.app._rescale_to
-
-    def interrupted_in_the_second_file(model, *args):
-        if Path(model) == paths[1]:
-            pathcond_cli.cli.app._signal_received = signal.SIGTERM
-            raise RuntimeError("read interrupted inside the C extension")
-        return real_rescale_to(model, *args)
-
-    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted_in_the_second_file)
+    _interrupt_in_the_file(monkeypatch, paths[1], signal.SIGTERM, RuntimeError("read interrupted inside the C extension"))
     result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "-q")
     stderr = assert_clean_exit(result, 143, "terminated (SIGTERM): 1 of 3 outputs were completely written")
     assert "unreadable" not in stderr
@@ -363,15 +368,7 @@ def test_an_interrupted_batch_ends_with_the_batch_line_alone(tmp_path, monkeypat
     paths, spec = _models(tmp_path / "in", 3)
     out = tmp_path / "out"
     out.mkdir()
-    real_rescale_to = pathcond_cli.cli.app._rescale_to
-
-    def interrupted_in_the_second_file(model, *args):
-        if Path(model) == paths[1]:
-            pathcond_cli.cli.app._signal_received = signal.SIGINT
-            raise KeyboardInterrupt
-        return real_rescale_to(model, *args)
-
-    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted_in_the_second_file)
+    _interrupt_in_the_file(monkeypatch, paths[1], signal.SIGINT, KeyboardInterrupt())
     result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "--json")
     stderr = _interrupted_batch(result)
     lines = [line for line in stderr.splitlines() if line.strip()]
