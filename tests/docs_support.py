@@ -26,17 +26,15 @@ class Block:
 def blocks(page: Path) -> list[Block]:
     """The fenced blocks of ``page``, in order, each knowing the block that follows it."""
     source = page.read_text(encoding="utf-8")
-    found = []
-    for match in FENCE.finditer(source):
+    matches = list(FENCE.finditer(source))
+    built: list[Block] = []  # from the last block back, so the next one is built first
+    for match, after in reversed(list(zip(matches, [*matches[1:], None]))):
         indent = len(match.group(1))
         text = "".join(line[indent:] + "\n" for line in match.group(3).splitlines())
-        found.append((match, Block(page, source.count("\n", 0, match.start()) + 1, match.group(2), text)))
-    linked: list[Block] = []
-    for (match, block), following in zip(reversed(found), [None, *reversed(found)]):
-        adjacent = following is not None and not source[match.end():following[0].start()].strip()
-        linked.append(Block(block.page, block.line, block.language, block.text,
-                            linked[-1] if adjacent and linked else None))
-    return linked[::-1]
+        adjacent = after is not None and not source[match.end():after.start()].strip()
+        built.append(Block(page, source.count("\n", 0, match.start()) + 1, match.group(2), text,
+                           built[-1] if adjacent else None))
+    return built[::-1]
 
 
 def all_blocks() -> list[Block]:
