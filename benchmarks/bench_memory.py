@@ -1,14 +1,17 @@
-"""Peak host memory of `pathcond rescale` on a large sharded ReLU MLP, against the checkpoint's size.
+"""Peak host memory of `pathcond rescale` on a large sharded ReLU MLP or conv net, against the checkpoint's size.
 
     python benchmarks/bench_memory.py                        # 1.5 B parameters, ~6 GB fp32, 4 shards
     python benchmarks/bench_memory.py --width 4096 --depth 4 --shards 2      # ~270 MB, for development
     python benchmarks/bench_memory.py --keep /tmp/mlp        # keep the checkpoint (and reuse it next time)
     python benchmarks/bench_memory.py --device cuda          # GPU peak too (benchmarks/gpu_check.sh runs it)
+    python benchmarks/bench_memory.py --conv --width 1024 --depth 8 --shards 1   # 3x3 convs, ~0.28 GiB
 
 The checkpoint is written by this script into a temporary directory (never committed): a
 sharded safetensors checkpoint (index json + shards) of a ``depth``-layer ReLU MLP of square
-``width x width`` hidden layers, tensor by tensor, so building it never holds more than one
-layer. The architecture is embedded as the spec pathcond reads from the index's metadata.
+``width x width`` hidden layers, or with ``--conv`` of ``depth`` 3x3 convolutions of ``width``
+channels (padding 1, on ``--spatial`` x ``--spatial`` inputs) followed by a global average pool
+and a Linear layer, tensor by tensor, so building it never holds more than one layer. The
+architecture is embedded as the spec pathcond reads from the index's metadata.
 Then the real command runs in a child process (``python -m pathcond_cli rescale --device
 cpu``) and its peak resident memory (ru_maxrss of the child, which counts file pages it
 mapped too) is printed next to the checkpoint's bytes and the bound 1.5 x bytes + 1 GiB, and
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,33 +43,58 @@ def build_mlp(directory: Path, *, inputs: int, width: int, depth: int, outputs: 
 
     Weights are He-scaled Gaussians; tensors are generated and written one layer at a time.
     """
+    sizes = [inputs] + [width] * depth + [outputs]
+    layers = [{"name": "x", "type": "input", "shape": [inputs]}]
+    shapes = []
+    for number in range(len(sizes) - 1):
+        layers.append({"name": f"fc{number}", "type": "linear"})
+        shapes.append((f"fc{number}", (sizes[number + 1], sizes[number])))
+        if number < len(sizes) - 2:
+            layers.append({"name": f"relu{number}", "type": "relu"})
+    return _write_sharded(directory / "mlp.safetensors.index.json", layers, shapes, shards, seed)
+
+
+def build_conv(directory: Path, *, channels: int, spatial: int, depth: int, outputs: int, shards: int,
+               seed: int = 0) -> Path:
+    """A sharded fp32 ReLU network of ``depth`` 3x3 convolutions of ``channels`` channels (padding 1)
+    on a ``channels x spatial x spatial`` input, then a global average pool and a Linear layer to
+    ``outputs``; returns the index path. Written one layer at a time, as :func:`build_mlp`."""
+    layers = [{"name": "x", "type": "input", "shape": [channels, spatial, spatial]}]
+    shapes = []
+    for number in range(depth):
+        layers += [{"name": f"conv{number}", "type": "conv", "padding": 1}, {"name": f"relu{number}", "type": "relu"}]
+        shapes.append((f"conv{number}", (channels, channels, 3, 3)))
+    layers += [{"name": "pool", "type": "global_avgpool"}, {"name": "flat", "type": "flatten"},
+               {"name": "fc", "type": "linear"}]
+    shapes.append(("fc", (outputs, channels)))
+    return _write_sharded(directory / "conv.safetensors.index.json", layers, shapes, shards, seed)
+
+
+def _write_sharded(index: Path, layers: list[dict], weight_shapes: list[tuple[str, tuple[int, ...]]], shards: int,
+                   seed: int) -> Path:
+    """The safetensors shards of ``weight_shapes`` (each layer's weight, He-scaled Gaussian, and a
+    bias), layers split evenly among ``shards``, and their index holding the spec of ``layers``."""
     import torch
     from safetensors.torch import save_file
 
     from pathcond_cli.io.formats.safetensors_format import SPEC_METADATA_KEY
 
-    sizes = [inputs] + [width] * depth + [outputs]
-    layers = [{"name": "x", "type": "input", "shape": [inputs]}]
-    for number in range(len(sizes) - 1):
-        layers.append({"name": f"fc{number}", "type": "linear"})
-        if number < len(sizes) - 2:
-            layers.append({"name": f"relu{number}", "type": "relu"})
     spec = json.dumps({"format_version": 1, "layers": layers})
-    per_shard = -(-(len(sizes) - 1) // shards)
+    per_shard = -(-len(weight_shapes) // shards)
     generator = torch.Generator().manual_seed(seed)
+    stem = index.name.split(".")[0]
     weight_map: dict[str, str] = {}
     for shard in range(shards):
-        file = f"mlp-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        file = f"{stem}-{shard + 1:05d}-of-{shards:05d}.safetensors"
         tensors = {}
-        for number in range(shard * per_shard, min((shard + 1) * per_shard, len(sizes) - 1)):
-            fan_in, fan_out = sizes[number], sizes[number + 1]
-            tensors[f"fc{number}.weight"] = torch.randn(fan_out, fan_in, generator=generator) * (2 / fan_in) ** 0.5
-            tensors[f"fc{number}.bias"] = torch.randn(fan_out, generator=generator) * 0.01
+        for layer, shape in weight_shapes[shard * per_shard:(shard + 1) * per_shard]:
+            fan_in = math.prod(shape[1:])
+            tensors[f"{layer}.weight"] = torch.randn(shape, generator=generator) * (2 / fan_in) ** 0.5
+            tensors[f"{layer}.bias"] = torch.randn(shape[0], generator=generator) * 0.01
         if tensors:
-            save_file(tensors, str(directory / file))
+            save_file(tensors, str(index.parent / file))
             weight_map.update(dict.fromkeys(tensors, file))
         del tensors
-    index = directory / "mlp.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {SPEC_METADATA_KEY: spec}, "weight_map": weight_map}))
     return index
 
@@ -119,8 +148,11 @@ def torch_floor(log: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--inputs", type=int, default=8192)
-    parser.add_argument("--width", type=int, default=16384, help="hidden width (default 16384: 1.5 B parameters at depth 6)")
+    parser.add_argument("--conv", action="store_true", help="3x3 convolutions instead of Linear layers")
+    parser.add_argument("--inputs", type=int, default=8192, help="the MLP's input features")
+    parser.add_argument("--spatial", type=int, default=8, help="the conv net's input height and width")
+    parser.add_argument("--width", type=int, default=16384,
+                        help="hidden width, or the convolutions' channels (default 16384: 1.5 B parameters at depth 6)")
     parser.add_argument("--depth", type=int, default=6, help="hidden layers")
     parser.add_argument("--outputs", type=int, default=1000)
     parser.add_argument("--shards", type=int, default=4)
@@ -131,16 +163,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pathcond-bench-memory-") as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        index = folder / "mlp.safetensors.index.json"
+        index = folder / f"{'conv' if args.conv else 'mlp'}.safetensors.index.json"
         if not index.is_file():
             started = time.perf_counter()
-            build_mlp(folder, inputs=args.inputs, width=args.width, depth=args.depth, outputs=args.outputs,
-                      shards=args.shards)
+            if args.conv:
+                build_conv(folder, channels=args.width, spatial=args.spatial, depth=args.depth, outputs=args.outputs,
+                           shards=args.shards)
+            else:
+                build_mlp(folder, inputs=args.inputs, width=args.width, depth=args.depth, outputs=args.outputs,
+                          shards=args.shards)
             print(f"built {index} in {time.perf_counter() - started:.1f} s")
         size = checkpoint_bytes(index)
         log = Path(scratch) / "child.log"
         floor = torch_floor(log)
-        output = Path(scratch) / "out" / "mlp.safetensors.index.json"
+        output = Path(scratch) / "out" / index.name
         output.parent.mkdir()
         gpu_record = Path(scratch) / "gpu.peak"
         launcher = [sys.executable, "-m", "pathcond_cli"] if args.device == "cpu" else [sys.executable, "-c", _GPU_PEAK,
@@ -151,7 +187,8 @@ def main() -> None:
             sys.exit(f"pathcond rescale exited {status}:\n{log.read_text()[-3000:]}")
         gpu_peak = gpu_record.read_text() if gpu_record.exists() else None
     bound = 1.5 * size + GIB
-    print(f"checkpoint        {size / GIB:8.2f} GiB  ({args.depth} hidden layers of {args.width}, {args.shards} shards)")
+    layers = f"3x3 convs of {args.width} channels on {args.spatial}x{args.spatial}" if args.conv else f"hidden layers of {args.width}"
+    print(f"checkpoint        {size / GIB:8.2f} GiB  ({args.depth} {layers}, {args.shards} shards)")
     print(f"import torch peak {floor / GIB:8.2f} GiB")
     print(f"rescale peak RSS  {peak / GIB:8.2f} GiB  = {peak / size:.2f} x the checkpoint; "
           f"above the torch floor {(peak - floor) / size:.2f} x")

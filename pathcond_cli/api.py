@@ -22,8 +22,8 @@ import torch
 from . import __version__
 from .engine.calibration import calibration_warnings
 from .engine.diag import (
-    DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g_and_l2_norm, path_count, path_norm,
-    zeros_per_layer,
+    DiagG, LogG, OuterLog, PathCount, PathNorm, TensorStats, balancing_exponents, dense, diag_g_and_l2_norm,
+    path_count, path_norm, tensor_stats, zeros_per_layer,
 )
 from .engine.graph import BatchNorm, Graph
 from .engine.groups import DagParam, RescalingGroups, build_groups
@@ -84,48 +84,7 @@ class Conditioning:
     zeros: int
 
 
-@dataclass
-class _TensorStats:
-    """One pass of reductions over one log g tensor (natural log; g = 0 is −inf)."""
-
-    zeros: int
-    low: float
-    high: float
-    log_sum_exp: float
-    log_total: float
-
-
-def _tensor_stats(lg: LogG) -> _TensorStats:
-    if isinstance(lg, OuterLog):
-        return _outer_stats(lg)
-    # log g is never NaN or +inf (diag_g guarantees it), and its minimum is −inf exactly when
-    # some g = 0: tensors without zeros, the usual case, need no mask at all.
-    low, high = float(lg.min()), float(lg.max())
-    if high == -math.inf:
-        return _TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
-    # ln Σ g around the known maximum (the sum is ≥ 1); torch.logsumexp over a whole tensor
-    # takes about five times as long on the CPU.
-    log_sum_exp = high + math.log(float(torch.sub(lg, high).exp_().sum()))
-    if low > -math.inf:
-        return _TensorStats(0, low, high, log_sum_exp, float(lg.sum()))
-    zeros = torch.isneginf(lg)
-    return _TensorStats(int(zeros.sum()), float(lg.masked_fill(zeros, math.inf).min()), high, log_sum_exp,
-                        float(lg.masked_fill(zeros, 0.0).sum()))
-
-
-def _outer_stats(lg: OuterLog) -> _TensorStats:
-    """The same reductions from the factors (ln g_oi = rows_o + cols_i): O(O + I), exact up to
-    rounding, since the finite entries are the finite rows crossed with the finite columns."""
-    finite_rows, finite_cols = lg.rows[torch.isfinite(lg.rows)], lg.cols[torch.isfinite(lg.cols)]
-    if not (finite_rows.numel() and finite_cols.numel()):
-        return _TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
-    return _TensorStats(
-        lg.zeros(), float(finite_rows.min() + finite_cols.min()), float(finite_rows.max() + finite_cols.max()),
-        float(torch.logsumexp(finite_rows, 0) + torch.logsumexp(finite_cols, 0)),
-        float(finite_cols.numel() * finite_rows.sum() + finite_rows.numel() * finite_cols.sum()))
-
-
-def _conditioning(stats: list[_TensorStats], sizes: list[int]) -> Conditioning:
+def _conditioning(stats: list[TensorStats], sizes: list[int]) -> Conditioning:
     zeros = sum(s.zeros for s in stats)
     counted = sum(sizes) - zeros
     if not counted:
@@ -139,7 +98,7 @@ def _conditioning(stats: list[_TensorStats], sizes: list[int]) -> Conditioning:
 
 def conditioning(log_g: Sequence[LogG]) -> Conditioning:
     """D from log diag(G) (−inf where g = 0), tensor by tensor in the log domain."""
-    return _conditioning([_tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g])
+    return _conditioning([tensor_stats(lg) for lg in log_g], [lg.numel() for lg in log_g])
 
 
 @dataclass
@@ -154,13 +113,14 @@ class DiagSummary:
 
 
 def summarise(groups: RescalingGroups, log_g: Sequence[LogG]) -> DiagSummary:
-    stats = [_tensor_stats(lg) for lg in log_g]
+    # Each log g read once: a rescaled one (RescaledLogG) is computed on every read.
+    stats = [tensor_stats(lg) for lg in log_g]
     spreads: dict[str, LayerSpread] = {}
     lows: dict[str, float] = {}
     highs: dict[str, float] = {}
-    for dp, lg, st in zip(groups.dag_params, log_g, stats):
+    for dp, st in zip(groups.dag_params, stats):
         entry = spreads.setdefault(dp.layer, LayerSpread(dp.layer, 0, 0, None, None))
-        entry.parameters += lg.numel()
+        entry.parameters += dp.numel
         entry.zeros += st.zeros
         lows[dp.layer] = min(lows.get(dp.layer, math.inf), st.low)
         highs[dp.layer] = max(highs.get(dp.layer, -math.inf), st.high)
@@ -170,7 +130,7 @@ def summarise(groups: RescalingGroups, log_g: Sequence[LogG]) -> DiagSummary:
     low, high = min(lows.values(), default=math.inf), max(highs.values(), default=-math.inf)
     return DiagSummary(
         list(spreads.values()),
-        _conditioning(stats, [lg.numel() for lg in log_g]),
+        _conditioning(stats, [dp.numel for dp in groups.dag_params]),
         low if high > -math.inf else None,
         high if high > -math.inf else None,
     )
@@ -186,7 +146,7 @@ def histogram(log_g: Sequence[LogG], ln_low: float | None, ln_high: float | None
     counts = torch.zeros(bins, dtype=torch.long)
     for lg in log_g:
         # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
-        for block in lg.row_blocks() if isinstance(lg, OuterLog) else [lg]:
+        for block in lg.row_blocks() if isinstance(lg, OuterLog) else [dense(lg)]:
             counts += torch.histc(block, bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
     width = (ln_high - ln_low) / bins
     return [((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E, int(counts[i])) for i in range(bins)]
@@ -355,7 +315,7 @@ class RescaledLogG(Sequence[LogG]):
             # (Bu)_oi = u_dst(o) − u_src(i) splits between the two factors.
             return OuterLog(*lg.shifted(-2 * self.u_ext[dp.dst].reshape(-1), 2 * self.u_ext[dp.src].reshape(-1)))
         # (Bu) broadcasts over the kernel axis of the view: one pass per tensor, no expanded copy.
-        return torch.add(lg.reshape(dp.view), dp.exponent(self.u_ext), alpha=-2.0).reshape(lg.shape)
+        return torch.add(dense(lg).reshape(dp.view), dp.exponent(self.u_ext), alpha=-2.0).reshape(lg.shape)
 
     def __len__(self) -> int:
         return len(self.log_g)

@@ -13,7 +13,11 @@ count renormalises activations as it goes and keeps the scale in a log offset.
 Memory: a Linear layer that sees one input vector has g_oi = δ_o x_i (δ its cotangent, x its
 input in the squared network), an outer product; its log g is kept as the two factors
 (:class:`OuterLog`), O + I numbers instead of O·I, so that an MLP's diag(G) and everything the
-solvers keep from it are the size of its neurons, not of its weights.
+solvers keep from it are the size of its neurons, not of its weights. In a network whose log g
+would take more than ``DENSE_LOG_G_BYTES``, a weight whose layer's input and output cotangent
+are smaller than it (a wide convolution on a small feature map) is kept as those two
+(:class:`GradientLog`), its log g recomputed when a report reads it: the solver reads only the
+kernel-summed ḡ, kept beside them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from .groups import DagParam, RescalingGroups, blocks
 from .rules import LinearRule, per_channel, rule_for, vjp
 
 EXACT_LIMIT = 2**53
+# diag(G) keeps log g as a float64 tensor for every parameter while that takes at most this many
+# bytes, a share of the memory bound's constant; beyond, each weight whose LayerGradient is
+# smaller than its log g is kept as that, and its log g recomputed when a report reads it.
+DENSE_LOG_G_BYTES = 2**28
 
 
 @dataclass(frozen=True)
@@ -81,23 +89,169 @@ class OuterLog:
         return OuterLog(self.rows.to(device), self.cols.to(device))
 
 
-LogG = torch.Tensor | OuterLog
+@dataclass
+class TensorStats:
+    """One pass of reductions over one log g tensor (natural log; g = 0 is −inf)."""
+
+    zeros: int
+    low: float
+    high: float
+    log_sum_exp: float
+    log_total: float
+
+
+def _dense_stats(lg: torch.Tensor) -> TensorStats:
+    # log g is never NaN or +inf (diag_g guarantees it), and its minimum is −inf exactly when
+    # some g = 0: tensors without zeros, the usual case, need no mask at all.
+    low, high = float(lg.min()), float(lg.max())
+    if high == -math.inf:
+        return TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
+    # ln Σ g around the known maximum (the sum is ≥ 1); torch.logsumexp over a whole tensor
+    # takes about five times as long on the CPU.
+    log_sum_exp = high + math.log(float(torch.sub(lg, high).exp_().sum()))
+    if low > -math.inf:
+        return TensorStats(0, low, high, log_sum_exp, float(lg.sum()))
+    zeros = torch.isneginf(lg)
+    return TensorStats(int(zeros.sum()), float(lg.masked_fill(zeros, math.inf).min()), high, log_sum_exp,
+                       float(lg.masked_fill(zeros, 0.0).sum()))
+
+
+def _outer_stats(lg: OuterLog) -> TensorStats:
+    """The same reductions from the factors (ln g_oi = rows_o + cols_i): O(O + I), exact up to
+    rounding, since the finite entries are the finite rows crossed with the finite columns."""
+    finite_rows, finite_cols = lg.rows[torch.isfinite(lg.rows)], lg.cols[torch.isfinite(lg.cols)]
+    if not (finite_rows.numel() and finite_cols.numel()):
+        return TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
+    return TensorStats(
+        lg.zeros(), float(finite_rows.min() + finite_cols.min()), float(finite_rows.max() + finite_cols.max()),
+        float(torch.logsumexp(finite_rows, 0) + torch.logsumexp(finite_cols, 0)),
+        float(finite_cols.numel() * finite_rows.sum() + finite_rows.numel() * finite_cols.sum()))
+
+
+def kernel_summed(lg4: torch.Tensor) -> torch.Tensor:
+    """log ḡ, log g summed over the kernel, from log g shaped ``[G, O/G, I/G, K]``."""
+    # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit): ḡ is then
+    # a view of log g, not a second parameter-sized copy.
+    return lg4[..., 0] if lg4.shape[3] == 1 else torch.logsumexp(lg4, dim=3)
+
+
+def mapped_back(lg4: torch.Tensor, log_dst: torch.Tensor, log_src: torch.Tensor) -> torch.Tensor:
+    """log g(θ) from log g(Dθ), in place, shaped ``[G, O/G, I/G, K]``: + 2u_D at each destination
+    (``log_dst``, ``[G, O/G]``) and − 2u_D at each source (``log_src``, ``[G, I/G]``), since
+    g(Dθ) = g(θ) / d²."""
+    return lg4.add_(log_dst[:, :, None, None]).sub_(log_src[:, None, :, None])
+
+
+@dataclass(frozen=True)
+class LayerGradient:
+    """What a layer's weight gradient ∂S/∂ψ in the squared network is computed from: the layer's
+    input ``x`` and its output ``cotangent`` (each normalised; ``log_scale`` the sum of their log
+    offsets) and the weight's ``shape``. :meth:`log` computes log ∂S/∂ψ, the same bits each time."""
+
+    node: Node
+    x: torch.Tensor
+    cotangent: torch.Tensor
+    log_scale: float
+    shape: tuple[int, ...]
+
+    def log(self) -> torch.Tensor:
+        stand_in = self.x.new_zeros(()).expand(self.shape)  # only its shape is read
+        _, gradient = rule_for(self.node).weighted_vjp(self.node, self.x, stand_in, self.cotangent, input_grad=False)
+        return torch.log_(gradient).add_(self.log_scale)
+
+    def is_smaller_than_its_log(self) -> bool:
+        """Whether this, kept with the kernel-summed log ḡ, takes fewer numbers than log g itself."""
+        numel = math.prod(self.shape)
+        return self.x.numel() + self.cotangent.numel() + numel // math.prod(self.shape[2:]) < numel
+
+    def to(self, device: torch.device | str) -> LayerGradient:
+        return dataclasses.replace(self, x=self.x.to(device), cotangent=self.cotangent.to(device))
+
+
+@dataclass(frozen=True)
+class GradientLog:
+    """log g of a weight kept as the :class:`LayerGradient` it is computed from, mapped back from
+    the balanced copy by ``log_dst`` and ``log_src`` (:func:`mapped_back`), where that is smaller
+    than log g (a wide convolution on a small feature map: a float64 log g per parameter is twice
+    a float32 checkpoint). :meth:`dense` recomputes log g, the same bits each time; what the
+    solver and the reports read of every tensor is kept: ``log_gbar`` (:func:`kernel_summed`),
+    ``positive_taps``, per kernel-summed entry how many of its g are > 0 (None when all are),
+    and ``stats`` (:func:`tensor_stats`)."""
+
+    gradient: LayerGradient
+    view: tuple[int, int, int, int]
+    log_dst: torch.Tensor
+    log_src: torch.Tensor
+    log_gbar: torch.Tensor
+    positive_taps: torch.Tensor | None
+    stats: TensorStats
+
+    @classmethod
+    def of(cls, gradient: LayerGradient, view: tuple[int, int, int, int], log_dst: torch.Tensor,
+           log_src: torch.Tensor) -> GradientLog:
+        lg4 = mapped_back(gradient.log().reshape(view), log_dst, log_src)
+        stats = _dense_stats(lg4.reshape(gradient.shape))
+        positive_taps = None
+        if stats.zeros:
+            positive_taps = torch.isfinite(lg4).sum(3, dtype=torch.uint8 if view[3] < 256 else torch.int32)
+        return cls(gradient, view, log_dst, log_src, kernel_summed(lg4), positive_taps, stats)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.gradient.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.log_gbar.device
+
+    def numel(self) -> int:
+        return math.prod(self.view)
+
+    def dense(self) -> torch.Tensor:
+        """log g as a tensor, recomputed (a float64 value per parameter: one tensor at a time)."""
+        return mapped_back(self.gradient.log().reshape(self.view), self.log_dst, self.log_src).reshape(self.shape)
+
+    def positive_taps_per_entry(self) -> torch.Tensor:
+        """``positive_taps`` as a tensor shaped like ``log_gbar``, also when every g is > 0."""
+        if self.positive_taps is None:
+            return torch.full(self.view[:3], self.view[3], dtype=torch.int32, device=self.device)
+        return self.positive_taps
+
+    def to(self, device: torch.device | str) -> GradientLog:
+        return dataclasses.replace(
+            self, gradient=self.gradient.to(device), log_dst=self.log_dst.to(device), log_src=self.log_src.to(device),
+            log_gbar=self.log_gbar.to(device),
+            positive_taps=None if self.positive_taps is None else self.positive_taps.to(device))
+
+
+LogG = torch.Tensor | OuterLog | GradientLog
 
 
 def dense(log_g: LogG) -> torch.Tensor:
     """A tensor's log g as a tensor, whichever way it is kept."""
-    return log_g.dense() if isinstance(log_g, OuterLog) else log_g
+    return log_g if isinstance(log_g, torch.Tensor) else log_g.dense()
+
+
+def tensor_stats(log_g: LogG) -> TensorStats:
+    """:class:`TensorStats` of a tensor's log g, whichever way it is kept."""
+    if isinstance(log_g, OuterLog):
+        return _outer_stats(log_g)
+    return log_g.stats if isinstance(log_g, GradientLog) else _dense_stats(log_g)
 
 
 def zero_count(log_g: LogG) -> int:
     """How many g = 0 in this tensor."""
-    return log_g.zeros() if isinstance(log_g, OuterLog) else int(torch.isneginf(log_g).sum())
+    if isinstance(log_g, OuterLog):
+        return log_g.zeros()
+    return log_g.stats.zeros if isinstance(log_g, GradientLog) else int(torch.isneginf(log_g).sum())
 
 
 def has_nonzero(log_g: LogG) -> bool:
     """Whether some g > 0 in this tensor."""
     if isinstance(log_g, OuterLog):
         return min(log_g.finite_counts()) > 0
+    if isinstance(log_g, GradientLog):
+        return log_g.stats.zeros < log_g.numel()
     return bool(torch.isfinite(log_g).any())
 
 
@@ -248,11 +402,13 @@ def unit_gain(node: Node) -> tuple[Node, float]:
 
 def log_gradients(
     graph: Graph, layers: Mapping[str, LayerPsi], forward: SquaredPass, *,
-    power: float = 2, times_value: bool = False
-) -> dict[str, tuple[LogG, torch.Tensor | None]]:
+    power: float = 2, times_value: bool = False, keep_small_gradients: bool = False
+) -> dict[str, tuple[LogG | LayerGradient, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets;
     with ``times_value``, log ψ·∂L/∂ψ instead (each parameter's share of L: for power 1, its
-    path-magnitude score), from the ψ the sweep builds anyway, as a tensor.
+    path-magnitude score), from the ψ the sweep builds anyway, as a tensor. With
+    ``keep_small_gradients``, a weight whose :class:`LayerGradient` is smaller than its log is
+    given as that, its gradient not computed.
 
     Each node's vector–Jacobian product is taken locally on normalised values, and the scale
     of the cotangent is carried as a log offset, so gradients far below (or above) the rest
@@ -261,7 +417,7 @@ def log_gradients(
     cotangents: dict[str, list[tuple[torch.Tensor, float]]] = {
         o: [(torch.ones_like(forward.values[o]), 0.0)] for o in graph.outputs
     }
-    result: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    result: dict[str, tuple[LogG | LayerGradient | None, torch.Tensor | None]] = {}
     for node in reversed(graph.nodes):
         if isinstance(node, Input) or node.name not in cotangents:
             continue
@@ -280,7 +436,7 @@ def log_gradients(
             weight, bias = layers[node.name]
             source = node.inputs[0]
             x = forward.values[source]
-            log_weight: LogG | None = None
+            log_weight: LogG | LayerGradient | None = None
             if weight is None:
                 grad_x = cotangent
             elif isinstance(rule, LinearRule) and x.numel() == weight.value.shape[1]:
@@ -288,6 +444,10 @@ def log_gradients(
                 grad_x, _ = rule.weighted_vjp(node, x, weight.value, cotangent, weight_grad=False)
                 log_weight = OuterLog(torch.log(cotangent.reshape(-1)) + sigma,
                                       torch.log(x.reshape(-1)) + forward.offsets[source])
+            elif keep_small_gradients and (gradient := LayerGradient(
+                    node, x, cotangent, sigma + forward.offsets[source], tuple(weight.value.shape))).is_smaller_than_its_log():
+                grad_x, _ = rule.weighted_vjp(node, x, weight.value, cotangent, weight_grad=False)
+                log_weight = gradient
             else:
                 grad_x, grad_w = rule.weighted_vjp(node, x, weight.value, cotangent)
                 log_weight = torch.log_(grad_w).add_(sigma + forward.offsets[source])
@@ -456,33 +616,38 @@ def diag_g_and_l2_norm(groups: RescalingGroups, *, device: torch.device | str = 
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
     log_g: list[LogG] = []
-    gradients, total = _balanced_log_gradients(groups, u_ext, 2, device)
+    gradients, total = _balanced_log_gradients(groups, u_ext, 2, device,
+                                               keep_small_gradients=8 * groups.p > DENSE_LOG_G_BYTES)
     for dp, lg in gradients:
+        log_dst, log_src = 2 * u_ext[dp.dst], 2 * u_ext[dp.src]
         if isinstance(lg, OuterLog):
-            lg = OuterLog(*lg.shifted(2 * u_ext[dp.dst].reshape(-1), -2 * u_ext[dp.src].reshape(-1)))
-            checked = [lg.rows, lg.cols]
+            lg = OuterLog(*lg.shifted(log_dst.reshape(-1), -log_src.reshape(-1)))
+            peaks = [float(t.max()) for t in (lg.rows, lg.cols) if t.numel()]
+        elif isinstance(lg, LayerGradient):
+            lg = GradientLog.of(lg, dp.view, log_dst, log_src)
+            peaks = [lg.stats.high]
         else:
-            lg = lg.reshape(dp.view)
-            lg.add_(2 * u_ext[dp.dst][:, :, None, None]).sub_(2 * u_ext[dp.src][:, None, :, None])
-            lg = lg.reshape(dp.shape)
-            checked = [lg]
+            lg = mapped_back(lg.reshape(dp.view), log_dst, log_src).reshape(dp.shape)
+            peaks = [float(lg.max())] if lg.numel() else []
         # NaN and +inf both fail this comparison: one reduction checks both.
-        if any(t.numel() and not float(t.max()) < math.inf for t in checked):
+        if any(not peak < math.inf for peak in peaks):
             raise ArithmeticError("diag(G) could not be represented even in the log domain")
         log_g.append(lg)
     return DiagG(log_g), _norm_of_total(2.0, *total)
 
 
 def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power: float, device, *,
-                            times_value: bool = False) -> tuple[list[tuple[DagParam, LogG]], tuple[float, float]]:
+                            times_value: bool = False, keep_small_gradients: bool = False,
+                            ) -> tuple[list[tuple[DagParam, LogG | LayerGradient]], tuple[float, float]]:
     """(dp, log ∂S/∂ψ) per DAG parameter, S = Σ_P Π ψ the squared network of ``power`` on the
     balanced ψ = |Dθ|^power, and S as (mantissa, ln offset): one forward and one backward pass
-    (log ψ·∂S/∂ψ with ``times_value``)."""
+    (log ψ·∂S/∂ψ with ``times_value``; ``keep_small_gradients`` as :func:`log_gradients`)."""
     # The scores (times_value) are a float64 value per parameter: keeping ψ for the backward
     # sweep at most doubles that, and saves building every layer's ψ twice.
     layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power), keep=times_value)
     forward = squared_network(groups.graph, layers, power=power, device=device)
-    gradients = log_gradients(groups.graph, layers, forward, power=power, times_value=times_value)
+    gradients = log_gradients(groups.graph, layers, forward, power=power, times_value=times_value,
+                              keep_small_gradients=keep_small_gradients)
     per_parameter = []
     for dp in groups.dag_params:
         weight_log, bias_log = gradients[dp.layer]

@@ -199,11 +199,15 @@ class Rule:
         raise self._missing("weighted", node)
 
     def weighted_vjp(self, node: Node, x: torch.Tensor, weight: torch.Tensor, cotangent: torch.Tensor, *,
-                     weight_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The vector–Jacobian product of :meth:`weighted` at (x, weight): ∂⟨y, cotangent⟩/∂x and,
-        with ``weight_grad``, /∂weight (None otherwise). Generic: local autograd."""
+                     weight_grad: bool = True, input_grad: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The vector–Jacobian product of :meth:`weighted` at (x, weight): with ``input_grad``,
+        ∂⟨y, cotangent⟩/∂x, and with ``weight_grad``, /∂weight (None for each not asked for).
+        Without ``input_grad`` only the weight's shape is read: the product is linear in it.
+        Generic: local autograd."""
         if not weight_grad:
             return vjp(lambda a: self.weighted(node, a, weight), [x], cotangent)[0], None
+        if not input_grad:
+            return None, vjp(lambda w: self.weighted(node, x, w), [weight], cotangent)[0]
         grad_x, grad_w = vjp(lambda a, w: self.weighted(node, a, w), [x, weight], cotangent)
         return grad_x, grad_w
 
@@ -289,8 +293,8 @@ class LinearRule(AffineLayer):
     def weighted(self, node, x, weight):
         return F.linear(x, weight)
 
-    def weighted_vjp(self, node, x, weight, cotangent, *, weight_grad=True):
-        return cotangent @ weight, cotangent.t() @ x if weight_grad else None
+    def weighted_vjp(self, node, x, weight, cotangent, *, weight_grad=True, input_grad=True):
+        return cotangent @ weight if input_grad else None, cotangent.t() @ x if weight_grad else None
 
 
 class ConvRule(AffineLayer):
@@ -302,13 +306,13 @@ class ConvRule(AffineLayer):
     def weighted(self, node: Conv, x, weight):
         return _CONV[weight.dim() - 2](x, weight, None, node.stride, node.padding, node.dilation, node.groups)
 
-    def weighted_vjp(self, node: Conv, x, weight, cotangent, *, weight_grad=True):
+    def weighted_vjp(self, node: Conv, x, weight, cotangent, *, weight_grad=True, input_grad=True):
         # Both products from one convolution_backward, what autograd would call, without
         # recomputing the forward convolution that autograd needs to record it.
         rank = weight.dim() - 2
         grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
             cotangent, x, weight, None, _expand(node.stride, rank), _expand(node.padding, rank),
-            _expand(node.dilation, rank), False, [0] * rank, node.groups, [True, weight_grad, False])
+            _expand(node.dilation, rank), False, [0] * rank, node.groups, [input_grad, weight_grad, False])
         return grad_x, grad_w
 
 
@@ -332,12 +336,12 @@ class ConvTransposeRule(AffineLayer):
         return _CONV_TRANSPOSE[weight.dim() - 2](x, stored, None, node.stride, node.padding, node.output_padding,
                                                  node.groups, node.dilation)
 
-    def weighted_vjp(self, node: ConvTranspose, x, weight, cotangent, *, weight_grad=True):
+    def weighted_vjp(self, node: ConvTranspose, x, weight, cotangent, *, weight_grad=True, input_grad=True):
         rank = weight.dim() - 2
         grad_x, grad_stored, _ = torch.ops.aten.convolution_backward(
             cotangent, x, swap_group_axes(weight, node.groups), None, _expand(node.stride, rank),
             _expand(node.padding, rank), _expand(node.dilation, rank), True, _expand(node.output_padding, rank),
-            node.groups, [True, weight_grad, False])
+            node.groups, [input_grad, weight_grad, False])
         # The swap of group axes is its own inverse: the stored layout's gradient, read canonically.
         return grad_x, swap_group_axes(grad_stored, node.groups) if weight_grad else None
 

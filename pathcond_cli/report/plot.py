@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..api import LOG10_E, DiagSummary
-from ..engine.diag import LogG, OuterLog
+from ..engine.diag import LogG, OuterLog, dense
 
 QUARTILE_SAMPLE = 200_000
 BEFORE_COLOUR, AFTER_COLOUR = "#9e9e9e", "#1f77b4"
@@ -44,7 +44,7 @@ def _strided(lg: LogG, step: int) -> torch.Tensor:
     """Every ``step``-th entry of the flattened log g, without expanding an outer product."""
     if isinstance(lg, OuterLog):
         return lg.flat_entries(torch.arange(0, lg.numel(), step, device=lg.rows.device))
-    return lg.reshape(-1)[::step]
+    return dense(lg).reshape(-1)[::step]
 
 
 def short_label(layer: str, limit: int = 28) -> str:

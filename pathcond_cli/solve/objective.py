@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 import torch
 
-from ..engine.diag import DiagG, LogG, OuterLog, dense
+from ..engine.diag import DiagG, GradientLog, LogG, OuterLog, dense, kernel_summed
 from ..engine.groups import RescalingGroups
 from .flat import SAFE_RANGE, Bucket, FlatG, finite_extreme, group_logsumexp
 
@@ -61,8 +61,9 @@ class Support:
 def support(groups: RescalingGroups, log_g: Iterable[LogG]) -> Support:
     """The :class:`Support` of log g (−inf where g = 0), read one tensor at a time (a generator
     holds one): an outer product by its factors (a row × column is in the support iff both
-    are finite), never expanded, and never a float64 copy of the network. p is counted on the
-    device and read once."""
+    are finite), never expanded, a :class:`~pathcond_cli.engine.diag.GradientLog` by its counts
+    of g > 0 per kernel, never recomputed, and never a float64 copy of the network. p is
+    counted on the device and read once."""
     counts = []
 
     def indicators():
@@ -70,6 +71,9 @@ def support(groups: RescalingGroups, log_g: Iterable[LogG]) -> Support:
             if isinstance(lg, OuterLog):
                 finite = torch.isfinite(lg.rows), torch.isfinite(lg.cols)
                 counts.append(finite[0].sum() * finite[1].sum())
+            elif isinstance(lg, GradientLog):
+                finite = lg.positive_taps_per_entry()
+                counts.append(finite.sum())
             else:
                 finite = torch.isfinite(lg)
                 counts.append(finite.sum())
@@ -371,10 +375,7 @@ def _kernel_summed(lg: LogG, dp) -> LogG:
     column factor is log 1)."""
     if isinstance(lg, OuterLog):
         return lg
-    lg = lg.reshape(dp.view)
-    # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit): ḡ is then
-    # a view of log g, not a second parameter-sized copy.
-    log_gbar = lg[..., 0] if dp.view[3] == 1 else torch.logsumexp(lg, dim=3)
+    log_gbar = lg.log_gbar if isinstance(lg, GradientLog) else kernel_summed(lg.reshape(dp.view))
     if dp.view[0] == 1 and dp.view[2] == 1:
         return OuterLog(log_gbar.reshape(-1), log_gbar.new_zeros(1))
     return log_gbar
