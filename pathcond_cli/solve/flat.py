@@ -20,6 +20,7 @@ only extreme scales cause).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,20 @@ from ..engine.diag import LogG, OuterLog
 from ..engine.groups import RescalingGroups
 
 SAFE_RANGE = 650.0
+
+
+class SlotBuffer:
+    """A float64 buffer over every row (or column) slot that the products of a pass write in
+    place, with its views made once: each bucket's slots shaped for a batched product
+    (``[batches, *shape]``, -1 for the bucket's rows or columns), the dense slots and the
+    outer-product slots. A product per bucket is then one operation per pass, with no split,
+    view or concatenation around it (on a GPU, one launch). What is read from it is consumed
+    into a fresh tensor before the next product writes it."""
+
+    def __init__(self, length: int, dense: int, buckets: list[Bucket], side: str, *shape: int, device):
+        self.flat = torch.empty(length, dtype=torch.float64, device=device)
+        self.dense, self.outer = self.flat[:dense], self.flat[dense:]
+        self.pieces = [self.flat[getattr(bucket, side)].view(bucket.batch_count, *shape) for bucket in buckets]
 
 
 @dataclass
@@ -126,8 +141,23 @@ class FlatG:
         self.outer_row_log = joined([parts[t].rows.reshape(-1) for t in outer], torch.float64)
         self.outer_col_log = joined([parts[t].cols.reshape(-1) for t in outer], torch.float64)
         self._stack(dps, parts, by_shape, cache_bytes)
-        self.row_sizes = [b.rows.stop - b.rows.start for b in self.buckets]
-        self.col_sizes = [b.cols.stop - b.cols.start for b in self.buckets]
+        rows, cols = self.row_group.numel(), self.col_group.numel()
+        # a product's vector (by rows: [B, 1, R]; by columns: [B, C, 1]) and its sums
+        self.rows_in = SlotBuffer(rows, self.dense_rows, self.buckets, "rows", 1, -1, device=device)
+        self.cols_in = SlotBuffer(cols, self.dense_cols, self.buckets, "cols", -1, 1, device=device)
+        self.row_sums = SlotBuffer(rows, self.dense_rows, self.buckets, "rows", -1, 1, device=device)
+        self.col_sums = SlotBuffer(cols, self.dense_cols, self.buckets, "cols", 1, -1, device=device)
+        #: the dense slots of buckets with self-loops, whose sums without them differ (None: no such bucket)
+        self.looped_rows = self.looped_cols = None
+        if any(bucket.self_loops is not None for bucket in self.buckets):
+            self.looped_rows = torch.zeros(self.dense_rows, dtype=torch.bool, device=device)
+            self.looped_cols = torch.zeros(self.dense_cols, dtype=torch.bool, device=device)
+            for bucket in self.buckets:
+                if bucket.self_loops is not None:
+                    self.looped_rows[bucket.rows] = True
+                    self.looped_cols[bucket.cols] = True
+        self.between_row_sums = SlotBuffer(rows, self.dense_rows, self.buckets, "rows", -1, 1, device=device)
+        self.between_col_sums = SlotBuffer(cols, self.dense_cols, self.buckets, "cols", 1, -1, device=device)
         self.parts = parts
         self.dst_shapes = [dp.dst.shape for dp in dps]
         self.src_shapes = [dp.src.shape for dp in dps]
@@ -184,17 +214,16 @@ class FlatG:
                 bucket.linear = bucket.linear_gbar(bucket.shift_per_batch)
                 room -= size
 
-    def row_pieces(self, v: torch.Tensor, *shape: int) -> list[torch.Tensor]:
-        """``v`` over the row slots (every one, or the dense ones) as one ``[batches, *shape]`` view
-        per bucket (-1 in ``shape`` for the bucket's rows), then the rest: one split, not a slice
-        per bucket."""
-        pieces = torch.split(v, self.row_sizes + [v.numel() - self.dense_rows])
-        return [p.view(b.batch_count, *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
+    def multiply_rows(self, matrices: Iterable[torch.Tensor]) -> None:
+        """M_b v per bucket (one matrix each, read one at a time), ``v`` in :attr:`cols_in`'s dense
+        slots, into :attr:`row_sums`' dense slots."""
+        for matrix, v, out in zip(matrices, self.cols_in.pieces, self.row_sums.pieces):
+            torch.bmm(matrix, v, out=out)
 
-    def col_pieces(self, v: torch.Tensor, *shape: int) -> list[torch.Tensor]:
-        """:meth:`row_pieces` over the column slots."""
-        pieces = torch.split(v, self.col_sizes + [v.numel() - self.dense_cols])
-        return [p.view(b.batch_count, *shape) for p, b in zip(pieces, self.buckets)] + [pieces[-1]]
+    def multiply_cols(self, matrices: Iterable[torch.Tensor]) -> None:
+        """vᵀ M_b per bucket, ``v`` in :attr:`rows_in`'s dense slots, into :attr:`col_sums`' dense slots."""
+        for matrix, v, out in zip(matrices, self.rows_in.pieces, self.col_sums.pieces):
+            torch.bmm(v, matrix, out=out)
 
     # ------------------------------------------------------------------ ranges
 
@@ -222,24 +251,25 @@ class FlatG:
         safe = self.linear_safe(ranges)
         top_x = torch.where(torch.isfinite(ranges[0]), ranges[0], 0.0)
         top_y = torch.where(torch.isfinite(ranges[2]), ranges[2], 0.0)
-        e_x = torch.exp(x[:self.dense_rows] - top_x[self.row_tensor])
-        e_y = torch.exp(y[:self.dense_cols] - top_y[self.col_tensor])
-        rows, cols, between_rows, between_cols = [], [], [], []
-        for bucket, bx, by in zip(self.buckets, self.row_pieces(e_x, 1, -1), self.col_pieces(e_y, -1, 1)):
+        e_x = torch.exp(x[:self.dense_rows] - top_x[self.row_tensor], out=self.rows_in.dense)
+        e_y = torch.exp(y[:self.dense_cols] - top_y[self.col_tensor], out=self.cols_in.dense)
+        for b, bucket in enumerate(self.buckets):
             gbar = bucket.linear_gbar(bucket.shift_per_batch)
-            rows.append(torch.bmm(gbar, by).view(-1))
-            cols.append(torch.bmm(bx, gbar).view(-1))
+            torch.bmm(gbar, self.cols_in.pieces[b], out=self.row_sums.pieces[b])
+            torch.bmm(self.rows_in.pieces[b], gbar, out=self.col_sums.pieces[b])
             if bucket.self_loops is not None:
                 gbar = gbar.masked_fill(bucket.self_loops, 0.0)
-                between_rows.append(torch.bmm(gbar, by).view(-1))
-                between_cols.append(torch.bmm(bx, gbar).view(-1))
-            else:
-                between_rows.append(rows[-1])
-                between_cols.append(cols[-1])
+                torch.bmm(gbar, self.cols_in.pieces[b], out=self.between_row_sums.pieces[b])
+                torch.bmm(self.rows_in.pieces[b], gbar, out=self.between_col_sums.pieces[b])
+        rows, cols = self.row_sums.dense, self.col_sums.dense
+        between_rows, between_cols = rows, cols
+        if self.looped_rows is not None:
+            between_rows = torch.where(self.looped_rows, self.between_row_sums.dense, rows)
+            between_cols = torch.where(self.looped_cols, self.between_col_sums.dense, cols)
         scale = self.shift + top_x + top_y
         row_scale, col_scale = scale[self.row_tensor], scale[self.col_tensor]
-        dense = [torch.log(_joined(r, x) * e_x) + row_scale for r in (rows, between_rows)] + \
-                [torch.log(_joined(c, y) * e_y) + col_scale for c in (cols, between_cols)]
+        dense = [torch.log(r * e_x) + row_scale for r in (rows, between_rows)] + \
+                [torch.log(c * e_y) + col_scale for c in (cols, between_cols)]
         if exact_everywhere:
             exact = self._log_domain_sums(x, y)
             keep_rows, keep_cols = safe[self.row_tensor], safe[self.col_tensor]

@@ -20,7 +20,7 @@ change drops below the rounding of F.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 import torch
 
@@ -321,25 +321,29 @@ class Coupling:
         matrix = self.matrices[b]
         return matrix.linear_gbar(matrix.shift_per_batch) if isinstance(matrix, Bucket) else matrix
 
+    def _matrices(self) -> Iterator[torch.Tensor]:
+        """Each bucket's matrix when it is read: one recomputed at a time where ḡ is not kept."""
+        return (self._matrix(b) for b in range(len(self.flat.buckets)))
+
     def row_products(self, v: torch.Tensor) -> torch.Tensor:
         """W v per row slot, ``v`` given per column slot."""
         self.settle()
         flat = self.flat
-        scaled = self.e_cols * v
-        *pieces, outer = flat.col_pieces(scaled, -1, 1)
-        dense = [torch.bmm(self._matrix(b), piece).view(-1) for b, piece in enumerate(pieces)]
-        outer = _segment_sum(outer, flat.outer_col_tensor, len(flat.outer_tensors))
-        return self.e_rows * torch.cat(dense + [outer[flat.outer_row_tensor]])
+        torch.mul(self.e_cols, v, out=flat.cols_in.flat)
+        flat.multiply_rows(self._matrices())
+        outer = _segment_sum(flat.cols_in.outer, flat.outer_col_tensor, len(flat.outer_tensors))
+        torch.index_select(outer, 0, flat.outer_row_tensor, out=flat.row_sums.outer)
+        return self.e_rows * flat.row_sums.flat
 
     def col_products(self, v: torch.Tensor) -> torch.Tensor:
         """Wᵀ v per column slot, ``v`` given per row slot."""
         self.settle()
         flat = self.flat
-        scaled = self.e_rows * v
-        *pieces, outer = flat.row_pieces(scaled, 1, -1)
-        dense = [torch.bmm(piece, self._matrix(b)).view(-1) for b, piece in enumerate(pieces)]
-        outer = _segment_sum(outer, flat.outer_row_tensor, len(flat.outer_tensors))
-        return self.e_cols * torch.cat(dense + [outer[flat.outer_col_tensor]])
+        torch.mul(self.e_rows, v, out=flat.rows_in.flat)
+        flat.multiply_cols(self._matrices())
+        outer = _segment_sum(flat.rows_in.outer, flat.outer_row_tensor, len(flat.outer_tensors))
+        torch.index_select(outer, 0, flat.outer_col_tensor, out=flat.col_sums.outer)
+        return self.e_cols * flat.col_sums.flat
 
     def tensor_rows(self, t: int, x_src: torch.Tensor) -> torch.Tensor:
         """W_t x_src for tensor ``t`` alone (``x_src`` shaped like its sources), shaped like its destinations."""
