@@ -36,6 +36,8 @@ from .common import parse_json, shapes_by_input
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 
 FORMAT_VERSION = 1
+# What a spec file is named: the spec command writes these, --arch reads them, sidecars end so.
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 MAX_SPEC_BYTES = 10_000_000
 MAX_SPEC_DEPTH = 64
 _PROBLEMS_SHOWN = 40
