@@ -126,8 +126,9 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
 
 def node_from_layer(layer: Mapping[str, Any], *, source: str) -> Node:
     """The node one spec layer describes (``name``, ``type``, ``inputs`` and the type's fields),
-    validated and normalised as a spec file's layers are: the node constructor the importers share
-    (fx and data movement emit layers for :func:`graph_from_spec`; ONNX builds its moved values here)."""
+    validated and normalised as a spec file's layers are: the one node constructor, whose defaults
+    are the only ones (see :mod:`pathcond_cli.engine.schema`). ONNX builds every node here; fx and
+    data movement emit layers that :func:`graph_from_spec` builds with the same :func:`_parse_layer`."""
     problems: list[str] = []
     offenders: list[tuple[str, str]] = []
     node = _parse_layer(0, layer, None, problems, offenders)
