@@ -707,9 +707,6 @@ def prune(
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet, render=render_prune)
 
 
-SPEC_SUFFIXES = (".yaml", ".yml", ".json")
-
-
 @app.command("spec", cls=_Command, epilog=EXIT_HELP)
 def spec_command(
     model: Annotated[str, typer.Argument(
@@ -728,6 +725,8 @@ def spec_command(
     Its tensor keys are the names MODEL's tensors have (for an ONNX model, its initializers';
     torch.export keeps the module's state_dict names). Example: pathcond spec model.onnx -o model.yaml
     """
+    from ..io.formats.spec import SPEC_SUFFIXES
+
     if output is not None and Path(output).suffix.lower() not in SPEC_SUFFIXES and not is_character_device(output):
         raise typer.BadParameter(f"'{output}': a spec is written as {', '.join(SPEC_SUFFIXES)}, chosen by the suffix",
                                  param_hint="-o")
