@@ -96,19 +96,8 @@ def rescale_file(
     watcher = watcher or Watcher()
     run = FileRescale()
     source = Path(source) if isinstance(source, (str, os.PathLike)) else source
-    source_path = source if isinstance(source, Path) else None
-    if send is None:
-        if destination is None and source_path is None:
-            raise UsageError("a model given as bytes needs a destination (or send) to write to.")
-        if destination is None:
-            destination = source_path if in_place else default_output(source_path)
-        # Checked as given: Path() would drop the slash that names a directory.
-        mismatch = formats.output_format_mismatch(source, Path(destination))
-        if mismatch:
-            raise UsageError(f"{mismatch}.")
-    checked = check_destinations([written("-o", destination, formats.detect_format(source)), *also_writes],
-                                 formats.files_read(source_path, arch), in_place=in_place)
-    run.destination, *run.also_written = checked
+    run.destination, *run.also_written = checked_outputs(source, destination, arch=arch, in_place=in_place,
+                                                         sent=send is not None, also_writes=also_writes)
 
     watcher.stage("loading")
     load_started = time.perf_counter()
@@ -138,6 +127,35 @@ def rescale_file(
         run.seconds["total"] = time.perf_counter() - started
         send(target)
     return run
+
+
+def checked_outputs(
+    source: Path | bytes,
+    destination: str | os.PathLike | None,
+    *,
+    arch: str | None = None,
+    in_place: bool = False,
+    tag: str = "pathcond",
+    sent: bool = False,
+    also_writes: Sequence[Written | None] = (),
+) -> list[Path | None]:
+    """Where a run on ``source`` writes, refused before any work where it breaks
+    :mod:`~pathcond_cli.io.destinations`' rule or does not fit ``source``'s format
+    (:class:`UsageError`): ``destination`` (by default ``<stem>.<tag><suffix>`` beside
+    ``source``, ``source`` itself with ``in_place``; None when the model is ``sent``, not kept),
+    then each of ``also_writes``."""
+    source_path = source if isinstance(source, Path) else None
+    if not sent:
+        if destination is None and source_path is None:
+            raise UsageError("a model given as bytes needs a destination (or send) to write to.")
+        if destination is None:
+            destination = source_path if in_place else default_output(source_path, tag)
+        # Checked as given: Path() would drop the slash that names a directory.
+        mismatch = formats.output_format_mismatch(source, Path(destination))
+        if mismatch:
+            raise UsageError(f"{mismatch}.")
+    return check_destinations([written("-o", destination, formats.detect_format(source)), *also_writes],
+                              formats.files_read(source_path, arch), in_place=in_place)
 
 
 @contextmanager

@@ -223,6 +223,11 @@ def _parse_path_norms(values: list[float] | None) -> tuple[float, ...]:
     return tuple(values or ())
 
 
+def _check_json_stdout(as_json: bool) -> None:
+    if as_json and stream_closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
+
+
 def _parse_device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA only when torch sees that device."""
     value = text.strip().lower()
@@ -329,6 +334,12 @@ def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, qu
     stderr.print(summary_line(report), highlight=False, markup=False, soft_wrap=True)
 
 
+def _add_load_and_total(report: dict[str, Any], load_seconds: float, started: float) -> None:
+    """The report's ``seconds``, with the load first and the total, since ``started``, last."""
+    report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
+                         "total": round(time.perf_counter() - started, 6)}
+
+
 def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> None:
     """Drawn after the report is out, so a plot that cannot be written costs nothing else."""
     if plot is None:
@@ -426,14 +437,9 @@ def _rescale_one(model, output, arch, shape, in_place, report_file, plot, quiet,
     :func:`~pathcond_cli.pipeline.rescale_file`, the report so far kept for a failure. Returns the
     JSON report and the run (its ``also_written``: where the report and the plot go)."""
     from ..io.destinations import written
-    from ..io.formats import output_format_mismatch
     from ..pipeline import rescale_file
 
     source, _, name = _read_source(model)
-    if output not in (None, "-"):
-        mismatch = output_format_mismatch(source, Path(output))
-        if mismatch:
-            raise typer.BadParameter(mismatch, param_hint="-o")
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         run = rescale_file(source, None if output in (None, "-") else output, arch=arch, input_shape=shape, name=name,
                            allow_unused=allow_unused, options=options, device=device, path_norms=path_norms,
@@ -518,8 +524,7 @@ def inspect(
             run_batch(guard, "inspect", models, inspect_one, as_json=as_json, quiet=quiet)
         return
     (model,) = models
-    if as_json and stream_closed(sys.stdout):
-        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
+    _check_json_stdout(as_json)
     with guard.command(as_json):
         _use_threads(threads)
         _check_plot(plot)
@@ -549,8 +554,7 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, rep
         stages.stage("analysing: groups, diag(G), path count, path norms")
         analysis = analyse(loaded, device=device, path_norms=orders)
         report = analysis_report(analysis)
-    report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
-                         "total": round(time.perf_counter() - started, 6)}
+    _add_load_and_total(report, load_seconds, started)
     return report, analysis, plot_path, report_path
 
 
@@ -600,8 +604,7 @@ def compare(
     radius = _parse_input_bound(input_bound)
     if model == "-" and other == "-":
         raise typer.BadParameter("only one of MODEL and OTHER can be read from stdin", param_hint="OTHER")
-    if as_json and stream_closed(sys.stdout):
-        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
+    _check_json_stdout(as_json)
     with guard.command(as_json):
         _use_threads(threads)
         from ..report.render import compare_report, failure_report, render_compare
@@ -617,8 +620,7 @@ def compare(
             stages.stage("path norms, path-metric, output change")
             comparison = compare_models(first, second, input_bound=radius, device=device, path_norms=orders)
         report = compare_report(comparison)
-        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
-                             "total": round(time.perf_counter() - started, 6)}
+        _add_load_and_total(report, load_seconds, started)
         _emit(report, as_json=as_json, report_file=None, quiet=quiet, render=render_compare)
 
 
@@ -669,27 +671,18 @@ def prune(
     device = _parse_device(device)
     orders = _parse_path_norms(path_norm)
     radius = _parse_input_bound(input_bound)
-    if as_json and stream_closed(sys.stdout):
-        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
+    _check_json_stdout(as_json)
     with guard.command(as_json):
         _use_threads(threads)
-        from ..io.destinations import check_destinations, default_output, written
-        from ..io.formats import detect_format, files_read, output_format_mismatch
+        from ..io.destinations import written
+        from ..pipeline import checked_outputs
         from ..report.render import loaded_report, prune_report, render_prune
         from ..toolkit import prune as prune_model, save_pruned
 
         started = time.perf_counter()
-        source, source_path, name = _read_source(model)
-        if output is not None:
-            mismatch = output_format_mismatch(source, Path(output))
-            if mismatch:
-                raise typer.BadParameter(mismatch, param_hint="-o")
-        if output is not None:
-            destination = Path(output)
-        else:
-            destination = source_path if in_place else default_output(source_path, "pruned")
-        outputs = [written("-o", destination, detect_format(source)), written("--report", report_file, devices=True)]
-        destination, report_path = check_destinations(outputs, files_read(source_path, arch), in_place=in_place)
+        source, _, _ = _read_source(model)
+        destination, report_path = checked_outputs(source, output, arch=arch, in_place=in_place, tag="pruned",
+                                                   also_writes=[written("--report", report_file, devices=True)])
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             stages.stage("loading")
             loaded = _load_one(model, arch, shape, allow_unused)
@@ -702,8 +695,7 @@ def prune(
             stages.stage("writing and verifying the written file")
             save_pruned(result, destination, in_place=in_place, input_shape=shape)
         report = prune_report(result, str(destination))
-        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
-                             "total": round(time.perf_counter() - started, 6)}
+        _add_load_and_total(report, load_seconds, started)
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet, render=render_prune)
 
 
