@@ -147,8 +147,9 @@ class FlatG:
         self.cols_in = SlotBuffer(cols, self.dense_cols, self.buckets, "cols", -1, 1, device=device)
         self.row_sums = SlotBuffer(rows, self.dense_rows, self.buckets, "rows", -1, 1, device=device)
         self.col_sums = SlotBuffer(cols, self.dense_cols, self.buckets, "cols", 1, -1, device=device)
-        #: the dense slots of buckets with self-loops, whose sums without them differ (None: no such bucket)
-        self.looped_rows = self.looped_cols = None
+        #: the dense slots of buckets with self-loops, whose sums without them differ, and those
+        #: sums (all None when no bucket has self-loops)
+        self.looped_rows = self.looped_cols = self.between_row_sums = self.between_col_sums = None
         if any(bucket.self_loops is not None for bucket in self.buckets):
             self.looped_rows = torch.zeros(self.dense_rows, dtype=torch.bool, device=device)
             self.looped_cols = torch.zeros(self.dense_cols, dtype=torch.bool, device=device)
@@ -156,8 +157,8 @@ class FlatG:
                 if bucket.self_loops is not None:
                     self.looped_rows[bucket.rows] = True
                     self.looped_cols[bucket.cols] = True
-        self.between_row_sums = SlotBuffer(rows, self.dense_rows, self.buckets, "rows", -1, 1, device=device)
-        self.between_col_sums = SlotBuffer(cols, self.dense_cols, self.buckets, "cols", 1, -1, device=device)
+            self.between_row_sums = SlotBuffer(rows, self.dense_rows, self.buckets, "rows", -1, 1, device=device)
+            self.between_col_sums = SlotBuffer(cols, self.dense_cols, self.buckets, "cols", 1, -1, device=device)
         self.parts = parts
         self.dst_shapes = [dp.dst.shape for dp in dps]
         self.src_shapes = [dp.src.shape for dp in dps]
