@@ -20,13 +20,14 @@ from typing import TypeVar
 import torch
 
 from . import __version__
-from .engine.calibration import calibration_warnings
+from .engine.calibration import calibration_warnings, ignores_input
 from .engine.diag import (
     DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g_and_l2_norm, path_count, path_norm,
     zeros_per_layer,
 )
 from .engine.graph import BatchNorm, Graph
 from .engine.groups import DagParam, RescalingGroups, build_groups
+from .engine.layouts import layout_of, release_held
 from .engine.model import LoadedModel
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
 from .solve.bounds import BoundChoice, within_dtype
@@ -377,6 +378,8 @@ class RescaleResult:
     path_norms_after: dict[str, PathNorm] | None = None
     # The storage check :func:`save` still has to make (``rescale(check_storage_when_written=True)``).
     pending_storage_check: PendingStorageCheck | None = None
+    # Whether :func:`save` adds the calibration warnings, from its verification's run of the original.
+    calibration_pending: bool = False
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -413,17 +416,21 @@ class Stopwatch:
 def analyse(model: LoadedModel, *, device: str | torch.device = "auto",
             path_norms: Iterable[float] = DEFAULT_PATH_NORMS) -> Analysis:
     """Groups, diag(G), path count and the ℓq path norms of a loaded model (q = 1, 2 and any
-    other q ≥ 1 in ``path_norms``)."""
+    other q ≥ 1 in ``path_norms``). The values the loader held for it (:class:`~pathcond_cli.
+    engine.layouts.HeldValues`) are let go at its end: later passes read the file."""
     device = resolve_device(device)
     seconds: dict[str, float] = {}
     timed = Stopwatch(seconds)
     qs = path_norm_orders(path_norms)
-    groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
-    # One balancing serves diag(G) and every path norm.
-    u_ext = timed("diag_g", lambda: groups.extend(balancing_exponents(groups)))
-    diag, l2 = timed("diag_g", lambda: diag_g_and_l2_norm(groups, device=device, u_ext=u_ext))
-    paths = timed("path_count", lambda: path_count(groups, device=device))
-    norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext, known=[l2]))
+    try:
+        groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
+        # One balancing serves diag(G) and every path norm.
+        u_ext = timed("diag_g", lambda: groups.extend(balancing_exponents(groups)))
+        diag, l2 = timed("diag_g", lambda: diag_g_and_l2_norm(groups, device=device, u_ext=u_ext))
+        paths = timed("path_count", lambda: path_count(groups, device=device))
+        norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext, known=[l2]))
+    finally:
+        release_held(model.params)
     return Analysis(model, groups, diag, paths, seconds, str(device), norms)
 
 
@@ -476,7 +483,7 @@ def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tenso
     input data."""
     groups = build_groups(graph, params).to(analysis.groups.device)
     after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=analysis.groups.device)
-    tolerance = rounding_tolerance(groups, [params[key].dtype for key in graph.parameter_keys()])
+    tolerance = rounding_tolerance(groups, [layout_of(params, key)[1] for key in graph.parameter_keys()])
     for key, before in analysis.path_norms.items():
         # Φ = 0 (log10 −inf) on both sides is no change; −inf against a number is.
         same = after[key].log10 == before.log10
@@ -558,8 +565,14 @@ def rescale(
                 problems = timed("storage_check", lambda: check_storage(model.params, changed))
         storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
                                            problems=problems) + choice.warnings(model.source, result)
-    storage_warnings += calibration_warnings(model, analysis.groups)
     verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
+    # The calibration check's forward pass of the original is the verification's own: made here,
+    # or by :func:`save` when it is required; a pass of its own only when neither verifies.
+    calibration_pending = verification is None and pending is not None
+    if verification is not None:
+        storage_warnings += calibration_warnings(model, verification.original_ignores_input)
+    elif not calibration_pending:
+        storage_warnings += calibration_warnings(model, ignores_input(model, analysis.groups))
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "
@@ -568,7 +581,7 @@ def rescale(
     norms_after = timed("path_norms_rescaled", lambda: check_path_norms(
         analysis, model.graph, ChainMap(changed, model.params), model.source)) if verify else None
     return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings, choice,
-                         norms_after, pending)
+                         norms_after, pending, calibration_pending)
 
 
 @dataclass
@@ -749,7 +762,8 @@ def save(
         def verify(target: Path, name: str, checked: CheckedWhenRead = changed) -> Verification:
             if result.pending_storage_check is not None:
                 _settle_storage(result, checked.storage_problems(), timed)
-            verification, written = _verify_written(model, target, input_shape, name=name)
+            verification, written = _verify_written(model, target, input_shape, name=name,
+                                                    compared=lambda verification: _add_calibration(result, verification))
             result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
             return verification
 
@@ -760,6 +774,14 @@ def save(
         except _BoundedByTheWrite:
             continue
         return result.verification
+
+
+def _add_calibration(result: RescaleResult, verification: Verification) -> None:
+    """The calibration warnings :func:`rescale` left to :func:`save`, from the verification's run
+    of the original (added even when the verification then fails: they may say why)."""
+    if result.calibration_pending:
+        result.warnings += calibration_warnings(result.analysis.model, verification.original_ignores_input)
+        result.calibration_pending = False
 
 
 def _settle_storage(result: RescaleResult, problems: list[StorageCheck], timed: Stopwatch) -> None:
@@ -844,11 +866,11 @@ def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destin
     return verified
 
 
-def _verify_written(model: LoadedModel, target: Path, input_shape, *,
-                    name: str | None = None) -> tuple[Verification, LoadedModel]:
+def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str | None = None,
+                    compared: Callable[[Verification], None] | None = None) -> tuple[Verification, LoadedModel]:
     """Reload what was written (its architecture is embedded) and compare it with the original;
     returns the verification and the model read back. ``name`` is how the file is called in
-    messages (default: ``target``)."""
+    messages (default: ``target``); ``compared`` sees the comparison before it is judged."""
     from .io.formats import load_model
     from .verify import independent_check
 
@@ -857,7 +879,11 @@ def _verify_written(model: LoadedModel, target: Path, input_shape, *,
         written = load_model(target, input_shape=input_shape, name=name, allow_unused=True)
     except PathcondError as exc:
         raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
+    # Held any longer, the written values would add to the run's peak: the loader's check read them.
+    release_held(written.params)
     verification = compare(model.graph, model.params, written.params, rescaled_graph=written.graph)
+    if compared is not None:
+        compared(verification)
     if not verification.passed:
         raise VerificationError(
             f"'{name}': the written model differs from the original by a relative "

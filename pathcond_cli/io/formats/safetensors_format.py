@@ -29,7 +29,7 @@ import safetensors.torch
 import torch
 
 from ...engine.graph import Graph
-from ...engine.layouts import layout_of
+from ...engine.layouts import held_within_budget, layout_of
 from ...engine.model import LoadedModel
 from ...errors import InputError, InvalidWeightsError, OutputError
 from ..companions import (SPEC_SUFFIXES, checkpoint_stem, is_companion_name, named_by_another_file, shard_name,
@@ -99,6 +99,8 @@ def load_safetensors(
     graph, arch_source, spec_file, notes = _architecture(arch, path, payload.metadata, input_shape, display)
     if spec_file is not None:
         files.append(spec_file)
+    # The finiteness check's read is the analysis's too: held until the analysis ends.
+    params = held_within_budget(params)
     check_weight_types(graph, params, display)
     _check_parameters(graph, params, display)
     unused = _unused_tensors(graph, params, display)
