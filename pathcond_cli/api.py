@@ -205,6 +205,8 @@ class Analysis:
     device: str = "cpu"
     # ‖Φ(θ)‖_q by report key (``l1``, ``l2``, ``l4``, ...), in the order asked for.
     path_norms: dict[str, PathNorm] = field(default_factory=dict)
+    # u_D, the balancing diag(G) and the path norms ran on (None: not computed).
+    balancing: torch.Tensor | None = None
 
     @cached_property
     def summary(self) -> DiagSummary:
@@ -425,13 +427,14 @@ def analyse(model: LoadedModel, *, device: str | torch.device = "auto",
     try:
         groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
         # One balancing serves diag(G) and every path norm.
-        u_ext = timed("diag_g", lambda: groups.extend(balancing_exponents(groups)))
+        balancing = timed("diag_g", lambda: balancing_exponents(groups))
+        u_ext = groups.extend(balancing)
         diag, l2 = timed("diag_g", lambda: diag_g_and_l2_norm(groups, device=device, u_ext=u_ext))
         paths = timed("path_count", lambda: path_count(groups, device=device))
         norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext, known=[l2]))
     finally:
         release_held(model.params)
-    return Analysis(model, groups, diag, paths, seconds, str(device), norms)
+    return Analysis(model, groups, diag, paths, seconds, str(device), norms, balancing)
 
 
 def path_norm_orders(extra: Iterable[float]) -> list[float]:
@@ -476,13 +479,23 @@ def rounding_tolerance(groups: RescalingGroups, dtypes: Iterable[torch.dtype]) -
 
 
 def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tensor], name: str, *,
-                     outcome: str = "Nothing was written.") -> dict[str, PathNorm]:
+                     outcome: str = "Nothing was written.", rescaled_by: torch.Tensor | None = None) -> dict[str, PathNorm]:
     """The path norms of the rescaled network ``graph``/``params``, which must equal the
     original's up to rounding (Φ is rescaling-invariant): :class:`VerificationError` otherwise,
     ending with ``outcome`` (what was left as it was). A check of the rescaling that needs no
-    input data."""
-    groups = build_groups(graph, params).to(analysis.groups.device)
-    after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=analysis.groups.device)
+    input data.
+
+    ``rescaled_by`` is the u that rescaled the original into ``params``: their passes then run
+    on the analysis's balancing less u (θ rescaled by u, then by u_D − u, is the balanced copy
+    the analysis ran on) instead of a balancing pass of their own. Any admissible rescaling
+    leaves the norms as they are; this one keeps their passes in range as the analysis's were.
+    """
+    device = analysis.groups.device
+    groups = build_groups(graph, params).to(device)
+    u_ext = None
+    if rescaled_by is not None and analysis.balancing is not None and groups.num_free == analysis.groups.num_free:
+        u_ext = groups.extend(analysis.balancing - rescaled_by.to(device, torch.float64))
+    after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=device, u_ext=u_ext)
     tolerance = rounding_tolerance(groups, [layout_of(params, key)[1] for key in graph.parameter_keys()])
     for key, before in analysis.path_norms.items():
         # Φ = 0 (log10 −inf) on both sides is no change; −inf against a number is.
@@ -579,7 +592,7 @@ def rescale(
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
     norms_after = timed("path_norms_rescaled", lambda: check_path_norms(
-        analysis, model.graph, ChainMap(changed, model.params), model.source)) if verify else None
+        analysis, model.graph, ChainMap(changed, model.params), model.source, rescaled_by=result.u)) if verify else None
     return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings, choice,
                          norms_after, pending, calibration_pending)
 
@@ -650,7 +663,8 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the module was not changed."
         )
     result.path_norms_after = check_path_norms(result.analysis, model.graph, ChainMap(result.changed, model.params),
-                                               model.source, outcome="The module was not changed.")
+                                               model.source, outcome="The module was not changed.",
+                                               rescaled_by=result.solve.u)
     # Computed once, before the module's tensors (which they are computed from) change.
     result.changed = result.changed.copy()
     state = module.state_dict()
@@ -764,7 +778,8 @@ def save(
                 _settle_storage(result, checked.storage_problems(), timed)
             verification, written = _verify_written(model, target, input_shape, name=name,
                                                     compared=lambda verification: _add_calibration(result, verification))
-            result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
+            result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name,
+                                                       rescaled_by=result.solve.u)
             return verification
 
         try:
