@@ -22,7 +22,7 @@ import torch
 from . import __version__
 from .engine.calibration import calibration_warnings, ignores_input
 from .engine.diag import (
-    DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g_and_l2_norm, path_count, path_norm,
+    DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g_and_l2_norm, path_count, path_norms,
     zeros_per_layer,
 )
 from .engine.graph import BatchNorm, Graph
@@ -451,14 +451,14 @@ def path_norm_orders(extra: Iterable[float]) -> list[float]:
 
 def path_norms_of(groups: RescalingGroups, orders: Iterable[float], *, device: str | torch.device = "cpu",
                   u_ext: torch.Tensor | None = None, known: Iterable[PathNorm] = ()) -> dict[str, PathNorm]:
-    """‖Φ(θ)‖_q for each q, one forward pass each on one balanced copy of θ (``u_ext``: the
+    """‖Φ(θ)‖_q for each q, from one sweep over one balanced copy of θ (``u_ext``: the
     balancing, computed here when not given), except for the norms ``known`` already."""
     groups = groups.to(device)
     known = {norm.q: norm for norm in known}
-    if u_ext is None and any(q not in known for q in orders):
-        u_ext = groups.extend(balancing_exponents(groups))
-    norms = [known[q] if q in known else path_norm(groups, q, device=device, u_ext=u_ext) for q in orders]
-    return {norm.key: norm for norm in norms}
+    missing = [q for q in orders if q not in known]
+    if missing:
+        known |= {norm.q: norm for norm in path_norms(groups, missing, device=device, u_ext=u_ext)}
+    return {known[q].key: known[q] for q in orders}
 
 
 def rounding_tolerance(groups: RescalingGroups, dtypes: Iterable[torch.dtype]) -> float:

@@ -35,10 +35,11 @@ INSPECT_READS = 1
 # rescale adds, on the input: the write (which computes each rescaled tensor once and checks it
 # there) and the verifier's forward pass, which also answers the calibration check (2); on the
 # written file, read back: the finiteness check, the verifier's forward pass, the groups
-# (biases), the balancing and the ℓ1 and ℓ2 sweeps of its path norms (its values are not held:
-# held during the verification, they would raise the run's peak memory, test_memory_bound).
+# (biases) and one sweep for its ℓ1 and ℓ2 path norms, on the analysis's balancing less u (its
+# values are not held: held during the verification, they would raise the run's peak memory,
+# test_memory_bound).
 RESCALE_INPUT_READS = 3
-RESCALE_WRITTEN_READS = 6
+RESCALE_WRITTEN_READS = 4
 
 
 @pytest.fixture
