@@ -20,7 +20,7 @@ from typing import TypeVar
 import torch
 
 from . import __version__
-from .engine.calibration import calibration_warnings, ignores_input
+from .engine.calibration import calibration_warnings, constant_output_warnings, ignores_input
 from .engine.diag import (
     DiagG, LogG, OuterLog, PathCount, PathNorm, balancing_exponents, diag_g_and_l2_norm, path_count, path_norms,
     zeros_per_layer,
@@ -380,7 +380,8 @@ class RescaleResult:
     path_norms_after: dict[str, PathNorm] | None = None
     # The storage check :func:`save` still has to make (``rescale(check_storage_when_written=True)``).
     pending_storage_check: PendingStorageCheck | None = None
-    # Whether :func:`save` adds the calibration warnings, from its verification's run of the original.
+    # Whether :func:`save` adds the warning for an output that ignores its input, from its
+    # verification's run of the original.
     calibration_pending: bool = False
 
     @property
@@ -579,13 +580,15 @@ def rescale(
         storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
                                            problems=problems) + choice.warnings(model.source, result)
     verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
-    # The calibration check's forward pass of the original is the verification's own: made here,
-    # or by :func:`save` when it is required; a pass of its own only when neither verifies.
+    # Whether the output ignores its input is answered by the verification's forward pass of the
+    # original: made here, or by :func:`save` when it is required (which adds that warning); a
+    # pass of its own only when neither verifies.
     calibration_pending = verification is None and pending is not None
     if verification is not None:
-        storage_warnings += calibration_warnings(model, verification.original_ignores_input)
-    elif not calibration_pending:
-        storage_warnings += calibration_warnings(model, ignores_input(model, analysis.groups))
+        constant = verification.original_ignores_input
+    else:
+        constant = None if calibration_pending else ignores_input(model, analysis.groups)
+    storage_warnings += calibration_warnings(model, constant)
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "
@@ -792,10 +795,10 @@ def save(
 
 
 def _add_calibration(result: RescaleResult, verification: Verification) -> None:
-    """The calibration warnings :func:`rescale` left to :func:`save`, from the verification's run
-    of the original (added even when the verification then fails: they may say why)."""
+    """The calibration warning :func:`rescale` left to :func:`save`, from the verification's run
+    of the original (added even when the verification then fails: it may say why)."""
     if result.calibration_pending:
-        result.warnings += calibration_warnings(result.analysis.model, verification.original_ignores_input)
+        result.warnings += constant_output_warnings(result.analysis.model, verification.original_ignores_input)
         result.calibration_pending = False
 
 

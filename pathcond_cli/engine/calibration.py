@@ -56,9 +56,10 @@ def outputs_ignore_input(outputs: Iterable[torch.Tensor]) -> bool:
     return all(bool((out == out[:1]).all()) for out in outputs)
 
 
-def calibration_warnings(model: LoadedModel, constant: bool) -> list[str]:
+def calibration_warnings(model: LoadedModel, constant: bool | None) -> list[str]:
     """Warnings for a network that looks uncalibrated, saying what that does to the optimum
-    (``constant``: whether its output ignores its input, :func:`ignores_input`)."""
+    (``constant``: whether its output ignores its input, :func:`ignores_input`; None when not yet
+    known, for :func:`constant_output_warnings` to add once it is)."""
     notes = []
     norms = default_statistics(model)
     if norms:
@@ -70,11 +71,16 @@ def calibration_warnings(model: LoadedModel, constant: bool) -> list[str]:
             "batches through it in train mode before rescaling (calibrated on four random batches, the same "
             "small networks have ‖u*‖∞ of 8.7 and 4.6)."
         )
-    if constant:
-        notes.append(
-            f"{model.source}: the network's output does not depend on its input (different random inputs give the "
-            "same outputs in eval mode): it computes a constant, so the rescaling has no signal to preserve and its "
-            f"optimum comes from the weights alone; {EXTREME_NOTE}. Check the weights (an all-zero layer, dead "
-            "ReLUs, BatchNorm statistics that do not match the weights)."
-        )
-    return notes
+    return notes + constant_output_warnings(model, bool(constant))
+
+
+def constant_output_warnings(model: LoadedModel, constant: bool) -> list[str]:
+    """The warning for a network whose output ignores its input (``constant``), if it does."""
+    if not constant:
+        return []
+    return [
+        f"{model.source}: the network's output does not depend on its input (different random inputs give the "
+        "same outputs in eval mode): it computes a constant, so the rescaling has no signal to preserve and its "
+        f"optimum comes from the weights alone; {EXTREME_NOTE}. Check the weights (an all-zero layer, dead "
+        "ReLUs, BatchNorm statistics that do not match the weights)."
+    ]
