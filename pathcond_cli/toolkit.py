@@ -32,6 +32,8 @@ from .engine.pathlift import (
     path_metric, prunable, select_pruned, stored_weight_mask,
 )
 from .errors import MismatchError, PathcondError, VerificationError
+from .io.formats import load_model
+from .verify import independent_agreement
 
 # Inputs drawn in the box ‖x‖∞ ≤ R to measure an output change: half uniform, half corners (±R).
 SAMPLED_INPUTS = 16
@@ -375,9 +377,6 @@ def save_pruned(result: PruneResult, destination: str | Path, *, in_place: bool 
 
 
 def _verify_pruned(result: PruneResult, target: Path, input_shape, name: str) -> dict[str, str]:
-    from .io.formats import load_model
-    from .verify import independent_agreement
-
     model = result.model
     try:
         written = load_model(target, input_shape=input_shape, name=name, allow_unused=True)

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 import onnx_models
 import pathcond_cli as pathcond
 from cli_support import (
-    ROOT, SAMPLES, assert_clean_exit, invoke, leftovers, mlp_spec, mlp_tensors, parse_single_json, write_onnx_mlp,
+    SAMPLES, assert_clean_exit, invoke, leftovers, mlp_spec, mlp_tensors, parse_single_json, write_onnx_mlp,
     write_sharded_mlp,
 )
 from docs_support import section

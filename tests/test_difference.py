@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-from onnx import TensorProto, helper
+from onnx import helper
 
 import ops_models
 from conftest import NetBuilder

@@ -2,7 +2,7 @@
 
     errors  ←  engine  ←  solve         (the DAG and diag(G); finding the rescaling)
                  ↑    ↖    ↑
-                 io      library        (files; api, toolkit, verify: the pipeline)
+                 io      library        (files; api, pipeline, toolkit, verify)
                             ↑
                           report  ←  cli
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pathcond_cli"
-LIBRARY = {"api", "toolkit", "verify", "threads"}
+LIBRARY = {"api", "pipeline", "toolkit", "verify", "threads"}
 ALLOWED = {
     "errors": set(),
     "engine": {"errors"},

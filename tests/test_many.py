@@ -325,15 +325,15 @@ def test_an_interrupt_between_files_keeps_every_finished_file(tmp_path, signum, 
 
 def _interrupt_in_the_file(monkeypatch, path: Path, signum: int, error: BaseException) -> None:
     """The single-file run of ``path`` fails with ``error`` after the handler has recorded ``signum``."""
-    real_rescale_to = pathcond_cli.cli.app._rescale_to
+    real_rescale_one = pathcond_cli.cli.app._rescale_one
 
     def interrupted(model, *args):
         if Path(model) == path:
-            pathcond_cli.cli.app._signal_received = signum
+            pathcond_cli.cli.app.guard.signal_received = signum
             raise error
-        return real_rescale_to(model, *args)
+        return real_rescale_one(model, *args)
 
-    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted)
+    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_one", interrupted)
 
 
 def test_a_library_error_raised_by_an_interrupt_is_reported_as_the_interrupt(tmp_path, monkeypatch):
@@ -383,16 +383,16 @@ def test_a_file_written_before_the_interrupt_has_its_json_line(tmp_path, monkeyp
     paths, spec = _models(tmp_path / "in", 3)
     out = tmp_path / "out"
     out.mkdir()
-    real_rescale_to = pathcond_cli.cli.app._rescale_to
+    real_rescale_one = pathcond_cli.cli.app._rescale_one
 
     def interrupted_once_written(model, *args):
-        report = real_rescale_to(model, *args)
+        report = real_rescale_one(model, *args)
         if Path(model) == paths[1]:
             signal.raise_signal(signal.SIGINT)
         return report
 
-    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_to", interrupted_once_written)
-    monkeypatch.setattr(pathcond_cli.cli.app, "_signal_received", None)
+    monkeypatch.setattr(pathcond_cli.cli.app, "_rescale_one", interrupted_once_written)
+    monkeypatch.setattr(pathcond_cli.cli.app.guard, "signal_received", None)
     result = invoke("rescale", *paths, "--arch", spec, "--output-dir", out, "--json")
     stderr = _interrupted_batch(result)
     assert "2 of 3 outputs were completely written and verified" in stderr

@@ -15,8 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import onnx_models
 from pathcond_cli.engine import graph as g
-from pathcond_cli.io.formats import fx_import, onnx_translate
+from pathcond_cli.io.formats import fx_import, onnx_translate, spec
+from pathcond_cli.io.formats.onnx_format import load_onnx
 from pathcond_cli.io.formats.spec import LAYER_TYPES
 from pathcond_cli.engine.rules import RULES
 
@@ -97,3 +99,23 @@ def test_graph_is_the_ground_floor():
 
     code = "import sys, pathcond_cli.engine.graph; print('pathcond_cli.engine.rules' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("name", ["cnn", "avgpool"])
+def test_every_importer_builds_its_nodes_with_the_one_node_constructor(name, monkeypatch):
+    built: set[str] = set()
+    constructor = spec._parse_layer
+
+    def recording(*args, **kwargs):
+        node = constructor(*args, **kwargs)
+        if node is not None:
+            built.add(node.name)
+        return node
+
+    monkeypatch.setattr(spec, "_parse_layer", recording)
+    module, shape = onnx_models.build(name), tuple(onnx_models.example_input(name).shape[1:])
+    traced, _ = fx_import.graph_from_module(module, shape, source=name)
+    assert {node.name for node in traced.nodes} <= built
+    built.clear()
+    onnx_graph = load_onnx(onnx_models.exported(name, "torchscript")).graph
+    assert {node.name for node in onnx_graph.nodes} <= built

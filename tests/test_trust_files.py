@@ -515,15 +515,15 @@ def test_commands_import_the_libraries_with_sigint_held_back(monkeypatch):
     """torch and the library load before the command's guard with Ctrl-C held back: an interrupt
     raised inside their C++ initialisation aborted the process or was swallowed (exit 0)."""
     handlers = {}
-    real_import = pathcond_cli.cli.app.importlib.import_module
+    real_import = pathcond_cli.cli.guard.importlib.import_module
 
     def recording_import(name, *args):
         handlers[name] = signal.getsignal(signal.SIGINT)
         return real_import(name, *args)
 
-    monkeypatch.setattr(pathcond_cli.cli.app.importlib, "import_module", recording_import)
+    monkeypatch.setattr(pathcond_cli.cli.guard.importlib, "import_module", recording_import)
     outside = signal.getsignal(signal.SIGINT)
-    with pathcond_cli.cli.app._errors_to_exit_codes():
+    with pathcond_cli.cli.app.guard.command():
         assert signal.getsignal(signal.SIGINT) is outside
     assert handlers and next(iter(handlers)) == "torch"
     assert all(handler is not outside for handler in handlers.values())

@@ -6,7 +6,6 @@ torch, onnx and the library are imported inside the commands, never at module le
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
 import json
@@ -16,31 +15,26 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import rich.markup
 import typer
 import typer.core
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from .. import __version__
-from ..errors import EXIT_CODES, InputError, OutputError, PathcondError, UnsupportedModelError, batch_exit_code
-from ..io.fileio import (
-    INTERRUPTING_SIGNALS, NOTHING_WRITTEN, TMP_SUFFIX, PlannedOutput, atomic_write, check_batch_destinations,
-    check_output_directory, describe, interrupts_deferred, interrupts_held_once_written, is_character_device,
-    printable, resolve_destination, written_files,
-)
+from ..errors import InputError
+from ..io.fileio import INTERRUPTING_SIGNALS, atomic_write, describe, is_character_device
 from ..solve.options import (
     BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS, InvalidOption,
     SolveOptions,
 )
+from .batch import batch_plan, check_batch_options, run_batch
+from .guard import CommandGuard, stream_closed
 
 EXIT_HELP = (
     "Exit codes: 0 success · 2 usage error · 3 unreadable input (file, spec, tensors) · "
@@ -51,20 +45,6 @@ EXIT_HELP = (
     "1 internal error (a bug in pathcond: please report it). "
     "Several MODELs: 0 if every file succeeded, else the code their failures share, else 9."
 )
-
-DEBUG_VARIABLE = "PATHCOND_DEBUG"
-
-# Whether bytes of the checkpoint went to stdout (``-o -``): an interrupt then leaves it incomplete.
-_stdout_started = False
-# Whether a command is running inside ``_errors_to_exit_codes`` (see ``_interrupted``).
-_guarded = False
-# The interrupting signal received during the command, if any (see ``_interrupted``).
-_signal_received: int | None = None
-# The running command's report so far, once its input is read: with --json a failure prints it
-# with an ``error`` object, so that a pipeline always gets one document. A report that costs
-# passes over the network (diag(G)'s statistics and histograms) is given as the function that
-# builds it, called only when a failure prints it.
-_report_so_far: dict[str, Any] | Callable[[], dict[str, Any]] | None = None
 
 app = typer.Typer(
     name="pathcond",
@@ -107,6 +87,7 @@ def _console_width() -> int | None:
 
 FALLBACK_COLUMNS = 80
 stderr = Console(stderr=True, width=_console_width())
+guard = CommandGuard(stderr)
 
 
 class _Command(typer.core.TyperCommand):
@@ -242,6 +223,11 @@ def _parse_path_norms(values: list[float] | None) -> tuple[float, ...]:
     return tuple(values or ())
 
 
+def _check_json_stdout(as_json: bool) -> None:
+    if as_json and stream_closed(sys.stdout):
+        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
+
+
 def _parse_device(text: str) -> str:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; CUDA only when torch sees that device."""
     value = text.strip().lower()
@@ -265,179 +251,12 @@ def _parse_device(text: str) -> str:
     return value
 
 
-def _import_library() -> None:
-    """Import what every command's work needs (torch first) with Ctrl-C held back until it is
-    loaded: delivered then, at most a second late, before any command code has run."""
-    with interrupts_deferred():
-        for name in ("torch", "pathcond_cli.api", "pathcond_cli.io.formats", "pathcond_cli.report.render"):
-            importlib.import_module(name)
-
-
 def _use_threads(count: int | None) -> None:
     """Size torch's threads (``--threads``, by default the CPUs this process may use) once torch is
-    imported, which ``_errors_to_exit_codes`` does."""
+    imported, which ``guard.command`` does."""
     from ..threads import set_threads
 
     set_threads(count)
-
-
-@contextlib.contextmanager
-def _errors_to_exit_codes(as_json: bool = False) -> Iterator[None]:
-    """One paragraph on stderr and a distinct exit code; never a traceback. With ``as_json``, a
-    failure after the input was read also prints the report so far with its ``error`` on stdout,
-    and a refused network's paragraph lists every problem, consequences included."""
-    global _guarded, _stdout_started, _report_so_far, _signal_received
-    _import_library()
-    _guarded, _stdout_started, _report_so_far, _signal_received = True, False, None, None
-    written_files.clear()
-    try:
-        try:
-            yield
-        except (typer.Exit, typer.Abort, typer.TyperException):
-            raise  # deliberate exits (typer.Exit is a RuntimeError): never taken for a library's error
-        except Exception as exc:
-            _raise_if_interrupted(exc)
-            raise
-    except KeyboardInterrupt as exc:
-        label, code = _interruption()
-        stderr.print(f"[bold red]{label}:[/] {_printable(_what_is_on_disk())}", highlight=False, markup=True,
-                     soft_wrap=True)
-        _error_document(as_json, exc, code, _what_is_on_disk())
-        raise typer.Exit(code) from None
-    except BrokenPipeError:
-        # The reader of stdout went away (``pathcond ... -o - | head``): say so once, quietly.
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        stderr.print("[bold red]error:[/] stdout was closed before the output was complete.")
-        raise typer.Exit(EXIT_CODES["output_not_written"]) from None
-    except (typer.Exit, typer.Abort, typer.TyperException):
-        raise  # usage errors and deliberate exits: typer reports them itself
-    except Exception as exc:
-        code, label, message = _failure(exc, complete=as_json)
-        stderr.print(f"[bold red]{label}:[/] {_printable(message)}", highlight=False, markup=True, soft_wrap=True)
-        _error_document(as_json, exc, code, message)
-        raise typer.Exit(code) from None
-    finally:
-        _guarded = False
-
-
-def _failure(exc: Exception, *, complete: bool = False) -> tuple[int, str, str]:
-    """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure;
-    ``complete`` (``--json``) lists every problem of a refused network, consequences included.
-    A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
-    from ..io.formats import exception_line
-
-    if isinstance(exc, UnsupportedModelError) and complete:
-        return exc.exit_code, "error", _true_to_disk(exc.complete)
-    if isinstance(exc, PathcondError):
-        return exc.exit_code, "error", _true_to_disk(str(exc))
-    if _out_of_memory(exc):
-        # The network's passes need more than the machine has: a property of the input (exit 3).
-        return EXIT_CODES["unreadable_input"], "error", _true_to_disk(
-            f"out of memory: the passes over this network need more memory than is available ({exception_line(exc)}); "
-            f"check the input shape (--input-shape), or run on a machine with more memory. {NOTHING_WRITTEN}")
-    if isinstance(exc, typer.TyperException):  # a usage error met while processing one of several files
-        return exc.exit_code, "error", exc.format_message()
-    if os.environ.get(DEBUG_VARIABLE):
-        raise exc
-    return 1, "internal error", (
-        f"{exception_line(exc)}\nThis is a bug in pathcond {__version__}; please report it with the "
-        f"command line. Set {DEBUG_VARIABLE}=1 to see the traceback."
-    )
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """An allocation that failed: Python's MemoryError, or torch's RuntimeError (CPU or CUDA)."""
-    if isinstance(exc, MemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
-
-
-def _error_document(as_json: bool, exc: BaseException, exit_code: int, message: str) -> None:
-    """With --json, the report so far and its ``error`` on stdout (once the input was read)."""
-    report = _built_report_so_far() if as_json else None
-    if report is None:
-        return
-    from ..report.render import error_document
-
-    with contextlib.suppress(OSError, ValueError):
-        document = error_document(report, exc, exit_code, _shown_message(message))
-        sys.stdout.write(json.dumps(document, indent=2, allow_nan=False) + "\n")
-        sys.stdout.flush()
-
-
-def _built_report_so_far() -> dict[str, Any] | None:
-    if not callable(_report_so_far):
-        return _report_so_far
-    try:
-        return _report_so_far()
-    except Exception:  # noqa: BLE001 - the failure being reported matters more than its report
-        return None
-
-
-def _printable(text: str) -> str:
-    """``text`` as :func:`_shown_message`, escaped for rich markup."""
-    return rich.markup.escape(_shown_message(text))
-
-
-def _shown_message(text: str) -> str:
-    """``text`` with undecodable file-name bytes and control characters shown as escapes, and no
-    line longer than :data:`MESSAGE_LINE_CHARS` (a name read from a file may be a megabyte long):
-    the paragraph on stderr, and the ``message`` of a JSON error document."""
-    return "\n".join(line if len(line) <= MESSAGE_LINE_CHARS else
-                     f"{line[:MESSAGE_LINE_CHARS]}... ({len(line) - MESSAGE_LINE_CHARS} more characters)"
-                     for line in printable(text, keep="\n").split("\n"))
-
-
-MESSAGE_LINE_CHARS = 1000
-
-
-def _true_to_disk(message: str) -> str:
-    """``message``, whose closing 'Nothing was written.' is not the truth once an earlier output
-    of this run (the checkpoint, or with --in-place the input) was renamed into place."""
-    if not written_files:
-        return message
-    return (message.removesuffix(NOTHING_WRITTEN).rstrip() + " Written in full before this error: "
-            + ", ".join(f"'{describe(path)}'" for path in written_files) + ".")
-
-
-@contextlib.contextmanager
-def _writing_stdout(what: str) -> Iterator[None]:
-    """A write to stdout that fails (its reader went away, a full disk) as an exit-6 error."""
-    try:
-        yield
-    except OSError as exc:
-        # Python flushes stdout again at exit, which would fail again, with a traceback.
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        cause = "it was closed" if isinstance(exc, BrokenPipeError) else exc.strerror or str(exc)
-        raise OutputError(f"cannot write {what} to stdout: {cause}; what reached stdout is incomplete. "
-                          f"{NOTHING_WRITTEN}") from None
-
-
-def _interruption() -> tuple[str, int]:
-    """How the interrupt that stopped the command is named, and its exit status (128 + signal)."""
-    if _signal_received == signal.SIGTERM:
-        return "terminated (SIGTERM)", EXIT_CODES["terminated"]
-    return "interrupted", EXIT_CODES["interrupted"]
-
-
-def _raise_if_interrupted(exc: Exception) -> None:
-    """A signal that landed inside a C extension can come back as that library's own error (a
-    failed read, a runtime error): once a signal was received, the failure is the interrupt."""
-    if _signal_received is not None:
-        raise KeyboardInterrupt from exc
-
-
-def _what_is_on_disk() -> str:
-    """The truth about the files after an interrupt: which outputs were completely written."""
-    if written_files:
-        return ("the output was completely written and verified before the interrupt: "
-                + ", ".join(f"'{describe(path)}'" for path in written_files) + ".")
-    if _stdout_started:
-        return "the checkpoint sent to stdout is incomplete; no file was written."
-    return "nothing was written; the input is unchanged."
 
 
 class _Stages:
@@ -469,7 +288,7 @@ def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
     from ..io.formats import check_readable
 
     if model == "-":
-        if _closed(sys.stdin):
+        if stream_closed(sys.stdin):
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is closed; pipe a file in", param_hint="MODEL")
         if sys.stdin.isatty():
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is a terminal; pipe a file in", param_hint="MODEL")
@@ -492,35 +311,6 @@ def _stdin_limit() -> int:
     return available // 4 if available is not None else 2**40
 
 
-def _closed(stream) -> bool:
-    """Whether a standard stream is missing (Python sets it to None when started with ``<&-``) or closed."""
-    return stream is None or bool(getattr(stream, "closed", False))
-
-
-@contextlib.contextmanager
-def _scratch_directory() -> Iterator[Path]:
-    """A private temporary directory for output headed to stdout (``-o -``)."""
-    try:
-        # Named like pathcond's staging directories: what is written there is not an output.
-        scratch = tempfile.TemporaryDirectory(prefix="pathcond-", suffix=TMP_SUFFIX)
-    except OSError as exc:
-        raise OutputError(
-            f"cannot write the output for stdout: no temporary directory in '{tempfile.gettempdir()}' "
-            f"({exc.strerror or exc}); set TMPDIR to a writable directory."
-        ) from None
-    with scratch as name:
-        yield Path(name)
-
-
-def _default_output(path: Path, tag: str = "pathcond") -> Path:
-    """``<stem>.<tag><suffix>`` beside ``path`` (a shard index keeps its double suffix)."""
-    from ..io.formats import SHARD_INDEX_SUFFIX
-
-    if path.name.endswith(SHARD_INDEX_SUFFIX):
-        return path.with_name(path.name[: -len(SHARD_INDEX_SUFFIX)] + f".{tag}" + SHARD_INDEX_SUFFIX)
-    return path.with_name(f"{path.stem}.{tag}{path.suffix}")
-
-
 def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, quiet: bool,
           render: Callable[[dict[str, Any], Console], None] | None = None) -> None:
     """JSON on stdout (--json) or tables on stderr (``render``, the command's; by default
@@ -532,7 +322,7 @@ def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, qu
     if report_file is not None:
         atomic_write(report_file, lambda tmp: tmp.write_text(text + "\n"))
     if as_json:
-        with _writing_stdout("the JSON report"):
+        with guard.writing_stdout("the JSON report"):
             sys.stdout.write(text + "\n")
             sys.stdout.flush()
     if quiet:
@@ -542,6 +332,12 @@ def _emit(report: dict[str, Any], *, as_json: bool, report_file: Path | None, qu
     else:
         render(report, stderr)
     stderr.print(summary_line(report), highlight=False, markup=False, soft_wrap=True)
+
+
+def _add_load_and_total(report: dict[str, Any], load_seconds: float, started: float) -> None:
+    """The report's ``seconds``, with the load first and the total, since ``started``, last."""
+    report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
+                         "total": round(time.perf_counter() - started, 6)}
 
 
 def _draw(plot: Path | None, report: dict[str, Any], analysis, result=None) -> None:
@@ -606,7 +402,7 @@ def rescale(
         raise typer.BadParameter(str(error), param_hint=error.option) from None
     orders = _parse_path_norms(path_norm)
     if len(models) > 1 or output_dir is not None:
-        _check_batch_options(models, as_json=as_json, output=output, report_file=report_file, plot=plot)
+        check_batch_options(models, as_json=as_json, output=output, report_file=report_file, plot=plot)
         if in_place and output_dir is not None:
             raise typer.BadParameter("--in-place replaces each input; --output-dir writes elsewhere: choose one",
                                      param_hint="--in-place")
@@ -618,223 +414,82 @@ def rescale(
         raise typer.BadParameter("-o - sends the checkpoint to stdout; use --report FILE for the JSON report", param_hint="--json")
     if model == "-" and output is None:
         raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
-    if (output == "-" or as_json) and _closed(sys.stdout):
+    if (output == "-" or as_json) and stream_closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but -o - or --json writes to it", param_hint="-o" if output == "-" else "--json")
     if output == "-" and sys.stdout.isatty():
         raise typer.BadParameter("-o - writes the binary checkpoint to stdout, but stdout is a terminal; "
                                  "redirect it to a file or a pipe", param_hint="-o")
     shape = _parse_shape(input_shape)
     device = _parse_device(device)
-    with _errors_to_exit_codes(as_json):
+    with guard.command(as_json):
         _use_threads(threads)
         _check_plot(plot)
-        report, result, report_path, plot_path = _rescale_to(model, output, arch, shape, in_place, report_file, plot,
-                                                             quiet, allow_unused, options, device, orders)
+        report, run = _rescale_one(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused,
+                                   options, device, orders)
+        report_path, plot_path = run.also_written
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
-        _draw(plot_path, report, result.analysis, result)
+        _draw(plot_path, report, run.analysis, run.result)
 
 
-def _rescale_to(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused,
-                options: SolveOptions, device: str, path_norms=()):
-    """Load, rescale (with ``options``, on ``device``), write and verify;
-    ``path_norms`` are the orders q reported beside ℓ1 and ℓ2. Returns the JSON report, the
-    result, and where the report and the plot go."""
-    from ..api import analyse, rescale as rescale_model, save
-    from ..io.destinations import check_destinations, written
-    from ..io.formats import check_streamable, detect_format, files_read, load_model, output_format_mismatch
+def _rescale_one(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused,
+                 options: SolveOptions, device: str, path_norms=()):
+    """``pathcond rescale`` of one MODEL into ``output`` (None: beside it; ``-``: stdout) through
+    :func:`~pathcond_cli.pipeline.rescale_file`, the report so far kept for a failure. Returns the
+    JSON report and the run (its ``also_written``: where the report and the plot go)."""
+    from ..io.destinations import written
+    from ..pipeline import rescale_file
+
+    source, _, name = _read_source(model)
+    with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
+        run = rescale_file(source, None if output in (None, "-") else output, arch=arch, input_shape=shape, name=name,
+                           allow_unused=allow_unused, options=options, device=device, path_norms=path_norms,
+                           in_place=in_place, send=_send_to_stdout if output == "-" else None,
+                           also_writes=[written("--report", report_file, devices=True), written("--plot", plot)],
+                           watcher=_RescaleWatcher(stages))
+    return _rescale_report(run, "-" if output == "-" else str(run.destination)), run
+
+
+def _send_to_stdout(path: Path) -> None:
+    """``-o -``: the verified checkpoint's bytes, copied to stdout."""
+    with open(path, "rb") as handle, guard.writing_stdout("the checkpoint", checkpoint=True):
+        shutil.copyfileobj(handle, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+
+
+def _rescale_report(run, output: str | None) -> dict[str, Any]:
     from ..report.render import analysis_report, loaded_report, rescale_report
 
-    global _stdout_started, _report_so_far
-    started = time.perf_counter()
-    with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
-        source, source_path, name = _read_source(model)
-        if output not in (None, "-"):
-            mismatch = output_format_mismatch(source, Path(output))
-            if mismatch:
-                raise typer.BadParameter(mismatch, param_hint="-o")
-        if output == "-":
-            destination = None
-        elif output is not None:
-            destination = Path(output)
-        elif in_place and source_path is not None:
-            destination = source_path
-        elif source_path is None:
-            raise typer.BadParameter("reading from stdin needs -o FILE or -o -", param_hint="-o")
-        else:
-            destination = _default_output(source_path)
-        kind = detect_format(source)
-        outputs = [written("-o", output if output not in (None, "-") else destination, kind),
-                   written("--report", report_file, devices=True), written("--plot", plot)]
-        destination, report_path, plot_path = check_destinations(outputs, files_read(source_path, arch),
-                                                                 in_place=in_place)
-
-        stages.stage("loading")
-        load_start = time.perf_counter()
-        loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
-        load_seconds = time.perf_counter() - load_start
-        if destination is None:
-            check_streamable(loaded)
-        _report_so_far = loaded_report(loaded, "rescale")
-        stages.stage("analysing: groups, diag(G), path count, path norms")
-        analysis = analyse(loaded, device=device, path_norms=path_norms)
-        _report_so_far = lambda: {**analysis_report(analysis), "command": "rescale"}
-        # The storage check shares the write's computation of each rescaled tensor.
-        result = rescale_model(loaded, progress=stages.solver, verify=False, analysis=analysis,
-                               check_storage_when_written=True, options=options, device=device)
-        seconds = {"load": load_seconds, **result.seconds}
-        _report_so_far = lambda: rescale_report(result, None, seconds)
-
-        stages.stage("writing and verifying the written file")
-        if destination is not None:
-            save(result, destination, input_shape=shape, in_place=in_place, seconds=seconds)
-            seconds["total"] = time.perf_counter() - started
-            report = rescale_report(result, str(destination), seconds)
-        else:
-            with _scratch_directory() as scratch:
-                target = scratch / f"out.{loaded.format}"
-                save(result, target, input_shape=shape, seconds=seconds, self_contained=True)
-                seconds["total"] = time.perf_counter() - started
-                report = rescale_report(result, "-", seconds)
-                _stdout_started = True
-                with open(target, "rb") as handle, _writing_stdout("the checkpoint"):
-                    shutil.copyfileobj(handle, sys.stdout.buffer)
-                    sys.stdout.buffer.flush()
-    return report, result, report_path, plot_path
+    if run.result is not None:
+        return rescale_report(run.result, output, run.seconds)
+    if run.analysis is not None:
+        return {**analysis_report(run.analysis), "command": "rescale"}
+    return loaded_report(run.loaded, "rescale")
 
 
-def _check_batch_options(models: list[str], *, as_json: bool, output: str | None = None,
-                         report_file: Path | None = None, plot: Path | None = None) -> None:
-    """The usage errors of a run over several MODELs (or with --output-dir), before any work."""
-    if "-" in models:
-        raise typer.BadParameter("'-' reads one model from stdin; it cannot be one of several MODELs or go to "
-                                 "--output-dir", param_hint="MODEL")
-    if output is not None:
-        raise typer.BadParameter("-o names the output of one MODEL; with several (or --output-dir), use "
-                                 "--output-dir DIR", param_hint="-o")
-    if report_file is not None:
-        raise typer.BadParameter("--report FILE holds one report; with several MODELs, --json prints one per line: "
-                                 "--json > FILE", param_hint="--report")
-    if plot is not None:
-        raise typer.BadParameter("--plot draws one model; with several MODELs, plot them one at a time",
-                                 param_hint="--plot")
-    if as_json and _closed(sys.stdout):
-        raise typer.BadParameter("stdout is closed, but --json writes the reports to it", param_hint="--json")
+class _RescaleWatcher:
+    """The spinner's stages, and the report a failure prints with what the run knew by then."""
 
+    def __init__(self, stages: _Stages):
+        self.stage = stages.stage
+        self.solver = stages.solver
 
-def _batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in_place: bool) -> list[PlannedOutput]:
-    """Where each of several MODELs is written: ``<stem>.pathcond<suffix>`` in ``output_dir``,
-    beside the input without it, the input itself with ``in_place``. Refuses, before any work, a
-    missing ``output_dir`` and outputs that collide with each other or with an input."""
-    from ..io.formats import files_read
-
-    if output_dir is not None:
-        check_output_directory(output_dir)
-    planned = []
-    for model in models:
-        source = Path(model)
-        try:
-            inputs = files_read(source, arch)
-        except (PathcondError, OSError):
-            inputs = [source]  # unreadable: reported, with its exit code, when its turn comes
-        if in_place:
-            destination = source
-        elif output_dir is not None:
-            destination = output_dir / _default_output(source).name
-        else:
-            destination = _default_output(source)
-        planned.append(PlannedOutput(source, inputs, resolve_destination(destination)))
-    check_batch_destinations(planned, in_place=in_place)
-    return planned
+    def reached(self, run) -> None:
+        guard.report_so_far = lambda: _rescale_report(run, None)
 
 
 def _rescale_batch(models, output_dir, arch, shape, in_place, as_json, quiet, allow_unused,
                    options: SolveOptions, device: str, path_norms, threads: int | None) -> None:
     """Several MODELs, one after another, each exactly as a single run writing to its planned output."""
-    with _errors_to_exit_codes():
+    with guard.command():
         _use_threads(threads)
-        planned = _batch_plan(models, output_dir, arch, in_place)
+        planned = batch_plan(models, output_dir, arch, in_place)
 
         def rescale_one(index: int) -> dict[str, Any]:
-            report, *_ = _rescale_to(models[index], str(planned[index].destination), arch, shape, in_place, None,
+            report, _ = _rescale_one(models[index], str(planned[index].destination), arch, shape, in_place, None,
                                      None, quiet, allow_unused, options, device, path_norms)
             return report
 
-        _run_batch("rescale", models, rescale_one, as_json=as_json, quiet=quiet)
-
-
-def _run_batch(command: str, models: list[str], process: Callable[[int], dict[str, Any]], *, as_json: bool,
-               quiet: bool) -> None:
-    """Process each MODEL in turn (``process(i)`` returns the report of ``models[i]``): with --json
-    one JSON line per file, in order; on stderr a line per file; a failure is reported with its
-    exit code and the next file processed; the exit status is :func:`batch_exit_code`'s."""
-    from ..report.render import error_document, failure_report, render_warnings, summary_line
-
-    global _report_so_far
-
-    total, failures, position, reported = len(models), [], 0, 0
-    try:
-        for position, model in enumerate(models, start=1):
-            tag = f"[{position}/{total}]"
-            _report_so_far = None
-            # Once this file's output is in place, an interrupt waits for its lines (stderr, JSON).
-            with interrupts_held_once_written():
-                try:
-                    report = process(position - 1)
-                except BrokenPipeError:
-                    raise
-                except Exception as exc:
-                    _raise_if_interrupted(exc)
-                    code, label, message = _failure(exc, complete=as_json)
-                    failures.append(code)
-                    stderr.print(f"{tag} [bold red]{label}[/] (exit {code}): {_printable(message)}",
-                                 highlight=False, markup=True, soft_wrap=True)
-                    so_far = _built_report_so_far() or failure_report(command, describe(Path(model)))
-                    report = error_document(so_far, exc, code, _shown_message(message))
-                else:
-                    if not quiet:
-                        render_warnings(report, stderr)
-                        stderr.print(f"{tag} {summary_line(report)}", highlight=False, markup=False, soft_wrap=True)
-                if as_json:
-                    # Whole or absent, and in one write: lines of parallel runs sharing a file never interleave.
-                    with interrupts_deferred():
-                        sys.stdout.flush()
-                        sys.stdout.buffer.write((json.dumps(report, allow_nan=False) + "\n").encode())
-                        sys.stdout.buffer.flush()
-                reported = len(written_files)
-        if not quiet:
-            stderr.print(_batch_summary(command, total, failures), highlight=False, markup=False, soft_wrap=True)
-    except KeyboardInterrupt:
-        label, code = _interruption()
-        stderr.print(f"[bold red]{label}:[/] {_printable(_batch_on_disk(command, position, total, reported))}",
-                     highlight=False, markup=True, soft_wrap=True)
-        raise typer.Exit(code) from None
-    code = batch_exit_code(failures)
-    if code:
-        raise typer.Exit(code)
-
-
-def _batch_summary(command: str, total: int, failures: list[int]) -> str:
-    """The last line of a run over several files: how many succeeded, how many failed with which code."""
-    done = "written and verified" if command == "rescale" else "inspected"
-    text = f"pathcond {command}: {total - len(failures)} of {total} {done}"
-    if failures:
-        counts = sorted(Counter(failures).items())
-        text += ("; failed: " + ", ".join(f"{count} with exit {code}" for code, count in counts)
-                 + f"; exit status {batch_exit_code(failures)}")
-    return text + "."
-
-
-def _batch_on_disk(command: str, position: int, total: int, reported: int) -> str:
-    """The truth about the files after an interrupt in a run over several files."""
-    if command == "inspect":
-        return f"{max(position - 1, 0)} of {total} models were inspected before the interrupt; nothing was written."
-    if not written_files:
-        return "nothing was written; the inputs are unchanged."
-    text = (f"{len(written_files)} of {total} outputs were completely written and verified before the interrupt "
-            f"(the last: '{describe(written_files[-1])}'); nothing else was written.")
-    if len(written_files) > reported:
-        text += " The interrupt came before the last one's report was printed."
-    return text
+        run_batch(guard, "rescale", models, rescale_one, as_json=as_json, quiet=quiet)
 
 
 @app.command(cls=_Command, epilog=EXIT_HELP)
@@ -859,19 +514,18 @@ def inspect(
     device = _parse_device(device)
     orders = _parse_path_norms(path_norm)
     if len(models) > 1:
-        _check_batch_options(models, as_json=as_json, report_file=report_file, plot=plot)
-        with _errors_to_exit_codes():
+        check_batch_options(models, as_json=as_json, report_file=report_file, plot=plot)
+        with guard.command():
             _use_threads(threads)
 
             def inspect_one(index: int) -> dict[str, Any]:
                 return _inspect_one(models[index], arch, shape, device, allow_unused, quiet, orders=orders)[0]
 
-            _run_batch("inspect", models, inspect_one, as_json=as_json, quiet=quiet)
+            run_batch(guard, "inspect", models, inspect_one, as_json=as_json, quiet=quiet)
         return
     (model,) = models
-    if as_json and _closed(sys.stdout):
-        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
-    with _errors_to_exit_codes(as_json):
+    _check_json_stdout(as_json)
+    with guard.command(as_json):
         _use_threads(threads)
         _check_plot(plot)
         report, analysis, plot_path, report_path = _inspect_one(model, arch, shape, device, allow_unused, quiet, plot,
@@ -888,7 +542,6 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, rep
     from ..io.formats import files_read, load_model
     from ..report.render import analysis_report, loaded_report
 
-    global _report_so_far
     started = time.perf_counter()
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         source, source_path, name = _read_source(model)
@@ -897,12 +550,11 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, rep
         stages.stage("loading")
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         load_seconds = time.perf_counter() - started
-        _report_so_far = loaded_report(loaded, "inspect")
+        guard.report_so_far = loaded_report(loaded, "inspect")
         stages.stage("analysing: groups, diag(G), path count, path norms")
         analysis = analyse(loaded, device=device, path_norms=orders)
         report = analysis_report(analysis)
-    report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
-                         "total": round(time.perf_counter() - started, 6)}
+    _add_load_and_total(report, load_seconds, started)
     return report, analysis, plot_path, report_path
 
 
@@ -952,26 +604,23 @@ def compare(
     radius = _parse_input_bound(input_bound)
     if model == "-" and other == "-":
         raise typer.BadParameter("only one of MODEL and OTHER can be read from stdin", param_hint="OTHER")
-    if as_json and _closed(sys.stdout):
-        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
-    with _errors_to_exit_codes(as_json):
+    _check_json_stdout(as_json)
+    with guard.command(as_json):
         _use_threads(threads)
         from ..report.render import compare_report, failure_report, render_compare
         from ..toolkit import compare_models
 
-        global _report_so_far
         started = time.perf_counter()
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             stages.stage("loading")
             first = _load_one(model, arch, shape, allow_unused)
             second = _load_one(other, arch, shape, allow_unused)
-            _report_so_far = {**failure_report("compare", first.source), "other": second.source}
+            guard.report_so_far = {**failure_report("compare", first.source), "other": second.source}
             load_seconds = time.perf_counter() - started
             stages.stage("path norms, path-metric, output change")
             comparison = compare_models(first, second, input_bound=radius, device=device, path_norms=orders)
         report = compare_report(comparison)
-        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
-                             "total": round(time.perf_counter() - started, 6)}
+        _add_load_and_total(report, load_seconds, started)
         _emit(report, as_json=as_json, report_file=None, quiet=quiet, render=render_compare)
 
 
@@ -1022,46 +671,32 @@ def prune(
     device = _parse_device(device)
     orders = _parse_path_norms(path_norm)
     radius = _parse_input_bound(input_bound)
-    if as_json and _closed(sys.stdout):
-        raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
-    with _errors_to_exit_codes(as_json):
+    _check_json_stdout(as_json)
+    with guard.command(as_json):
         _use_threads(threads)
-        from ..io.destinations import check_destinations, written
-        from ..io.formats import detect_format, files_read, output_format_mismatch
+        from ..io.destinations import written
+        from ..pipeline import checked_outputs
         from ..report.render import loaded_report, prune_report, render_prune
         from ..toolkit import prune as prune_model, save_pruned
 
-        global _report_so_far
         started = time.perf_counter()
-        source, source_path, name = _read_source(model)
-        if output is not None:
-            mismatch = output_format_mismatch(source, Path(output))
-            if mismatch:
-                raise typer.BadParameter(mismatch, param_hint="-o")
-        if output is not None:
-            destination = Path(output)
-        else:
-            destination = source_path if in_place else _default_output(source_path, "pruned")
-        outputs = [written("-o", destination, detect_format(source)), written("--report", report_file, devices=True)]
-        destination, report_path = check_destinations(outputs, files_read(source_path, arch), in_place=in_place)
+        source, _, _ = _read_source(model)
+        destination, report_path = checked_outputs(source, output, arch=arch, in_place=in_place, tag="pruned",
+                                                   also_writes=[written("--report", report_file, devices=True)])
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             stages.stage("loading")
             loaded = _load_one(model, arch, shape, allow_unused)
-            _report_so_far = loaded_report(loaded, "prune")
+            guard.report_so_far = loaded_report(loaded, "prune")
             load_seconds = time.perf_counter() - started
             stages.stage("scores, pruning, path-metric")
             result = prune_model(loaded, sparsity, criterion=criterion, per_layer=per_layer, input_bound=radius,
                                  device=device, path_norms=orders)
-            _report_so_far = prune_report(result, None)
+            guard.report_so_far = prune_report(result, None)
             stages.stage("writing and verifying the written file")
             save_pruned(result, destination, in_place=in_place, input_shape=shape)
         report = prune_report(result, str(destination))
-        report["seconds"] = {"load": round(load_seconds, 6), **report["seconds"],
-                             "total": round(time.perf_counter() - started, 6)}
+        _add_load_and_total(report, load_seconds, started)
         _emit(report, as_json=as_json, report_file=report_path, quiet=quiet, render=render_prune)
-
-
-SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 @app.command("spec", cls=_Command, epilog=EXIT_HELP)
@@ -1082,13 +717,15 @@ def spec_command(
     Its tensor keys are the names MODEL's tensors have (for an ONNX model, its initializers';
     torch.export keeps the module's state_dict names). Example: pathcond spec model.onnx -o model.yaml
     """
+    from ..io.formats.spec import SPEC_SUFFIXES
+
     if output is not None and Path(output).suffix.lower() not in SPEC_SUFFIXES and not is_character_device(output):
         raise typer.BadParameter(f"'{output}': a spec is written as {', '.join(SPEC_SUFFIXES)}, chosen by the suffix",
                                  param_hint="-o")
     shape = _parse_shape(input_shape)
-    if output is None and _closed(sys.stdout):
+    if output is None and stream_closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but the spec is printed there; use -o FILE", param_hint="-o")
-    with _errors_to_exit_codes():
+    with guard.command():
         _use_threads(threads)
         from ..io.destinations import check_destinations, written
         from ..io.formats import files_read, load_model
@@ -1104,7 +741,7 @@ def spec_command(
         folded = batchnorm_folded_tensors(loaded.payload) if loaded.format == "onnx" else []
         print_warnings([*loaded.warnings, *spec_warnings(loaded.graph, loaded.format, name, folded)], stderr)
         if destination is None:
-            with _writing_stdout("the spec"):
+            with guard.writing_stdout("the spec"):
                 sys.stdout.write(text)
                 sys.stdout.flush()
             return
@@ -1123,7 +760,7 @@ def main() -> None:
     """The ``pathcond`` command. Ctrl-C at any moment exits 130, SIGTERM 143, with one line saying
     what is on disk."""
     for signum in INTERRUPTING_SIGNALS:
-        signal.signal(signum, _interrupted)
+        signal.signal(signum, guard.on_signal)
     _fill_closed_output_streams()
     try:
         app()
@@ -1160,17 +797,3 @@ def _fill_closed_output_streams() -> None:
             sys.stdout = None
         else:
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 - lives as long as the process
-
-
-def _interrupted(signum, frame) -> None:
-    """Inside a command, Ctrl-C or SIGTERM unwinds (staging directories are removed) and is
-    reported by ``_errors_to_exit_codes``; outside one (start-up, option parsing) nothing is
-    open, and click would report it as 'Aborted!' with exit 1, so it ends the process here."""
-    global _signal_received
-    _signal_received = signum
-    if _guarded:
-        raise KeyboardInterrupt
-    label, code = _interruption()
-    os.write(2, f"{label}: {_what_is_on_disk()}\n".encode("utf-8", "backslashreplace"))
-    os._exit(code)
-

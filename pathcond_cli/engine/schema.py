@@ -3,8 +3,13 @@
 Each validator takes a raw value (from a spec file, or an importer's spec dict), raises
 ValueError with a phrase that completes "'<field>' ..." when it is not acceptable, and
 returns the normalised value the node stores. :func:`hyper` declares a node field with its
-validator and its default in a spec (which may differ from the dataclass default: a spec
-must give a pooling kernel, for instance).
+validator and its default in a spec.
+
+The spec's defaults are the only ones an imported node gets: every importer builds its nodes
+with the spec's node constructor (``io/formats/spec.node_from_layer``). The dataclass default
+serves code that builds a node directly (tests) and differs where a spec's cannot be a constant:
+a spec must give a pooling kernel, an omitted stride is the kernel, an omitted tensor key is
+``<name>.<role>``. Spec files rely on these, so they stay as they are.
 """
 
 from __future__ import annotations

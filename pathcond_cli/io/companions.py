@@ -82,13 +82,3 @@ def preferred_companion(kind: str, name: str, number: str) -> str | None:
     if kind == "safetensors-index":
         return shard_name(checkpoint_stem(name), number, number)
     return None
-
-
-SPEC_SUFFIXES = (".yaml", ".yml", ".json")
-
-
-def sidecar_candidates(checkpoint: Path) -> list[Path]:
-    """Where a spec for ``checkpoint`` is looked for, in order."""
-    stem = checkpoint_stem(checkpoint.name)
-    names = [f"{stem}.pathcond{suffix}" for suffix in SPEC_SUFFIXES] + [f"{stem}{suffix}" for suffix in SPEC_SUFFIXES]
-    return [checkpoint.with_name(n) for n in names if n != checkpoint.name]

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..errors import OutputError, UsageError
 from .companions import TAKEN_TAG, TAKEN_TAG_CHARS, preferred_companion
 from .fileio import NAME_MAX, check_destination, describe, resolve_destination, same_file
+from .formats import SHARD_INDEX_SUFFIX
 
 # Messages quote this many characters of a path at most.
 SHOWN_CHARS = 200
@@ -44,6 +45,14 @@ class Written:
     @property
     def path(self) -> Path:
         return Path(self.name)
+
+
+def default_output(path: Path, tag: str = "pathcond") -> Path:
+    """``<stem>.<tag><suffix>`` beside ``path``, where a run writes when no output is named (a
+    shard index keeps its double suffix)."""
+    if path.name.endswith(SHARD_INDEX_SUFFIX):
+        return path.with_name(path.name[: -len(SHARD_INDEX_SUFFIX)] + f".{tag}" + SHARD_INDEX_SUFFIX)
+    return path.with_name(f"{path.stem}.{tag}{path.suffix}")
 
 
 def written(option: str, name: str | os.PathLike | None, kind: str | None = None, *,

@@ -1,21 +1,21 @@
 """Checkpoint formats: detect, load and write. Every loader returns a :class:`LoadedModel`.
 
 This module only dispatches, to the :class:`~.interface.Format` of each format (ONNX in
-:mod:`.onnx_format`, safetensors in :mod:`.safetensors_format`); what the format modules share is
-in :mod:`.common`, format detection in :mod:`.detection`, the companion-file rules in
-:mod:`pathcond_cli.io.companions`. The names other layers use are re-exported here.
+:mod:`.onnx_format`, safetensors in :mod:`.safetensors_format`): each tells which files it reads,
+their companions and the other files its loading reads. What the format modules share is in
+:mod:`.common`, what detection starts from (and refuses) in :mod:`.detection`, the companion-file
+policy in :mod:`pathcond_cli.io.companions`. The names other layers use are re-exported here.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from ...engine.model import LoadedModel
 from ...errors import InputError
-from ..companions import SPEC_SUFFIXES, companion_format, sidecar_candidates
+from ..companions import companion_format
 from ..fileio import file_state
 from .common import (
     InputShape,
@@ -27,12 +27,7 @@ from .common import (
     shapes_by_input,
     shown,
 )
-from .detection import (
-    FORMAT_OF_KIND,
-    SHARD_INDEX_SUFFIX,
-    detect_format,
-    output_format_mismatch,
-)
+from .detection import FORMAT_OF_KIND, SHARD_INDEX_SUFFIX, checked_structure, format_mismatch
 from .interface import Format
 
 __all__ = [
@@ -45,11 +40,29 @@ __all__ = [
 # Each format's module, imported when the format is first used: importing onnx takes about 0.2 s,
 # which `pathcond --help` and a safetensors run never pay.
 _MODULES = {"onnx": ".onnx_format", "safetensors": ".safetensors_format"}
+# The order formats are asked whether they read a file: safetensors claims its files by name or
+# structure and ONNX any other, so a safetensors run never imports onnx.
+_DETECTION_ORDER = ("safetensors", "onnx")
 
 
 def format_named(name: str) -> Format:
     """The format ``name`` (``onnx`` or ``safetensors``, as in :attr:`LoadedModel.format`)."""
     return importlib.import_module(_MODULES[name], __name__).FORMAT
+
+
+def detect_format(source: Path | bytes) -> str:
+    """The kind of checkpoint ``source`` is (``onnx``, ``safetensors`` or ``safetensors-index``),
+    as the first format that reads it tells, from the name and the file's structure; torch
+    pickles and YAML specs refused unread (see :func:`~.detection.checked_structure`)."""
+    structure = checked_structure(source)
+    path = source if isinstance(source, Path) else None
+    return next(kind for name in _DETECTION_ORDER if (kind := format_named(name).detect(path, structure)) is not None)
+
+
+def output_format_mismatch(source: Path | bytes, destination: Path) -> str | None:
+    """Why ``destination``'s name does not fit the format ``source`` is written in, or None
+    (see :func:`~.detection.format_mismatch`)."""
+    return format_mismatch(detect_format(source), destination)
 
 
 def load_model(
@@ -108,21 +121,13 @@ def check_streamable(model: LoadedModel) -> None:
 
 def files_read(path: Path | None, arch: str | None) -> list[Path]:
     """Every file a run on checkpoint ``path`` (None for stdin) with ``--arch arch`` may read,
-    known before loading, the checkpoint first: its shards or external data, the spec file, the
-    sidecar specs beside it when ``arch`` is not given (whether or not the embedded spec makes
-    reading one unnecessary), the Python source of a factory. Never raises."""
+    known before loading, the checkpoint first: its companions, then the files finding its
+    architecture reads (see :meth:`~.interface.Format.architecture_files`). Never raises."""
     files = checkpoint_files(path) if path is not None else []
-    if arch is not None and arch.lower().endswith(SPEC_SUFFIXES):
-        files.append(Path(arch))
-    elif arch is not None and ":" in arch:
-        # Imported here: the factory module imports the fx tracer (about 0.07 s), which only a
-        # run with a factory needs.
-        from .factory import factory_source_files
-
-        files += factory_source_files(arch)
-    elif arch is None and path is not None and path.suffix != ".onnx":
-        files += [candidate for candidate in sidecar_candidates(path) if os.path.lexists(candidate)]
-    return files
+    # An ONNX model carries its graph; any other MODEL, or a run with --arch (which loading an ONNX
+    # model refuses), has its architecture found as safetensors finds it.
+    carries_graph = arch is None and path is not None and path.suffix == ".onnx"
+    return files + format_named("onnx" if carries_graph else "safetensors").architecture_files(path, arch)
 
 
 def write_model(

@@ -229,3 +229,16 @@ def exception_line(exc: BaseException) -> str:
 
 
 EXCEPTION_CHARS = 300
+
+
+# Keys (and layers of keys) a message names before it says how many more there are.
+KEYS_SHOWN = 20
+
+
+def some_keys(keys: set[str]) -> str:
+    """``keys`` sorted and quoted for a message, at most :data:`KEYS_SHOWN` of them, or ``none``."""
+    listed = sorted(keys)
+    if not listed:
+        return "none"
+    text = ", ".join(shown(k) for k in listed[:KEYS_SHOWN])
+    return text + (f" and {len(listed) - KEYS_SHOWN} more" if len(listed) > KEYS_SHOWN else "")

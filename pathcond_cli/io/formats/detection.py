@@ -1,4 +1,6 @@
-"""Which format a checkpoint is in, from its name and its structure; torch pickles refused unread."""
+"""What every format's detection starts from: the structure of a file (safetensors, a torch
+pickle, or neither), the files refused before any format is asked (torch pickles, unread; YAML
+specs given as MODEL), and whether an output's name fits the kind of checkpoint written."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from ...errors import InputError
 from .common import shown
 
 SHARD_INDEX_SUFFIX = ".safetensors.index.json"
-# The format (:attr:`LoadedModel.format`) of each kind of file :func:`detect_format` tells apart.
+# The format (:attr:`LoadedModel.format`) of each kind of checkpoint the formats' ``detect`` tell apart.
 FORMAT_OF_KIND = {"onnx": "onnx", "safetensors": "safetensors", "safetensors-index": "safetensors"}
 TORCH_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")
 # A MODEL named so is a spec given in place of the checkpoint (a .json MODEL is read as a shard index).
@@ -23,47 +25,37 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = tuple(bytes([0x80, protocol]) for protocol in range(2, 6))
 
 
-def detect_format(source: Path | bytes) -> str:
-    """``onnx``, ``safetensors`` or ``safetensors-index``, from the name and the file's structure.
-
-    A torch pickle (a zip archive or a bare pickle, each recognised by its whole structure, never
-    by its first bytes alone) is refused here, before anything parses it: pathcond never unpickles.
-    A safetensors file is recognised by its header: 8 bytes of little-endian length, then that many
-    bytes of JSON object within the file, whatever the length's bytes happen to look like.
-    """
+def checked_structure(source: Path | bytes) -> str | None:
+    """What :func:`file_structure` finds ``source`` to be, once the files pathcond refuses to read
+    as a checkpoint are refused: a torch pickle (a zip archive or a bare pickle, each recognised by
+    its whole structure, never by its first bytes alone, or named like one), refused before anything
+    parses it, since pathcond never unpickles; and a file named as a YAML spec."""
     if isinstance(source, Path):
         with open(source, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            structure = _structure(handle, size)
+            structure = file_structure(handle, os.fstat(handle.fileno()).st_size)
         if source.suffix.lower() in TORCH_PICKLE_SUFFIXES or structure == "torch-pickle":
             raise InputError(_torch_pickle_message(str(source)))
         if source.suffix.lower() in YAML_SUFFIXES:
             raise InputError(f"cannot read '{shown(str(source))}' as a checkpoint: it is named as an architecture "
                              "spec (YAML). Give the checkpoint as MODEL and the spec with --arch, e.g. "
                              "pathcond rescale model.safetensors --arch model.yaml")
-        # Any .json is read as a shard index (the safetensors reader takes any *.json index and
-        # explains what it expected); onnx.load would otherwise parse it as a JSON ModelProto.
-        if source.name.endswith(SHARD_INDEX_SUFFIX) or source.suffix.lower() == ".json":
-            return "safetensors-index"
-        if source.suffix == ".onnx":
-            return "onnx"
-        if source.suffix == ".safetensors":
-            return "safetensors"
-    else:
-        structure = _structure(io.BytesIO(source), len(source))
-        if structure == "torch-pickle":
-            raise InputError(_torch_pickle_message("<stdin>"))
-    return "safetensors" if structure == "safetensors" else "onnx"
+        return structure
+    structure = file_structure(io.BytesIO(source), len(source))
+    if structure == "torch-pickle":
+        raise InputError(_torch_pickle_message("<stdin>"))
+    return structure
 
 
 # The safetensors library refuses headers beyond 100 MB; nothing longer is read to recognise one.
 _SAFETENSORS_HEADER_LIMIT = 100_000_000
 
 
-def _structure(handle, size: int) -> str | None:
+def file_structure(handle, size: int) -> str | None:
     """``safetensors`` or ``torch-pickle`` when the whole structure of the file (at ``handle``'s
-    start, ``size`` bytes) is one, else None. Parsing never runs code: pickles are walked
-    opcode by opcode with :mod:`pickletools`, never loaded."""
+    start, ``size`` bytes) is one, else None. A safetensors file is recognised by its header: 8
+    bytes of little-endian length, then that many bytes of JSON object within the file, whatever
+    the length's bytes happen to look like. Parsing never runs code: pickles are walked opcode by
+    opcode with :mod:`pickletools`, never loaded."""
     head = handle.read(9)
     if len(head) == 9 and head[8:9] == b"{":
         length = int.from_bytes(head[:8], "little")
@@ -97,12 +89,12 @@ def _torch_pickle_message(label: str) -> str:
     )
 
 
-def output_format_mismatch(source: Path | bytes, destination: Path) -> str | None:
-    """Why ``destination``'s name does not fit the format ``source`` is written in, or None.
+def format_mismatch(kind: str, destination: Path) -> str | None:
+    """Why ``destination``'s name does not fit a checkpoint of ``kind`` (what a format's
+    :meth:`~.interface.Format.detect` tells), which pathcond writes in its own format, or None.
 
     A suffix that names no checkpoint format is accepted (the format is the input's).
     """
-    kind = detect_format(source)
     name = destination.name.lower()
     if name.endswith(".onnx"):
         wanted = "onnx"

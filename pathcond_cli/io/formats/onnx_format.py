@@ -84,6 +84,10 @@ class OnnxFormat:
 
     name = "onnx"
 
+    def detect(self, path: Path | None, structure: str | None) -> str | None:
+        """Asked last, ONNX reads any file no other format claims: onnx.load says what is wrong with it."""
+        return "onnx"
+
     def load(self, source: Path | bytes, *, arch: str | None, input_shape: InputShape | None, name: str | None,
              allow_unused: bool) -> LoadedModel:
         if arch is not None:
@@ -118,6 +122,9 @@ class OnnxFormat:
             return external_data_files(path)
         except (InputError, OSError, ValueError, DecodeError):
             return []  # not a model pathcond can read: it consists of itself
+
+    def architecture_files(self, path: Path | None, arch: str | None) -> list[Path]:
+        return []  # the model carries its graph
 
     def own_companions(self, path: Path) -> list[Path]:
         return own_external_data(path)

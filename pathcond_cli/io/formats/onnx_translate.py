@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from math import prod
 
 import onnx
@@ -120,7 +120,7 @@ class Translator:
     def translate(self, shapes: dict[str, tuple[int, ...]]) -> Graph:
         """The DAG, with an input node for each of ``shapes`` (ONNX input name → batch-free shape)."""
         for input_name, input_shape in shapes.items():
-            self._emit(Input(self._unique(input_name), shape=input_shape), input_name)
+            self._emit(self._node(Input.op, self._unique(input_name), (), shape=input_shape), input_name)
             self.activations.add(input_name)
         needed = self._needed_values()
         for node in self.onnx_nodes:
@@ -243,11 +243,19 @@ class Translator:
         self.node_of_value[value] = node.name
         return self._add_node(node, self._known_batch_free_shape(value))
 
-    def _emit_for(self, onnx_node: onnx.NodeProto, make: Callable[..., Node], *inputs: str, **attributes) -> Node:
-        """Add the graph node standing for ``onnx_node`` (named after its weight, or after it) reading ``inputs``."""
+    def _emit_for(self, onnx_node: onnx.NodeProto, node_type: type[Node], *inputs: str, **attributes) -> Node:
+        """Add the graph node of ``node_type`` standing for ``onnx_node`` (named after its weight, or
+        after it) reading ``inputs``."""
         name = self._unique(_layer_name(onnx_node, attributes.get("weight")))
-        node = make(name=name, inputs=tuple(self._source(v) for v in inputs), **attributes)
+        node = self._node(node_type.op, name, [self._source(v) for v in inputs], **attributes)
         return self._emit(self._claim(onnx_node, node), onnx_node.output[0])
+
+    def _node(self, op: str, name: str, inputs: Sequence[str], **attributes) -> Node:
+        """The node of type ``op`` built by :func:`~.spec.node_from_layer`, the importers' one node
+        constructor: validated, with a spec's defaults for the fields not given (an omitted tensor
+        key is ``<name>.<role>``, so a role the op lacks is given as None)."""
+        layer = {"name": name, "type": op, **({} if op == Input.op else {"inputs": list(inputs)}), **attributes}
+        return node_from_layer(layer, source=self.label)
 
     def _claim(self, onnx_node: onnx.NodeProto, node: Node) -> Node:
         """``node`` reading its own copy of each initializer another layer (or role) already reads.
@@ -307,9 +315,8 @@ class Translator:
         if layer is None:
             self.node_of_value[value] = self._source(source)
         else:
-            node = node_from_layer({**layer, "name": self._unique(node_label(op)), "inputs": [self._source(source)]},
-                                   source=self.label)
-            self._emit(node, value)
+            kind = layer.pop("type")
+            self._emit(self._node(kind, self._unique(node_label(op)), [self._source(source)], **layer), value)
         return value
 
     def _move(self, node: onnx.NodeProto, transform: Callable[[torch.Tensor], torch.Tensor | list[torch.Tensor]]) -> None:
@@ -487,7 +494,7 @@ class Translator:
         begin, end = _pads(node, spatial)
         if begin != end:
             # torch.export folds a ZeroPad before a conv into the conv's (asymmetric) pads.
-            pad = Pad(name=self._unique(f"{node_label(node)}/pad"), inputs=(self._source(x),), begin=begin, end=end)
+            pad = self._node(Pad.op, self._unique(f"{node_label(node)}/pad"), [self._source(x)], begin=begin, end=end)
             self._add_node(pad, None)
             padded = f"{node.output[0]}/padded"
             self.node_of_value[padded] = pad.name
@@ -542,7 +549,8 @@ class Translator:
             raise Unsupported("dividing a constant by an activation is not homogeneous")
         x = self._activation(node, 1 - static[0])
         if node.op_type == "Mul" and self._is_per_channel(node.input[static[0]], x):
-            self._emit_for(node, ChannelAffine, x, weight=self._weight(node.input[static[0]]).key)
+            # Its shift, when an Add follows, is set by that Add.
+            self._emit_for(node, ChannelAffine, x, weight=self._weight(node.input[static[0]]).key, bias=None)
             return
         constant = self._static_floats(node.input[static[0]])
         if constant is None or len(constant) != 1:
@@ -740,12 +748,12 @@ class Translator:
             raise Unsupported(f"its input '{x}' is not a 1-d, 2-d or 3-d feature map of the graph")
         pooled_shape = (channels,) + (1,) * len(spatial)
         pool = self._add_node(
-            AdaptiveAvgPool(name=self._unique(node_label(node)), inputs=(self._source(source),),
-                            output_size=(1,) * len(spatial)),
+            self._node(AdaptiveAvgPool.op, self._unique(node_label(node)), [self._source(source)],
+                       output_size=(1,) * len(spatial)),
             pooled_shape,
         )
         if not _int(node, "keepdims", 1):
-            self._emit(Flatten(name=self._unique(f"{pool.name}/flatten"), inputs=(pool.name,)), node.output[0])
+            self._emit(self._node(Flatten.op, self._unique(f"{pool.name}/flatten"), [pool.name]), node.output[0])
             return
         pooled_value = f"{node.output[0]}/pooled"
         self.node_of_value[pooled_value] = pool.name

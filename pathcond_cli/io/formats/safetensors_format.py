@@ -1,9 +1,6 @@
-"""safetensors checkpoints (one file or a sharded index) plus the architecture they need.
-
-A safetensors file holds named tensors and a str→str metadata dict, but no architecture. The
-architecture is resolved in a fixed order and never guessed: ``arch`` (a spec file or a Python
-factory), then the spec pathcond embeds in every file it writes (metadata key
-``pathcond.spec``), then a sidecar spec next to the checkpoint.
+"""safetensors checkpoints, one file or a sharded index: reading their tensors (each only when
+used), writing them back bit for bit, and the :class:`~.interface.Format`. The architecture a
+checkpoint is read with is resolved in :mod:`.architecture`.
 
 Sharded checkpoints follow the Hugging Face layout: ``NAME.safetensors.index.json`` holds
 ``{"metadata": {...}, "weight_map": {tensor key: shard file}}`` and the shards lie beside it.
@@ -11,7 +8,6 @@ Sharded checkpoints follow the Hugging Face layout: ``NAME.safetensors.index.jso
 
 from __future__ import annotations
 
-import difflib
 import io
 import json
 import math
@@ -28,23 +24,21 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ...engine.graph import Graph
 from ...engine.layouts import held_within_budget, layout_of
 from ...engine.model import LoadedModel
-from ...errors import InputError, InvalidWeightsError, OutputError
-from ..companions import (SPEC_SUFFIXES, checkpoint_stem, is_companion_name, named_by_another_file, shard_name,
-                          sidecar_candidates)
+from ...errors import InputError, OutputError
+from ..companions import checkpoint_stem, is_companion_name, named_by_another_file, shard_name
 from ..fileio import atomic_write, describe, file_state
+from .architecture import (SPEC_METADATA_KEY, architecture_files, check_parameters, resolve_architecture,
+                           unused_tensors)
 from .common import (INPUT_COPIES, InputShape, check_weight_types, contained_file, parse_json, refuse_beyond_memory,
-                     shown)
-from .factory import graph_from_factory
-from .spec import dump_spec, graph_from_spec, load_spec_file, parse_spec_text, spec_from_graph
+                     shown, some_keys)
+from .detection import SHARD_INDEX_SUFFIX
+from .spec import dump_spec, spec_from_graph
 
-SPEC_METADATA_KEY = "pathcond.spec"
 # safetensors itself refuses larger headers; a larger length field means corruption.
 MAX_HEADER_BYTES = 100_000_000
 MAX_INDEX_BYTES = 100_000_000
-_UNUSED_SHOWN = 20
 _SAFETENSORS_ERRORS = (safetensors.SafetensorError, OSError, ValueError, RuntimeError, TypeError)
 
 
@@ -96,14 +90,14 @@ def load_safetensors(
     else:
         params, payload = _read_file(path, display)
         files = [path]
-    graph, arch_source, spec_file, notes = _architecture(arch, path, payload.metadata, input_shape, display)
+    graph, arch_source, spec_file, notes = resolve_architecture(arch, path, payload.metadata, input_shape, display)
     if spec_file is not None:
         files.append(spec_file)
     # The finiteness check's read is the analysis's too: held until the analysis ends.
     params = held_within_budget(params)
     check_weight_types(graph, params, display)
-    _check_parameters(graph, params, display)
-    unused = _unused_tensors(graph, params, display)
+    check_parameters(graph, params, display)
+    unused = unused_tensors(graph, params, display)
     if unused and not allow_unused:
         # A factory's operations whose result reaches no output were dropped: their tensors are unused.
         dropped = "".join(f"\n{note}. Their tensors are unused; --allow-unused carries them through unchanged."
@@ -278,7 +272,7 @@ def _read_index(path: Path, display: str) -> tuple[Mapping[str, torch.Tensor], S
         if set(tensors) != listed:
             raise InputError(
                 f"{display}: the index and shard '{shown(file)}' disagree: listed but absent: "
-                f"{_some(listed - set(tensors))}; present but not listed: {_some(set(tensors) - listed)}"
+                f"{some_keys(listed - set(tensors))}; present but not listed: {some_keys(set(tensors) - listed)}"
             )
         params.add(tensors)
         shards.append(Shard(file, tuple(sorted(tensors)), payload.metadata))
@@ -360,14 +354,6 @@ def index_shards(path: Path) -> list[Path]:
     return [contained_file(path.parent, file, str(path), "shard") for file in sorted(set(weight_map.values()))]
 
 
-def _some(keys: set[str]) -> str:
-    listed = sorted(keys)
-    if not listed:
-        return "none"
-    text = ", ".join(shown(k) for k in listed[:_UNUSED_SHOWN])
-    return text + (f" and {len(listed) - _UNUSED_SHOWN} more" if len(listed) > _UNUSED_SHOWN else "")
-
-
 def _index_entries(path: Path, display: str) -> tuple[dict[str, str], dict[str, Any]]:
     """The ``weight_map`` and ``metadata`` of a shard index, validated."""
     try:
@@ -389,115 +375,6 @@ def _index_entries(path: Path, display: str) -> tuple[dict[str, str], dict[str, 
             f"{display}: not a safetensors index: expected {{\"metadata\": {{...}}, \"weight_map\": {{key: shard file}}}}"
         )
     return weight_map, metadata
-
-
-def _architecture(
-    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: InputShape | None, display: str
-) -> tuple[Graph, str, Path | None, list[str]]:
-    """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``), the spec
-    file it was read from (None when embedded or a factory) and a factory's import notes."""
-    if arch is not None:
-        graph, notes = _graph_from_arch(arch, input_shape)
-        return graph, f"--arch {arch}", Path(arch) if arch.lower().endswith(SPEC_SUFFIXES) else None, notes
-    embedded = metadata.get(SPEC_METADATA_KEY)
-    if embedded is not None:
-        source = f"{display} (metadata '{SPEC_METADATA_KEY}')"
-        if not isinstance(embedded, str):
-            raise InputError(f"{source}: expected the spec as a JSON string")
-        graph = graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape)
-        return graph, "metadata", None, []
-    candidates = sidecar_candidates(path) if path is not None else []
-    for candidate in candidates:
-        if candidate.is_file():
-            candidate = contained_file(candidate.parent, candidate.name, display, "the sidecar spec")
-            graph = graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
-            return graph, f"sidecar {candidate}", candidate, []
-    raise InputError(_no_architecture_message(display, candidates))
-
-
-def _graph_from_arch(arch: str, input_shape: InputShape | None) -> tuple[Graph, list[str]]:
-    """The graph of a spec file or a factory, and the factory's import notes."""
-    if arch.lower().endswith(SPEC_SUFFIXES):
-        return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape), []
-    if ":" in arch:
-        return graph_from_factory(arch, input_shape)
-    raise InputError(
-        f"--arch '{arch}': expected a spec file (.yaml, .yml, .json) or a Python factory module.path:callable"
-    )
-
-
-def _no_architecture_message(display: str, candidates: list[Path]) -> str:
-    sidecars = (
-        f"sidecar spec files {', '.join(str(c) for c in candidates)}: none exists"
-        if candidates else "sidecar spec files: none, the checkpoint was not given as a file"
-    )
-    return (
-        f"{display}: no architecture found for this checkpoint. Searched, in order:\n"
-        "  - --arch: not given\n"
-        f"  - the checkpoint metadata key '{SPEC_METADATA_KEY}': absent\n"
-        f"  - {sidecars}\n"
-        "Pass --arch ARCH.yaml (a layer spec, see docs/spec-format.md) or --arch module.path:callable "
-        "(a Python factory returning the torch.nn.Module, with --input-shape)."
-    )
-
-
-def _check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> None:
-    """``graph.check_parameters`` with the checkpoint named, and a hint for a default bias key."""
-    try:
-        graph.check_parameters(params)
-    except InvalidWeightsError as exc:
-        raise InvalidWeightsError(f"{display}: {exc}") from None
-    except InputError as exc:
-        missing_biases = [
-            node.name for node in graph.nodes
-            if "bias" in node.optional_roles and node.bias is not None and node.bias not in params
-        ]
-        hint = ""
-        if missing_biases:
-            used = set(graph.parameter_keys())
-            folded = any(key.endswith("running_mean") and key not in used for key in params)
-            hint = (
-                f"\n(layers {', '.join(missing_biases)} have no bias tensor: "
-                + ("the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
-                   "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
-                   "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
-                   "--input-shape ...)"
-                   if folded else "a layer without bias needs 'bias: null' in the spec")
-                + ")"
-            )
-        raise InputError(f"{display}: {exc}{hint}") from None
-
-
-def _unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> str:
-    """A paragraph naming the checkpoint tensors the architecture does not read ('' if none),
-    grouped by the layer they most likely belong to."""
-    used = set(graph.parameter_keys())
-    # BatchNorm's num_batches_tracked only counts training steps: never part of the function.
-    unused = sorted(k for k in params if k not in used and not k.endswith("num_batches_tracked"))
-    if not unused:
-        return ""
-    by_layer: dict[str, list[str]] = {}
-    for key in unused:
-        by_layer.setdefault(key.rpartition(".")[0], []).append(key)
-    lines = []
-    for layer, keys in list(by_layer.items())[:_UNUSED_SHOWN]:
-        lines.append(f"  - {_some(set(keys))}: {_likely_owner(graph, layer, keys)}")
-    if len(by_layer) > _UNUSED_SHOWN:
-        lines.append(f"  - and the tensors of {len(by_layer) - _UNUSED_SHOWN} more layer(s)")
-    return f"{display}: {len(unused)} checkpoint tensor(s) are not used by the architecture:\n" + "\n".join(lines)
-
-
-def _likely_owner(graph: Graph, layer: str, keys: list[str]) -> str:
-    names = [node.name for node in graph.nodes]
-    if not layer:
-        return "top-level names that no layer of the architecture reads"
-    if layer in names:
-        return f"layer '{shown(layer)}' ({graph[layer].op}) exists but does not read them"
-    roles = {key.rpartition(".")[2] for key in keys}
-    kind = "a batchnorm layer" if roles & {"running_mean", "running_var"} else "a layer"
-    close = difflib.get_close_matches(layer, names, n=1)
-    near = f"; the closest layer name is '{shown(close[0])}'" if close else ""
-    return f"probably {kind} '{shown(layer)}' that the architecture lacks{near}"
 
 
 # -- writing ----------------------------------------------------------------------------------
@@ -600,6 +477,18 @@ class SafetensorsFormat:
 
     name = "safetensors"
 
+    def detect(self, path: Path | None, structure: str | None) -> str | None:
+        if path is not None:
+            # Any .json is read as a shard index (the index reader explains what it expected);
+            # onnx.load would otherwise parse it as a JSON ModelProto.
+            if path.name.endswith(SHARD_INDEX_SUFFIX) or path.suffix.lower() == ".json":
+                return "safetensors-index"
+            if path.suffix == ".onnx":
+                return None  # named an ONNX model, whatever its bytes look like
+            if path.suffix == ".safetensors":
+                return "safetensors"
+        return "safetensors" if structure == "safetensors" else None
+
     def load(self, source: Path | bytes, *, arch: str | None, input_shape: InputShape | None, name: str | None,
              allow_unused: bool) -> LoadedModel:
         model = load_safetensors(source, arch=arch, input_shape=input_shape, name=name, allow_unused=allow_unused)
@@ -622,6 +511,9 @@ class SafetensorsFormat:
             return index_shards(path)
         except (InputError, OSError, ValueError):
             return []  # not an index pathcond can read: it consists of itself
+
+    def architecture_files(self, path: Path | None, arch: str | None) -> list[Path]:
+        return architecture_files(path, arch)
 
     def own_companions(self, path: Path) -> list[Path]:
         return own_shards(path)

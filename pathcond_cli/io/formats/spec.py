@@ -36,6 +36,8 @@ from .common import parse_json, shapes_by_input
 from .offenders import NOT_HOMOGENEOUS_TYPES, grouped, offender_note
 
 FORMAT_VERSION = 1
+# What a spec file is named: the spec command writes these, --arch reads them, sidecars end so.
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 MAX_SPEC_BYTES = 10_000_000
 MAX_SPEC_DEPTH = 64
 _PROBLEMS_SHOWN = 40
@@ -124,8 +126,9 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
 
 def node_from_layer(layer: Mapping[str, Any], *, source: str) -> Node:
     """The node one spec layer describes (``name``, ``type``, ``inputs`` and the type's fields),
-    validated and normalised as a spec file's layers are: the node constructor the importers share
-    (fx and data movement emit layers for :func:`graph_from_spec`; ONNX builds its moved values here)."""
+    validated and normalised as a spec file's layers are: the one node constructor, whose defaults
+    are the only ones (see :mod:`pathcond_cli.engine.schema`). ONNX builds every node here; fx and
+    data movement emit layers that :func:`graph_from_spec` builds with the same :func:`_parse_layer`."""
     problems: list[str] = []
     offenders: list[tuple[str, str]] = []
     node = _parse_layer(0, layer, None, problems, offenders)

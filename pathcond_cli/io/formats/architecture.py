@@ -1,0 +1,154 @@
+"""The architecture of a safetensors checkpoint, which holds tensors but none: resolved in a fixed
+order and never guessed. ``--arch`` (a spec file or a Python factory) first, then the spec
+pathcond embeds in every file it writes (metadata key :data:`SPEC_METADATA_KEY`), then a sidecar
+spec beside the checkpoint. Then the checkpoint's tensors are checked against it: every tensor it
+reads present, none left unused. Reading and writing the tensors is :mod:`.safetensors_format`'s."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...engine.graph import Graph
+from ...errors import InputError, InvalidWeightsError
+from ..companions import checkpoint_stem
+from .common import KEYS_SHOWN, InputShape, contained_file, shown, some_keys
+from .factory import factory_source_files, graph_from_factory
+from .spec import SPEC_SUFFIXES, graph_from_spec, load_spec_file, parse_spec_text
+
+SPEC_METADATA_KEY = "pathcond.spec"
+
+
+def architecture_files(path: Path | None, arch: str | None) -> list[Path]:
+    """The files resolving the architecture of the checkpoint at ``path`` (None for stdin) with
+    ``--arch arch`` may read, known before loading: the spec file, the Python source of a factory,
+    or, when ``arch`` is not given, the sidecar specs beside it (whether or not the embedded spec
+    makes reading one unnecessary). Never raises."""
+    if arch is not None and arch.lower().endswith(SPEC_SUFFIXES):
+        return [Path(arch)]
+    if arch is not None and ":" in arch:
+        return factory_source_files(arch)
+    if arch is None and path is not None:
+        return [candidate for candidate in sidecar_candidates(path) if os.path.lexists(candidate)]
+    return []
+
+
+def sidecar_candidates(checkpoint: Path) -> list[Path]:
+    """Where a spec for ``checkpoint`` is looked for, in order."""
+    stem = checkpoint_stem(checkpoint.name)
+    names = [f"{stem}.pathcond{suffix}" for suffix in SPEC_SUFFIXES] + [f"{stem}{suffix}" for suffix in SPEC_SUFFIXES]
+    return [checkpoint.with_name(n) for n in names if n != checkpoint.name]
+
+
+def resolve_architecture(
+    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: InputShape | None, display: str
+) -> tuple[Graph, str, Path | None, list[str]]:
+    """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``), the spec
+    file it was read from (None when embedded or a factory) and a factory's import notes."""
+    if arch is not None:
+        graph, notes = _graph_from_arch(arch, input_shape)
+        return graph, f"--arch {arch}", Path(arch) if arch.lower().endswith(SPEC_SUFFIXES) else None, notes
+    embedded = metadata.get(SPEC_METADATA_KEY)
+    if embedded is not None:
+        source = f"{display} (metadata '{SPEC_METADATA_KEY}')"
+        if not isinstance(embedded, str):
+            raise InputError(f"{source}: expected the spec as a JSON string")
+        graph = graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape)
+        return graph, "metadata", None, []
+    candidates = sidecar_candidates(path) if path is not None else []
+    for candidate in candidates:
+        if candidate.is_file():
+            candidate = contained_file(candidate.parent, candidate.name, display, "the sidecar spec")
+            graph = graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
+            return graph, f"sidecar {candidate}", candidate, []
+    raise InputError(_no_architecture_message(display, candidates))
+
+
+def _graph_from_arch(arch: str, input_shape: InputShape | None) -> tuple[Graph, list[str]]:
+    """The graph of a spec file or a factory, and the factory's import notes."""
+    if arch.lower().endswith(SPEC_SUFFIXES):
+        return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape), []
+    if ":" in arch:
+        return graph_from_factory(arch, input_shape)
+    raise InputError(
+        f"--arch '{arch}': expected a spec file (.yaml, .yml, .json) or a Python factory module.path:callable"
+    )
+
+
+def _no_architecture_message(display: str, candidates: list[Path]) -> str:
+    sidecars = (
+        f"sidecar spec files {', '.join(str(c) for c in candidates)}: none exists"
+        if candidates else "sidecar spec files: none, the checkpoint was not given as a file"
+    )
+    return (
+        f"{display}: no architecture found for this checkpoint. Searched, in order:\n"
+        "  - --arch: not given\n"
+        f"  - the checkpoint metadata key '{SPEC_METADATA_KEY}': absent\n"
+        f"  - {sidecars}\n"
+        "Pass --arch ARCH.yaml (a layer spec, see docs/spec-format.md) or --arch module.path:callable "
+        "(a Python factory returning the torch.nn.Module, with --input-shape)."
+    )
+
+
+def check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> None:
+    """``graph.check_parameters`` with the checkpoint named, and a hint for a default bias key."""
+    try:
+        graph.check_parameters(params)
+    except InvalidWeightsError as exc:
+        raise InvalidWeightsError(f"{display}: {exc}") from None
+    except InputError as exc:
+        missing_biases = [
+            node.name for node in graph.nodes
+            if "bias" in node.optional_roles and node.bias is not None and node.bias not in params
+        ]
+        hint = ""
+        if missing_biases:
+            used = set(graph.parameter_keys())
+            folded = any(key.endswith("running_mean") and key not in used for key in params)
+            hint = (
+                f"\n(layers {', '.join(missing_biases)} have no bias tensor: "
+                + ("the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
+                   "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
+                   "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
+                   "--input-shape ...)"
+                   if folded else "a layer without bias needs 'bias: null' in the spec")
+                + ")"
+            )
+        raise InputError(f"{display}: {exc}{hint}") from None
+
+
+def unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> str:
+    """A paragraph naming the checkpoint tensors the architecture does not read ('' if none),
+    grouped by the layer they most likely belong to."""
+    used = set(graph.parameter_keys())
+    # BatchNorm's num_batches_tracked only counts training steps: never part of the function.
+    unused = sorted(k for k in params if k not in used and not k.endswith("num_batches_tracked"))
+    if not unused:
+        return ""
+    by_layer: dict[str, list[str]] = {}
+    for key in unused:
+        by_layer.setdefault(key.rpartition(".")[0], []).append(key)
+    lines = []
+    for layer, keys in list(by_layer.items())[:KEYS_SHOWN]:
+        lines.append(f"  - {some_keys(set(keys))}: {_likely_owner(graph, layer, keys)}")
+    if len(by_layer) > KEYS_SHOWN:
+        lines.append(f"  - and the tensors of {len(by_layer) - KEYS_SHOWN} more layer(s)")
+    return f"{display}: {len(unused)} checkpoint tensor(s) are not used by the architecture:\n" + "\n".join(lines)
+
+
+def _likely_owner(graph: Graph, layer: str, keys: list[str]) -> str:
+    names = [node.name for node in graph.nodes]
+    if not layer:
+        return "top-level names that no layer of the architecture reads"
+    if layer in names:
+        return f"layer '{shown(layer)}' ({graph[layer].op}) exists but does not read them"
+    roles = {key.rpartition(".")[2] for key in keys}
+    kind = "a batchnorm layer" if roles & {"running_mean", "running_var"} else "a layer"
+    close = difflib.get_close_matches(layer, names, n=1)
+    near = f"; the closest layer name is '{shown(close[0])}'" if close else ""
+    return f"probably {kind} '{shown(layer)}' that the architecture lacks{near}"
