@@ -30,12 +30,17 @@ from .engine.groups import DagParam, RescalingGroups, build_groups
 from .engine.layouts import layout_of, release_held
 from .engine.model import LoadedModel
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
+# The module, not its functions: a loader replaced in it (a test's fault) is the one called here.
+from .io import formats
+from .io.fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
+from .io.formats import replaced_companions, write_model
+from .io.formats.fx_import import module_import
 from .solve.bounds import BoundChoice, within_dtype
 from .solve.dtype_limits import StorageCheck, check_storage, ensure_storable, storage_problem
 from .solve.enorm import enorm
 from .solve.options import AUTO, BOUNDED_SOLVERS, DEFAULT_CRITERION, DEFAULT_SOLVER, NONE, USER, SolveOptions
 from .solve.solvers import ProgressCallback, SolveResult, solve
-from .verify import Verification, compare
+from .verify import Verification, compare, compare_modules, independent_check
 
 LOG10_E = 1 / math.log(10)
 # The ℓq path norms every analysis reports (SPEC §8); ``path_norms=`` adds others.
@@ -635,8 +640,6 @@ def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, options: SolveOp
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
     """Wrap an ``nn.Module`` (traced with torch.fx) as a :class:`LoadedModel`."""
-    from .io.formats.fx_import import module_import
-
     source = name or type(module).__name__
     graph, params, notes = module_import(module, tuple(input_shape), source=source)
     return LoadedModel(graph, params, "module", source, payload=module, warnings=notes, arch_source="module")
@@ -653,8 +656,6 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
     on :class:`VerificationError` the module is left as it was. A module whose parameters are
     shared between layers (tied weights) is refused with :class:`UnsupportedModelError`.
     """
-    from .verify import compare_modules
-
     _check_module(module)
     options.pop("verify", None)
     model = module_model(module, input_shape)
@@ -713,10 +714,8 @@ def load(
     Checkpoint tensors the architecture does not read raise :class:`InputError` unless
     ``allow_unused`` (then they are carried through and named in ``warnings``).
     """
-    from .io.formats import load_model
-
-    return load_model(Path(source) if isinstance(source, str) else source, arch=arch, input_shape=input_shape,
-                      allow_unused=allow_unused)
+    return formats.load_model(Path(source) if isinstance(source, str) else source, arch=arch,
+                              input_shape=input_shape, allow_unused=allow_unused)
 
 
 def run_metadata(result: RescaleResult) -> dict[str, str]:
@@ -862,9 +861,6 @@ def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destin
     ``destination``, run ``verify(staged_path, shown_name)`` on what was written, and only if it
     returns rename the file onto ``destination`` (the rules of :func:`save`): a failed check
     raises and leaves nothing behind. Returns what ``verify`` returned."""
-    from .io.fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
-    from .io.formats import replaced_companions, write_model
-
     timed = timed or Stopwatch({})
     destination = resolve_destination(Path(destination))
     check_destination(destination, inputs=model.files, in_place=in_place)
@@ -889,12 +885,9 @@ def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str 
     """Reload what was written (its architecture is embedded) and compare it with the original;
     returns the verification and the model read back. ``name`` is how the file is called in
     messages (default: ``target``); ``compared`` sees the comparison before it is judged."""
-    from .io.formats import load_model
-    from .verify import independent_check
-
     name = name or str(target)
     try:
-        written = load_model(target, input_shape=input_shape, name=name, allow_unused=True)
+        written = formats.load_model(target, input_shape=input_shape, name=name, allow_unused=True)
     except PathcondError as exc:
         raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
     # Held any longer, the written values would add to the run's peak: the loader's check read them.

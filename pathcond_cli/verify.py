@@ -11,6 +11,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
 import torch
 
 from .engine.calibration import outputs_ignore_input
@@ -21,6 +23,7 @@ from .engine.model import LoadedModel
 from .errors import VerificationError
 from .io.fileio import interrupts_deferred
 from .io.formats import exception_line
+from .io.formats.onnx_format import declared_batch, fed_inputs
 
 # A rescaled ONNX model run by onnxruntime/onnx.reference in its own float type is compared
 # with the original run the same way; never tighter than this (float32 kernels differ by ULPs).
@@ -278,8 +281,6 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     """
     if model.format != "onnx":
         return _no_independent_runtime(model)
-    import numpy as np
-
     runners, why_not = _onnx_runners(model)
     feeds = _random_feeds(model, seed)
     # The original as the user holds it: its own file when it came from one (the in-memory
@@ -316,8 +317,6 @@ def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) ->
     Returns ``{"runtime", "status", "detail"}`` as :func:`independent_check` does."""
     if written.format != "onnx":
         return _no_independent_runtime(written)
-    import numpy as np
-
     runners, why_not = _onnx_runners(written)
     feeds = _random_feeds(written, seed)
     with torch.no_grad():
@@ -355,11 +354,6 @@ def _no_independent_runtime(model: LoadedModel) -> dict[str, Any]:
 def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
     """A random array for every input an ONNX model's caller feeds, in its declared element type,
     with one batch size for all: the first one an input declares (1 when all are symbolic)."""
-    import numpy as np
-    import onnx
-
-    from .io.formats.onnx_format import declared_batch, fed_inputs
-
     graph_inputs = fed_inputs(model.payload, model.source)
     batch = declared_batch(graph_inputs) or 1
     generator = np.random.default_rng(seed)
@@ -396,7 +390,7 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
                          + (" (install pathcond[onnx-check])" if onnxruntime is None else ""))
 
     def run_reference(data, path, feeds):
-        import onnx
+        # Imported only when no runtime was found: onnx.reference takes a moment to load.
         from onnx.reference import ReferenceEvaluator
 
         proto = onnx.load_from_string(data) if data is not None else onnx.load(str(path))
