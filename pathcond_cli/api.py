@@ -20,21 +20,27 @@ from typing import TypeVar
 import torch
 
 from . import __version__
-from .engine.calibration import calibration_warnings
+from .engine.calibration import calibration_warnings, constant_output_warnings, ignores_input
 from .engine.diag import (
     DiagG, LogG, OuterLog, PathCount, PathNorm, TensorStats, balancing_exponents, dense, diag_g_and_l2_norm,
-    path_count, path_norm, tensor_stats, zeros_per_layer,
+    path_count, path_norms, tensor_stats, zeros_per_layer,
 )
 from .engine.graph import BatchNorm, Graph
 from .engine.groups import DagParam, RescalingGroups, build_groups
+from .engine.layouts import layout_of, release_held
 from .engine.model import LoadedModel
 from .errors import InputError, PathcondError, UnsupportedModelError, UsageError, VerificationError
+# The module, not its functions: a loader replaced in it (a test's fault) is the one called here.
+from .io import formats
+from .io.fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
+from .io.formats import replaced_companions, write_model
+from .io.formats.fx_import import module_import
 from .solve.bounds import BoundChoice, within_dtype
 from .solve.dtype_limits import StorageCheck, check_storage, ensure_storable, storage_problem
 from .solve.enorm import enorm
 from .solve.options import AUTO, BOUNDED_SOLVERS, DEFAULT_CRITERION, DEFAULT_SOLVER, NONE, USER, SolveOptions
 from .solve.solvers import ProgressCallback, SolveResult, solve
-from .verify import Verification, compare
+from .verify import Verification, compare, compare_modules, independent_check
 
 LOG10_E = 1 / math.log(10)
 # The ℓq path norms every analysis reports (SPEC §8); ``path_norms=`` adds others.
@@ -164,6 +170,8 @@ class Analysis:
     device: str = "cpu"
     # ‖Φ(θ)‖_q by report key (``l1``, ``l2``, ``l4``, ...), in the order asked for.
     path_norms: dict[str, PathNorm] = field(default_factory=dict)
+    # u_D, the balancing diag(G) and the path norms ran on (None: not computed).
+    balancing: torch.Tensor | None = None
 
     @cached_property
     def summary(self) -> DiagSummary:
@@ -337,6 +345,9 @@ class RescaleResult:
     path_norms_after: dict[str, PathNorm] | None = None
     # The storage check :func:`save` still has to make (``rescale(check_storage_when_written=True)``).
     pending_storage_check: PendingStorageCheck | None = None
+    # Whether :func:`save` adds the warning for an output that ignores its input, from its
+    # verification's run of the original.
+    calibration_pending: bool = False
 
     @property
     def rescaled_params(self) -> dict[str, torch.Tensor]:
@@ -373,18 +384,23 @@ class Stopwatch:
 def analyse(model: LoadedModel, *, device: str | torch.device = "auto",
             path_norms: Iterable[float] = DEFAULT_PATH_NORMS) -> Analysis:
     """Groups, diag(G), path count and the ℓq path norms of a loaded model (q = 1, 2 and any
-    other q ≥ 1 in ``path_norms``)."""
+    other q ≥ 1 in ``path_norms``). The values the loader held for it (:class:`~pathcond_cli.
+    engine.layouts.HeldValues`) are let go at its end: later passes read the file."""
     device = resolve_device(device)
     seconds: dict[str, float] = {}
     timed = Stopwatch(seconds)
     qs = path_norm_orders(path_norms)
-    groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
-    # One balancing serves diag(G) and every path norm.
-    u_ext = timed("diag_g", lambda: groups.extend(balancing_exponents(groups)))
-    diag, l2 = timed("diag_g", lambda: diag_g_and_l2_norm(groups, device=device, u_ext=u_ext))
-    paths = timed("path_count", lambda: path_count(groups, device=device))
-    norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext, known=[l2]))
-    return Analysis(model, groups, diag, paths, seconds, str(device), norms)
+    try:
+        groups = timed("groups", lambda: build_groups(model.graph, model.params).to(device))
+        # One balancing serves diag(G) and every path norm.
+        balancing = timed("diag_g", lambda: balancing_exponents(groups))
+        u_ext = groups.extend(balancing)
+        diag, l2 = timed("diag_g", lambda: diag_g_and_l2_norm(groups, device=device, u_ext=u_ext))
+        paths = timed("path_count", lambda: path_count(groups, device=device))
+        norms = timed("path_norms", lambda: path_norms_of(groups, qs, device=device, u_ext=u_ext, known=[l2]))
+    finally:
+        release_held(model.params)
+    return Analysis(model, groups, diag, paths, seconds, str(device), norms, balancing)
 
 
 def path_norm_orders(extra: Iterable[float]) -> list[float]:
@@ -401,14 +417,14 @@ def path_norm_orders(extra: Iterable[float]) -> list[float]:
 
 def path_norms_of(groups: RescalingGroups, orders: Iterable[float], *, device: str | torch.device = "cpu",
                   u_ext: torch.Tensor | None = None, known: Iterable[PathNorm] = ()) -> dict[str, PathNorm]:
-    """‖Φ(θ)‖_q for each q, one forward pass each on one balanced copy of θ (``u_ext``: the
+    """‖Φ(θ)‖_q for each q, from one sweep over one balanced copy of θ (``u_ext``: the
     balancing, computed here when not given), except for the norms ``known`` already."""
     groups = groups.to(device)
     known = {norm.q: norm for norm in known}
-    if u_ext is None and any(q not in known for q in orders):
-        u_ext = groups.extend(balancing_exponents(groups))
-    norms = [known[q] if q in known else path_norm(groups, q, device=device, u_ext=u_ext) for q in orders]
-    return {norm.key: norm for norm in norms}
+    missing = [q for q in orders if q not in known]
+    if missing:
+        known |= {norm.q: norm for norm in path_norms(groups, missing, device=device, u_ext=u_ext)}
+    return {known[q].key: known[q] for q in orders}
 
 
 def rounding_tolerance(groups: RescalingGroups, dtypes: Iterable[torch.dtype]) -> float:
@@ -429,14 +445,24 @@ def rounding_tolerance(groups: RescalingGroups, dtypes: Iterable[torch.dtype]) -
 
 
 def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tensor], name: str, *,
-                     outcome: str = "Nothing was written.") -> dict[str, PathNorm]:
+                     outcome: str = "Nothing was written.", rescaled_by: torch.Tensor | None = None) -> dict[str, PathNorm]:
     """The path norms of the rescaled network ``graph``/``params``, which must equal the
     original's up to rounding (Φ is rescaling-invariant): :class:`VerificationError` otherwise,
     ending with ``outcome`` (what was left as it was). A check of the rescaling that needs no
-    input data."""
-    groups = build_groups(graph, params).to(analysis.groups.device)
-    after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=analysis.groups.device)
-    tolerance = rounding_tolerance(groups, [params[key].dtype for key in graph.parameter_keys()])
+    input data.
+
+    ``rescaled_by`` is the u that rescaled the original into ``params``: their passes then run
+    on the analysis's balancing less u (θ rescaled by u, then by u_D − u, is the balanced copy
+    the analysis ran on) instead of a balancing pass of their own. Any admissible rescaling
+    leaves the norms as they are; this one keeps their passes in range as the analysis's were.
+    """
+    device = analysis.groups.device
+    groups = build_groups(graph, params).to(device)
+    u_ext = None
+    if rescaled_by is not None and analysis.balancing is not None and groups.num_free == analysis.groups.num_free:
+        u_ext = groups.extend(analysis.balancing - rescaled_by.to(device, torch.float64))
+    after = path_norms_of(groups, [norm.q for norm in analysis.path_norms.values()], device=device, u_ext=u_ext)
+    tolerance = rounding_tolerance(groups, [layout_of(params, key)[1] for key in graph.parameter_keys()])
     for key, before in analysis.path_norms.items():
         # Φ = 0 (log10 −inf) on both sides is no change; −inf against a number is.
         same = after[key].log10 == before.log10
@@ -518,17 +544,25 @@ def rescale(
                 problems = timed("storage_check", lambda: check_storage(model.params, changed))
         storage_warnings = ensure_storable(model.source, analysis.groups, model.params, changed, result.u_inf,
                                            problems=problems) + choice.warnings(model.source, result)
-    storage_warnings += calibration_warnings(model, analysis.groups)
     verification = timed("verify", lambda: compare(model.graph, model.params, ChainMap(changed, model.params))) if verify else None
+    # Whether the output ignores its input is answered by the verification's forward pass of the
+    # original: made here, or by :func:`save` when it is required (which adds that warning); a
+    # pass of its own only when neither verifies.
+    calibration_pending = verification is None and pending is not None
+    if verification is not None:
+        constant = verification.original_ignores_input
+    else:
+        constant = None if calibration_pending else ignores_input(model, analysis.groups)
+    storage_warnings += calibration_warnings(model, constant)
     if verification is not None and not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled network differs from the original by a relative "
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); nothing was written."
         )
     norms_after = timed("path_norms_rescaled", lambda: check_path_norms(
-        analysis, model.graph, ChainMap(changed, model.params), model.source)) if verify else None
+        analysis, model.graph, ChainMap(changed, model.params), model.source, rescaled_by=result.u)) if verify else None
     return RescaleResult(analysis, result, changed, verification, seconds, criterion, storage_warnings, choice,
-                         norms_after, pending)
+                         norms_after, pending, calibration_pending)
 
 
 @dataclass
@@ -566,8 +600,6 @@ def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, options: SolveOp
 
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
     """Wrap an ``nn.Module`` (traced with torch.fx) as a :class:`LoadedModel`."""
-    from .io.formats.fx_import import module_import
-
     source = name or type(module).__name__
     graph, params, notes = module_import(module, tuple(input_shape), source=source)
     return LoadedModel(graph, params, "module", source, payload=module, warnings=notes, arch_source="module")
@@ -584,8 +616,6 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
     on :class:`VerificationError` the module is left as it was. A module whose parameters are
     shared between layers (tied weights) is refused with :class:`UnsupportedModelError`.
     """
-    from .verify import compare_modules
-
     _check_module(module)
     options.pop("verify", None)
     model = module_model(module, input_shape)
@@ -597,7 +627,8 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
             f"{verification.max_rel_error:.3g} (tolerance {verification.tolerance:.1g}); the module was not changed."
         )
     result.path_norms_after = check_path_norms(result.analysis, model.graph, ChainMap(result.changed, model.params),
-                                               model.source, outcome="The module was not changed.")
+                                               model.source, outcome="The module was not changed.",
+                                               rescaled_by=result.solve.u)
     # Computed once, before the module's tensors (which they are computed from) change.
     result.changed = result.changed.copy()
     state = module.state_dict()
@@ -643,10 +674,8 @@ def load(
     Checkpoint tensors the architecture does not read raise :class:`InputError` unless
     ``allow_unused`` (then they are carried through and named in ``warnings``).
     """
-    from .io.formats import load_model
-
-    return load_model(Path(source) if isinstance(source, str) else source, arch=arch, input_shape=input_shape,
-                      allow_unused=allow_unused)
+    return formats.load_model(Path(source) if isinstance(source, str) else source, arch=arch,
+                              input_shape=input_shape, allow_unused=allow_unused)
 
 
 def run_metadata(result: RescaleResult) -> dict[str, str]:
@@ -709,8 +738,10 @@ def save(
         def verify(target: Path, name: str, checked: CheckedWhenRead = changed) -> Verification:
             if result.pending_storage_check is not None:
                 _settle_storage(result, checked.storage_problems(), timed)
-            verification, written = _verify_written(model, target, input_shape, name=name)
-            result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name)
+            verification, written = _verify_written(model, target, input_shape, name=name,
+                                                    compared=lambda verification: _add_calibration(result, verification))
+            result.path_norms_after = check_path_norms(result.analysis, written.graph, written.params, name,
+                                                       rescaled_by=result.solve.u)
             return verification
 
         try:
@@ -720,6 +751,14 @@ def save(
         except _BoundedByTheWrite:
             continue
         return result.verification
+
+
+def _add_calibration(result: RescaleResult, verification: Verification) -> None:
+    """The calibration warning :func:`rescale` left to :func:`save`, from the verification's run
+    of the original (added even when the verification then fails: it may say why)."""
+    if result.calibration_pending:
+        result.warnings += constant_output_warnings(result.analysis.model, verification.original_ignores_input)
+        result.calibration_pending = False
 
 
 def _settle_storage(result: RescaleResult, problems: list[StorageCheck], timed: Stopwatch) -> None:
@@ -782,9 +821,6 @@ def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destin
     ``destination``, run ``verify(staged_path, shown_name)`` on what was written, and only if it
     returns rename the file onto ``destination`` (the rules of :func:`save`): a failed check
     raises and leaves nothing behind. Returns what ``verify`` returned."""
-    from .io.fileio import check_destination, check_unchanged, describe, resolve_destination, staged_output
-    from .io.formats import replaced_companions, write_model
-
     timed = timed or Stopwatch({})
     destination = resolve_destination(Path(destination))
     check_destination(destination, inputs=model.files, in_place=in_place)
@@ -804,20 +840,21 @@ def write_staged(model: LoadedModel, changed: Mapping[str, torch.Tensor], destin
     return verified
 
 
-def _verify_written(model: LoadedModel, target: Path, input_shape, *,
-                    name: str | None = None) -> tuple[Verification, LoadedModel]:
+def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str | None = None,
+                    compared: Callable[[Verification], None] | None = None) -> tuple[Verification, LoadedModel]:
     """Reload what was written (its architecture is embedded) and compare it with the original;
     returns the verification and the model read back. ``name`` is how the file is called in
-    messages (default: ``target``)."""
-    from .io.formats import load_model
-    from .verify import independent_check
-
+    messages (default: ``target``); ``compared`` sees the comparison before it is judged."""
     name = name or str(target)
     try:
-        written = load_model(target, input_shape=input_shape, name=name, allow_unused=True)
+        written = formats.load_model(target, input_shape=input_shape, name=name, allow_unused=True)
     except PathcondError as exc:
         raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
+    # Held any longer, the written values would add to the run's peak: the loader's check read them.
+    release_held(written.params)
     verification = compare(model.graph, model.params, written.params, rescaled_graph=written.graph)
+    if compared is not None:
+        compared(verification)
     if not verification.passed:
         raise VerificationError(
             f"'{name}': the written model differs from the original by a relative "

@@ -7,11 +7,15 @@ import math
 from collections import ChainMap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
 import torch
 
+from .engine.calibration import outputs_ignore_input
 from .engine.evaluate import forward
 from .engine.graph import BatchNorm, Graph
 from .engine.layouts import layout_of
@@ -19,6 +23,7 @@ from .engine.model import LoadedModel
 from .errors import VerificationError
 from .io.fileio import interrupts_deferred
 from .io.formats import exception_line
+from .io.formats.onnx_format import declared_batch, fed_inputs
 
 # A rescaled ONNX model run by onnxruntime/onnx.reference in its own float type is compared
 # with the original run the same way; never tighter than this (float32 kernels differ by ULPs).
@@ -48,7 +53,9 @@ class Verification:
     batch can amplify rounding far beyond the dtype's tolerance: no rescaled checkpoint in
     that dtype could do better). ``errors`` and ``tolerances`` are per mode; ``tolerance`` is
     the largest one used. ``independent`` is the check of the written file by another runtime
-    (see :func:`independent_check`), None when no file was written.
+    (see :func:`independent_check`), None when no file was written. ``original_ignores_input``:
+    whether the original's eval-mode outputs were the same for every input of the batch (the
+    calibration check's question, answered by the run the comparison makes anyway).
     """
 
     max_abs_error: float
@@ -58,6 +65,7 @@ class Verification:
     independent: dict[str, Any] | None = None
     errors: dict[str, float] = field(default_factory=dict)
     tolerances: dict[str, float] = field(default_factory=dict)
+    original_ignores_input: bool = False
 
     @property
     def passed(self) -> bool:
@@ -96,14 +104,20 @@ def compare(
     generator = torch.Generator().manual_seed(seed)
     inputs = {n.name: torch.randn((batch, *n.shape), generator=generator, dtype=torch.float64) for n in graph.inputs}
     modes = ("eval", "train") if any(isinstance(n, BatchNorm) for n in graph.nodes) else ("eval",)
-    # Keys only: each tensor is looked up when a run reads it, so a mapped or computed-when-read
+    # Keys only, found when the rounding floor needs them (each comparison reads both tensors):
+    # each tensor is looked up when a run reads it, so a mapped or computed-when-read
     # ``rescaled`` is never held whole.
-    changed = _Selected(rescaled, [key for key in rescaled if key in original and _differs(key, original, rescaled)])
+    changed = _Selected(rescaled, lambda: [key for key in rescaled if key in original
+                                           and _differs(key, original, rescaled)])
 
     def run(overrides: Mapping[str, torch.Tensor] | None, train: bool) -> list[torch.Tensor]:
-        # The rescaled tensors themselves (not the rounding floor's) run on the written graph.
+        # The rescaled tensors themselves (not the rounding floor's) run on the written graph;
+        # those ``rescaled`` holds equal to the original's run the same either way.
         written = rescaled_graph is not None and overrides is changed
-        params = rescaled if written else ChainMap(overrides, original) if overrides else original
+        if overrides is changed:
+            params = rescaled if written else ChainMap(rescaled, original)
+        else:
+            params = ChainMap(overrides, original) if overrides else original
         network = rescaled_graph if written else graph
         with torch.no_grad():
             outputs = forward(network, params, inputs, train=train)
@@ -118,10 +132,15 @@ def _differs(key: str, original: Mapping[str, torch.Tensor], rescaled: Mapping[s
 
 
 class _Selected(Mapping[str, torch.Tensor]):
-    """The tensors of ``tensors`` under ``keys``, each looked up when read."""
+    """The tensors of ``tensors`` under the keys ``select()`` lists (asked once, when first
+    needed), each looked up when read."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], keys: list[str]):
-        self._tensors, self._keys = tensors, dict.fromkeys(keys)
+    def __init__(self, tensors: Mapping[str, torch.Tensor], select: Callable[[], list[str]]):
+        self._tensors, self._select = tensors, select
+
+    @cached_property
+    def _keys(self) -> dict[str, None]:
+        return dict.fromkeys(self._select())
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys:
@@ -142,9 +161,11 @@ def _measure(run: Runner, original: Mapping[str, torch.Tensor], changed: Mapping
     errors: dict[str, float] = {}
     tolerances: dict[str, float] = {}
     rounded: dict[str, torch.Tensor] | None = None
+    ignores_input = False
     for mode in modes:
         train = mode == "train"
         before = run(None, train)
+        ignores_input = ignores_input or (mode == "eval" and outputs_ignore_input(before))
         if not all(bool(torch.isfinite(t).all()) for t in before):
             raise VerificationError(
                 f"the original network's outputs are not finite ({mode} mode, on standard normal inputs): it "
@@ -159,7 +180,8 @@ def _measure(run: Runner, original: Mapping[str, torch.Tensor], changed: Mapping
             limit = max(tolerance, ROUNDING_MARGIN * floor) if math.isfinite(floor) else tolerance
         errors[mode], tolerances[mode] = mode_rel, limit
         max_abs, max_rel = max(max_abs, mode_abs), max(max_rel, mode_rel)
-    return Verification(max_abs, max_rel, max(tolerances.values()), modes, errors=errors, tolerances=tolerances)
+    return Verification(max_abs, max_rel, max(tolerances.values()), modes, errors=errors, tolerances=tolerances,
+                        original_ignores_input=ignores_input)
 
 
 def _rounding_floor(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor],
@@ -259,8 +281,6 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     """
     if model.format != "onnx":
         return _no_independent_runtime(model)
-    import numpy as np
-
     runners, why_not = _onnx_runners(model)
     feeds = _random_feeds(model, seed)
     # The original as the user holds it: its own file when it came from one (the in-memory
@@ -297,8 +317,6 @@ def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) ->
     Returns ``{"runtime", "status", "detail"}`` as :func:`independent_check` does."""
     if written.format != "onnx":
         return _no_independent_runtime(written)
-    import numpy as np
-
     runners, why_not = _onnx_runners(written)
     feeds = _random_feeds(written, seed)
     with torch.no_grad():
@@ -336,11 +354,6 @@ def _no_independent_runtime(model: LoadedModel) -> dict[str, Any]:
 def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
     """A random array for every input an ONNX model's caller feeds, in its declared element type,
     with one batch size for all: the first one an input declares (1 when all are symbolic)."""
-    import numpy as np
-    import onnx
-
-    from .io.formats.onnx_format import declared_batch, fed_inputs
-
     graph_inputs = fed_inputs(model.payload, model.source)
     batch = declared_batch(graph_inputs) or 1
     generator = np.random.default_rng(seed)
@@ -377,7 +390,7 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
                          + (" (install pathcond[onnx-check])" if onnxruntime is None else ""))
 
     def run_reference(data, path, feeds):
-        import onnx
+        # Imported only when no runtime was found: onnx.reference takes a moment to load.
         from onnx.reference import ReferenceEvaluator
 
         proto = onnx.load_from_string(data) if data is not None else onnx.load(str(path))

@@ -24,6 +24,7 @@ import yaml
 
 import pathcond_cli.api
 import pathcond_cli.io.formats.safetensors_format as safetensors_format
+from pathcond_cli.engine.layouts import HeldValues, release_held
 from cli_support import (
     assert_clean_exit, invoke, mlp_spec, mlp_tensors, write_mlp, write_onnx_mlp, write_sharded_mlp,
 )
@@ -134,11 +135,13 @@ def test_a_sharded_in_place_run_reads_the_mapped_originals_not_the_replaced_file
 
 def test_safetensors_tensors_are_mapped_and_onnx_parameters_stay_a_dict(tmp_path):
     """A safetensors checkpoint is read tensor by tensor when used (writing to a tensor never
-    reaches the file); an ONNX model's parameters stay a dict (the loader adds copies of shared
+    reaches the file), the values the loader's check read held for the analysis until it lets
+    them go; an ONNX model's parameters stay a dict (the loader adds copies of shared
     initializers to it)."""
     checkpoint, spec = write_mlp(tmp_path)
     model = pathcond_cli.api.load(checkpoint, arch=str(spec))
-    assert isinstance(model.params, safetensors_format.MappedTensors)
+    assert isinstance(model.params, HeldValues)
+    release_held(model.params)
     weight = model.params["fc1.weight"]
     weight.mul_(2)
     assert torch.equal(safetensors.torch.load_file(str(checkpoint))["fc1.weight"], mlp_tensors()["fc1.weight"])

@@ -1,9 +1,11 @@
 """A safetensors tensor's bytes are read only by a pass that needs its values (issue 28, point 1).
 
 Shapes, dtypes and key membership come from the file's header. 0.5.0 answered them by reading
-the tensors: 290 reads of 8 tensors for one `rescale` of a 200 MB MLP. Every read of a
-checkpoint tensor goes through ``MappedTensors.__getitem__`` (one ``pread``); it is counted
-here per file and tensor. ``benchmarks/bench_reads.py`` prints the same counts and their sites.
+the tensors: 290 reads of 8 tensors for one `rescale` of a 200 MB MLP. The values the loader's
+finiteness check reads are held for the analysis (within a budget: ``engine.layouts.HeldValues``),
+so that the analysis's passes share that read. Every read of a checkpoint tensor goes through
+``MappedTensors.__getitem__`` (one ``pread``); it is counted here per file and tensor.
+``benchmarks/bench_reads.py`` prints the same counts and their sites.
 """
 
 from __future__ import annotations
@@ -15,28 +17,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from pathcond_cli.api import load
+from pathcond_cli.api import analyse, load
 from pathcond_cli.engine.evaluate import infer_shapes
 from pathcond_cli.io.formats import check_weight_types
 from pathcond_cli.io.formats.safetensors_format import MappedTensors, write_safetensors
 from pathcond_cli.engine.groups import build_groups
-from pathcond_cli.engine.layouts import stand_ins
+from pathcond_cli.engine.layouts import release_held, stand_ins
 
 from cli_support import assert_clean_exit, invoke, mlp_tensors, write_mlp, write_sharded_mlp
 
 DIMS = (256, 512, 512, 256, 10)  # 2 MB of float32, 8 tensors
 
-# The passes of a run that need each tensor's values, today (each one full read of every tensor):
-# loading: the finiteness check (1); analysis: the balancing (1), diag(G)'s forward and backward
-# sweeps (2), the path norms, one forward sweep per order q = 1, 2 (2); laying out the groups
-# reads the biases (1, a weight is not read there). inspect's 7 are those.
-INSPECT_READS = 7
-# rescale adds, on the input: the calibration forward, the storage checks of the bounded and
-# final solutions, the non-finite check, the write, the verifier's choice of changed tensors
-# and its forward pass (7); on the written file, read back: the finiteness check, the choice
-# of changed tensors, the forward pass, the groups (biases) and path norms (1 + 2).
-RESCALE_INPUT_READS = 14
-RESCALE_WRITTEN_READS = 8
+# The passes of a run that need each tensor's values: loading, the finiteness check, whose read
+# is held for the analysis: laying out the groups (the biases), the balancing, diag(G)'s
+# forward and backward sweeps (whose forward gives ℓ2) and the ℓ1 sweep read nothing more.
+INSPECT_READS = 1
+# rescale adds, on the input: the write (which computes each rescaled tensor once and checks it
+# there) and the verifier's forward pass, which also answers the calibration check (2); on the
+# written file, read back: the finiteness check, the verifier's forward pass, the groups
+# (biases) and one sweep for its ℓ1 and ℓ2 path norms, on the analysis's balancing less u (its
+# values are not held: held during the verification, they would raise the run's peak memory,
+# test_memory_bound).
+RESCALE_INPUT_READS = 3
+RESCALE_WRITTEN_READS = 4
 
 
 @pytest.fixture
@@ -86,9 +89,20 @@ def test_shape_dtype_and_key_questions_read_nothing(mlp, reads, tmp_path):
     assert not reads
 
 
+def test_loading_holds_the_values_it_read_until_released(mlp, reads):
+    checkpoint, spec = mlp
+    model = load(checkpoint, arch=str(spec))
+    reads.clear()
+    analyse(model, device="cpu")
+    assert not reads
+    model.params["fc1.weight"]
+    assert dict(reads) == {("mlp.safetensors", "fc1.weight"): 1}
+
+
 def test_laying_out_the_groups_reads_the_biases_only(mlp, reads):
     checkpoint, spec = mlp
     model = load(checkpoint, arch=str(spec))
+    release_held(model.params)
     reads.clear()
     build_groups(model.graph, model.params)
     assert {key for _, key in reads} == {f"fc{i}.bias" for i in range(1, len(DIMS))}
@@ -97,6 +111,7 @@ def test_laying_out_the_groups_reads_the_biases_only(mlp, reads):
 def test_written_header_comes_from_the_input_header(mlp, reads, tmp_path):
     checkpoint, spec = mlp
     model = load(checkpoint, arch=str(spec))
+    release_held(model.params)
     reads.clear()
     write_safetensors(model, {}, tmp_path / "copy.safetensors", {})
     assert all(count == 1 for count in reads.values()) and len(reads) == len(mlp_tensors(DIMS))

@@ -119,8 +119,10 @@ def test_diag_g_pass_gives_the_l2_path_norm(nets, monkeypatch, arch):
     graph, params = nets.catalogue[arch]()
     model = pathcond_cli.api.LoadedModel(graph, params, "safetensors", arch)
     passes = []
-    squared_network = diag_module.squared_network
-    monkeypatch.setattr(diag_module, "squared_network", lambda *a, **k: passes.append(k["power"]) or squared_network(*a, **k))
+    # Every squared-network pass, of one power or several in one sweep, goes through squared_networks.
+    squared_networks = diag_module.squared_networks
+    monkeypatch.setattr(diag_module, "squared_networks",
+                        lambda *a, **k: passes.extend(k["powers"]) or squared_networks(*a, **k))
     analysis = pathcond_cli.api.analyse(model, device="cpu")
     assert sorted(passes) == [0, 1, 2]
     groups = analysis.groups

@@ -12,6 +12,8 @@ initialisation.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from .evaluate import forward
@@ -37,17 +39,27 @@ def default_statistics(model: LoadedModel) -> list[str]:
 
 
 def ignores_input(model: LoadedModel, groups: RescalingGroups, seed: int = 0) -> bool:
-    """Whether two random inputs give exactly the same outputs (eval mode, float64)."""
+    """Whether two random inputs give exactly the same outputs (eval mode, float64): one forward
+    pass of its own, for a run whose verification (which runs the original anyway) does not
+    answer it (:func:`outputs_ignore_input`)."""
     generator = torch.Generator().manual_seed(seed)
     inputs = {node.name: torch.randn((2, *groups.shapes[node.name]), generator=generator, dtype=torch.float64)
               for node in model.graph.inputs}
     with torch.no_grad():
         outputs = forward(model.graph, model.params, inputs)
-    return all(torch.equal(out[0], out[1]) for out in outputs.values())
+    return outputs_ignore_input(outputs.values())
 
 
-def calibration_warnings(model: LoadedModel, groups: RescalingGroups) -> list[str]:
-    """Warnings for a network that looks uncalibrated, saying what that does to the optimum."""
+def outputs_ignore_input(outputs: Iterable[torch.Tensor]) -> bool:
+    """Whether batched outputs, of the original network in eval mode on different random inputs,
+    are exactly the same for every input of the batch."""
+    return all(bool((out == out[:1]).all()) for out in outputs)
+
+
+def calibration_warnings(model: LoadedModel, constant: bool | None) -> list[str]:
+    """Warnings for a network that looks uncalibrated, saying what that does to the optimum
+    (``constant``: whether its output ignores its input, :func:`ignores_input`; None when not yet
+    known, for :func:`constant_output_warnings` to add once it is)."""
     notes = []
     norms = default_statistics(model)
     if norms:
@@ -59,11 +71,16 @@ def calibration_warnings(model: LoadedModel, groups: RescalingGroups) -> list[st
             "batches through it in train mode before rescaling (calibrated on four random batches, the same "
             "small networks have ‖u*‖∞ of 8.7 and 4.6)."
         )
-    if ignores_input(model, groups):
-        notes.append(
-            f"{model.source}: the network's output does not depend on its input (two random inputs give the same "
-            "outputs in eval mode): it computes a constant, so the rescaling has no signal to preserve and its "
-            f"optimum comes from the weights alone; {EXTREME_NOTE}. Check the weights (an all-zero layer, dead "
-            "ReLUs, BatchNorm statistics that do not match the weights)."
-        )
-    return notes
+    return notes + constant_output_warnings(model, bool(constant))
+
+
+def constant_output_warnings(model: LoadedModel, constant: bool) -> list[str]:
+    """The warning for a network whose output ignores its input (``constant``), if it does."""
+    if not constant:
+        return []
+    return [
+        f"{model.source}: the network's output does not depend on its input (different random inputs give the "
+        "same outputs in eval mode): it computes a constant, so the rescaling has no signal to preserve and its "
+        f"optimum comes from the weights alone; {EXTREME_NOTE}. Check the weights (an all-zero layer, dead "
+        "ReLUs, BatchNorm statistics that do not match the weights)."
+    ]

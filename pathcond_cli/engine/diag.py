@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -358,27 +358,63 @@ def squared_network(
     path count overflows. A layer without weight (a bias alone) passes its input on through
     fixed edges of weight 1.
     """
-    values: dict[str, torch.Tensor] = {}
-    offsets: dict[str, float] = {}
+    return squared_networks(graph, _OnePower(layers), powers=(power,), dtype=dtype, device=device)[0]
+
+
+def squared_networks(
+    graph: Graph,
+    layers: Mapping[str, Iterable[LayerPsi]],
+    *,
+    powers: Sequence[float],
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> list[SquaredPass]:
+    """:func:`squared_network` for each of ``powers`` in one sweep: ``layers`` gives each layer's
+    ψ weight and bias for each power in turn (:class:`PowerLayerValues` builds them from one read
+    of the layer's values)."""
+    passes = [SquaredPass({}, {}) for _ in powers]
     with torch.no_grad():
         for node in graph.nodes:
             rule = rule_for(node)
-            if isinstance(node, Input):
-                y, offset = torch.ones((1, *node.shape), dtype=dtype, device=device), 0.0
-            elif node.name in layers:
-                weight, bias = layers[node.name]
-                x = values[node.inputs[0]]
-                weighted_scale = offsets[node.inputs[0]] + (0.0 if weight is None else weight.log_scale)
-                offset = weighted_scale if bias is None else max(weighted_scale, bias.log_scale)
-                y = (x if weight is None else rule.weighted(node, x, weight.value)) * math.exp(weighted_scale - offset)
-                if bias is not None:
-                    y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
-                # ψ is layer-sized: released before the next layer's is built, not when it is assigned.
-                del weight, bias
-            else:
-                y, offset = parameter_free_step(node, values, offsets, power)
-            values[node.name], offsets[node.name] = renormalise(y, offset)
-    return SquaredPass(values, offsets)
+            per_power = iter(layers[node.name]) if node.name in layers else None
+            for power, sweep in zip(powers, passes):
+                values, offsets = sweep.values, sweep.offsets
+                if isinstance(node, Input):
+                    y, offset = torch.ones((1, *node.shape), dtype=dtype, device=device), 0.0
+                elif per_power is not None:
+                    weight, bias = next(per_power)
+                    x = values[node.inputs[0]]
+                    weighted_scale = offsets[node.inputs[0]] + (0.0 if weight is None else weight.log_scale)
+                    offset = weighted_scale if bias is None else max(weighted_scale, bias.log_scale)
+                    y = (x if weight is None else rule.weighted(node, x, weight.value)) * math.exp(weighted_scale - offset)
+                    if bias is not None:
+                        y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
+                    # ψ is layer-sized: released before the next is built, not when it is assigned.
+                    del weight, bias
+                else:
+                    y, offset = parameter_free_step(node, values, offsets, power)
+                values[node.name], offsets[node.name] = renormalise(y, offset)
+            del per_power
+    return passes
+
+
+class _OnePower(Mapping[str, tuple[LayerPsi]]):
+    """Layers of one squared network as :func:`squared_networks` takes them."""
+
+    def __init__(self, layers: Mapping[str, LayerPsi]):
+        self._layers = layers
+
+    def __getitem__(self, layer: str) -> tuple[LayerPsi]:
+        return (self._layers[layer],)
+
+    def __contains__(self, layer: object) -> bool:
+        return layer in self._layers
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
 
 
 def parameter_free_step(node: Node, values: Mapping[str, torch.Tensor], offsets: Mapping[str, float],
@@ -527,6 +563,32 @@ class LayerValues(Mapping[str, LayerPsi]):
         return len(self._tensors)
 
 
+class PowerLayerValues(Mapping[str, Iterator[LayerPsi]]):
+    """Each layer's (weight, bias) for the squared networks of several ``powers``, in turn
+    (:func:`squared_networks`): ψ = |Dθ|^q for each q from one balanced copy Dθ (one read of
+    the layer's values, ``u_ext`` the balancing), each ψ built when its pass reaches it and the
+    last in the copy's own memory, so that a layer holds at most two float64 copies at once."""
+
+    def __init__(self, groups: RescalingGroups, u_ext: torch.Tensor, device, powers: Sequence[float]):
+        self._signed = LayerValues(groups, lambda dp: balanced_value(dp, u_ext, device))
+        self._powers = powers
+
+    def __getitem__(self, layer: str) -> Iterator[LayerPsi]:
+        weight, bias = self._signed[layer]
+        for number, power in enumerate(self._powers):
+            last = number == len(self._powers) - 1
+            yield tuple(None if signed is None else psi_of(signed, power, in_place=last) for signed in (weight, bias))
+
+    def __contains__(self, layer: object) -> bool:
+        return layer in self._signed
+
+    def __iter__(self):
+        return iter(self._signed)
+
+    def __len__(self) -> int:
+        return len(self._signed)
+
+
 def unit_values(dp: DagParam, device) -> ScaledTensor:
     return ScaledTensor(torch.ones(dp.shape, dtype=torch.float64, device=device))
 
@@ -594,8 +656,13 @@ def balanced_value(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
 
 def balanced_power(dp: DagParam, u_ext: torch.Tensor, device, power: float) -> ScaledTensor:
     """ψ = |Dθ|^power for one tensor, its scale as a logarithm (mantissa at most 1)."""
-    signed = balanced_value(dp, u_ext, device)
-    psi = signed.value.square_() if power == 2 else signed.value.abs_().pow_(power)
+    return psi_of(balanced_value(dp, u_ext, device), power, in_place=True)
+
+
+def psi_of(signed: ScaledTensor, power: float, *, in_place: bool = False) -> ScaledTensor:
+    """ψ = |v|^power of a signed value, its scale as a logarithm; in ``signed``'s memory with ``in_place``."""
+    value = signed.value if in_place else signed.value.clone()
+    psi = value.square_() if power == 2 else value.abs_().pow_(power)
     return ScaledTensor(psi, power * signed.log_scale)
 
 
@@ -690,17 +757,27 @@ def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -
 
 def path_norm(groups: RescalingGroups, q: float, *, device: torch.device | str = "cpu",
               u_ext: torch.Tensor | None = None) -> PathNorm:
-    """‖Φ(θ)‖_q (SPEC §8): one forward pass of the squared network of power q on ψ = |Dθ|^q.
+    """‖Φ(θ)‖_q (SPEC §8): one forward pass of the squared network of power q on ψ = |Dθ|^q."""
+    return path_norms(groups, [q], device=device, u_ext=u_ext)[0]
 
-    Φ is rescaling-invariant, so the pass runs on the balanced copy Dθ (``u_ext``: the
+
+def path_norms(groups: RescalingGroups, orders: Sequence[float], *, device: torch.device | str = "cpu",
+               u_ext: torch.Tensor | None = None) -> list[PathNorm]:
+    """‖Φ(θ)‖_q for each q of ``orders`` (SPEC §8): the forward passes of the squared networks of
+    power q on ψ = |Dθ|^q, in one sweep that reads each tensor once for all of them.
+
+    Φ is rescaling-invariant, so the passes run on the balanced copy Dθ (``u_ext``: the
     balancing, computed here when not given), whose values stay in range on deep networks.
     """
-    if not q >= 1 or not math.isfinite(q):
-        raise ValueError(f"a path norm needs a finite q ≥ 1, not {q}")
+    for q in orders:
+        if not q >= 1 or not math.isfinite(q):
+            raise ValueError(f"a path norm needs a finite q ≥ 1, not {q}")
     groups = groups.to(device)
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
-    return _norm_of_total(q, *path_sum(groups, q, lambda dp: balanced_power(dp, u_ext, device, q), device=device))
+    passes = squared_networks(groups.graph, PowerLayerValues(groups, u_ext, device, orders), powers=orders,
+                              device=device)
+    return [_norm_of_total(q, *sweep.total(groups.graph)) for q, sweep in zip(orders, passes)]
 
 
 def _norm_of_total(q: float, mantissa: float, offset: float) -> PathNorm:

@@ -24,7 +24,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ...engine.layouts import layout_of
+from ...engine.layouts import held_within_budget, layout_of
 from ...engine.model import LoadedModel
 from ...errors import InputError, OutputError
 from ..companions import checkpoint_stem, is_companion_name, named_by_another_file, shard_name
@@ -93,6 +93,8 @@ def load_safetensors(
     graph, arch_source, spec_file, notes = resolve_architecture(arch, path, payload.metadata, input_shape, display)
     if spec_file is not None:
         files.append(spec_file)
+    # The finiteness check's read is the analysis's too: held until the analysis ends.
+    params = held_within_budget(params)
     check_weight_types(graph, params, display)
     check_parameters(graph, params, display)
     unused = unused_tensors(graph, params, display)
