@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import torch
 
 from .engine.calibration import outputs_ignore_input
@@ -23,7 +22,6 @@ from .engine.model import LoadedModel
 from .errors import VerificationError
 from .io.fileio import interrupts_deferred
 from .io.formats import exception_line
-from .io.formats.onnx_format import declared_batch, fed_inputs
 
 # A rescaled ONNX model run by onnxruntime/onnx.reference in its own float type is compared
 # with the original run the same way; never tighter than this (float32 kernels differ by ULPs).
@@ -354,6 +352,11 @@ def _no_independent_runtime(model: LoadedModel) -> dict[str, Any]:
 def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
     """A random array for every input an ONNX model's caller feeds, in its declared element type,
     with one batch size for all: the first one an input declares (1 when all are symbolic)."""
+    # onnx is imported for ONNX models only: a safetensors run stays without its memory (6 MiB and more).
+    import onnx
+
+    from .io.formats.onnx_format import declared_batch, fed_inputs
+
     graph_inputs = fed_inputs(model.payload, model.source)
     batch = declared_batch(graph_inputs) or 1
     generator = np.random.default_rng(seed)
@@ -390,7 +393,7 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
                          + (" (install pathcond[onnx-check])" if onnxruntime is None else ""))
 
     def run_reference(data, path, feeds):
-        # Imported only when no runtime was found: onnx.reference takes a moment to load.
+        import onnx
         from onnx.reference import ReferenceEvaluator
 
         proto = onnx.load_from_string(data) if data is not None else onnx.load(str(path))

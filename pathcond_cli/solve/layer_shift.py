@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from ..engine.diag import OuterLog
@@ -156,7 +157,7 @@ def _newton_step(shares: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor,
     (the ground's row and column dropped), f the flow, and the damping D = diag(|g| / REACH +
     [unused] + ridge). Solved as the bordered sparse system [[4pL + D, 2√p f], [2√p fᵀ, 1]],
     whose first block row is (4pL + D − 4p f fᵀ) x = g: no dense count × count matrix."""
-    import numpy as np
+    # scipy takes 0.25 s to load: only a Newton step of the layer shifts needs it.
     import scipy.sparse
     import scipy.sparse.linalg
 
