@@ -566,8 +566,10 @@ class LayerValues(Mapping[str, LayerPsi]):
 class PowerLayerValues(Mapping[str, Iterator[LayerPsi]]):
     """Each layer's (weight, bias) for the squared networks of several ``powers``, in turn
     (:func:`squared_networks`): ψ = |Dθ|^q for each q from one balanced copy Dθ (one read of
-    the layer's values, ``u_ext`` the balancing), each ψ built when its pass reaches it and the
-    last in the copy's own memory, so that a layer holds at most two float64 copies at once."""
+    the layer's values, ``u_ext`` the balancing), each ψ built when its pass reaches it. ψ for
+    q = 1 and the last ψ are built in the copy's own memory (|Dθ| raised to q has the bits of Dθ
+    raised to q), so ℓ1 and ℓ2 together hold one float64 copy of a layer, as one power does,
+    and more powers at most two."""
 
     def __init__(self, groups: RescalingGroups, u_ext: torch.Tensor, device, powers: Sequence[float]):
         self._signed = LayerValues(groups, lambda dp: balanced_value(dp, u_ext, device))
@@ -576,8 +578,9 @@ class PowerLayerValues(Mapping[str, Iterator[LayerPsi]]):
     def __getitem__(self, layer: str) -> Iterator[LayerPsi]:
         weight, bias = self._signed[layer]
         for number, power in enumerate(self._powers):
-            last = number == len(self._powers) - 1
-            yield tuple(None if signed is None else psi_of(signed, power, in_place=last) for signed in (weight, bias))
+            in_place = power == 1 or number == len(self._powers) - 1
+            yield tuple(None if signed is None else psi_of(signed, power, in_place=in_place)
+                        for signed in (weight, bias))
 
     def __contains__(self, layer: object) -> bool:
         return layer in self._signed
