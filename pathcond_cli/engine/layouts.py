@@ -43,18 +43,12 @@ def stand_in(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros((), dtype=dtype).expand(shape)
 
 
-class StandIns(Mapping[str, torch.Tensor]):
-    """The tensors of ``params`` (read from a file when used) as :func:`stand_in` zeros of their
-    shapes and dtypes: for questions of shape, dtype and membership, and for shape inference,
-    never for values."""
+class _OverFile(Mapping[str, torch.Tensor]):
+    """A view of the keys of ``params``, tensors read from a file: its subclasses say what a
+    key's tensor is."""
 
     def __init__(self, params: HeaderTensors):
         self._params = params
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._params:
-            raise KeyError(key)
-        return stand_in(*self._params.layout(key))
 
     def __contains__(self, key: object) -> bool:
         return key in self._params
@@ -64,6 +58,17 @@ class StandIns(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._params)
+
+
+class StandIns(_OverFile):
+    """The tensors of ``params`` (read from a file when used) as :func:`stand_in` zeros of their
+    shapes and dtypes: for questions of shape, dtype and membership, and for shape inference,
+    never for values."""
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._params:
+            raise KeyError(key)
+        return stand_in(*self._params.layout(key))
 
 
 def stand_ins(params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -78,7 +83,7 @@ def stand_ins(params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
 HOLD_BUDGET_BYTES = 512 * 2**20
 
 
-class HeldValues(Mapping[str, torch.Tensor]):
+class HeldValues(_OverFile):
     """The tensors of ``params`` (read from a file when used), each kept once read until
     :meth:`release`, then read from the file at each use again, as ``params`` reads them.
 
@@ -94,7 +99,7 @@ class HeldValues(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, params: HeaderTensors):
-        self._params = params
+        super().__init__(params)
         self._held: dict[str, torch.Tensor] | None = {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
@@ -110,15 +115,6 @@ class HeldValues(Mapping[str, torch.Tensor]):
     def release(self) -> None:
         """Let the held values go; each later use reads the file."""
         self._held = None
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._params
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._params)
-
-    def __len__(self) -> int:
-        return len(self._params)
 
 
 def held_within_budget(params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
