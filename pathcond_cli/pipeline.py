@@ -76,7 +76,8 @@ def rescale_file(
     also_writes: Sequence[Written | None] = (),
     watcher: Watcher | None = None,
 ) -> FileRescale:
-    """Rescale the checkpoint ``source`` (a path, or its bytes) into ``destination``, verified.
+    """Rescale the checkpoint ``source`` (a path, or the checkpoint's own bytes, never a path as
+    bytes) into ``destination``, verified.
 
     ``destination`` defaults to ``<stem>.pathcond<suffix>`` beside ``source`` (``source``
     itself with ``in_place``); it is in
@@ -85,7 +86,8 @@ def rescale_file(
     (:func:`pathcond_cli.api.save`), and renamed onto ``destination`` only if it computes the
     original function. With ``send`` no file is kept: the model is written self-contained into a
     private scratch directory, verified there, and ``send(path)`` is called with the verified
-    file before the directory is removed (the CLI's ``-o -`` copies it to stdout).
+    file before the directory is removed (the CLI's ``-o -`` copies it to stdout); ``send``
+    excludes ``destination`` and ``in_place``.
     ``also_writes`` are the caller's other outputs (a report, a plot), checked with
     ``destination`` before any work (:func:`~pathcond_cli.io.destinations.check_destinations`,
     whose messages name the CLI's options); their paths come back in ``also_written``.
@@ -145,15 +147,18 @@ def checked_outputs(
     ``source``, ``source`` itself with ``in_place``; None when the model is ``sent``, not kept),
     then each of ``also_writes``."""
     source_path = source if isinstance(source, Path) else None
-    if not sent:
+    if sent:
+        if destination is not None or in_place:
+            raise UsageError("a model that is sent is not kept: give send, or a destination (or in_place), not both.")
+    else:
         if destination is None and source_path is None:
-            raise UsageError("a model given as bytes needs a destination (or send) to write to.")
+            raise UsageError("a model given as its bytes needs a destination (or send) to write to.")
         if destination is None:
             destination = source_path if in_place else default_output(source_path, tag)
-        # Checked as given: Path() would drop the slash that names a directory.
         mismatch = formats.output_format_mismatch(source, Path(destination))
         if mismatch:
             raise UsageError(f"{mismatch}.")
+    # Checked as given: Path() would drop the slash that names a directory.
     return check_destinations([written("-o", destination, formats.detect_format(source)), *also_writes],
                               formats.files_read(source_path, arch), in_place=in_place)
 

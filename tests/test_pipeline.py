@@ -77,6 +77,10 @@ def test_usage_errors_come_before_any_work(tmp_path, monkeypatch):
         rescale_file(checkpoint, tmp_path / "out.onnx", arch=str(spec))
     with pytest.raises(UsageError, match="destination"):
         rescale_file(checkpoint.read_bytes(), arch=str(spec))
+    with pytest.raises(UsageError, match="not both"):
+        rescale_file(checkpoint, tmp_path / "kept.safetensors", arch=str(spec), send=lambda path: None)
+    with pytest.raises(UsageError, match="not both"):
+        rescale_file(checkpoint, arch=str(spec), in_place=True, send=lambda path: None)
     report = tmp_path / "out.safetensors"
     with pytest.raises(UsageError, match="--report"):
         rescale_file(checkpoint, report, arch=str(spec), also_writes=[written("--report", report)])

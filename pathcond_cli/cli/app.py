@@ -224,6 +224,7 @@ def _parse_path_norms(values: list[float] | None) -> tuple[float, ...]:
 
 
 def _check_json_stdout(as_json: bool) -> None:
+    """--json prints on stdout: refused, before any work, when stdout is closed."""
     if as_json and stream_closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the report to it", param_hint="--json")
 
@@ -433,19 +434,23 @@ def rescale(
 
 def _rescale_one(model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused,
                  options: SolveOptions, device: str, path_norms=()):
-    """``pathcond rescale`` of one MODEL into ``output`` (None: beside it; ``-``: stdout) through
-    :func:`~pathcond_cli.pipeline.rescale_file`, the report so far kept for a failure. Returns the
-    JSON report and the run (its ``also_written``: where the report and the plot go)."""
+    """``pathcond rescale`` of one MODEL into ``output`` (None: beside it, or MODEL itself with
+    ``in_place``; ``-``: stdout) through :func:`~pathcond_cli.pipeline.rescale_file`, the report
+    so far kept for a failure. Returns the JSON report and the run (its ``also_written``: where
+    the report and the plot go); the report's total counts reading MODEL (stdin) too."""
     from ..io.destinations import written
     from ..pipeline import rescale_file
 
+    started = time.perf_counter()
     source, _, name = _read_source(model)
+    reading = time.perf_counter() - started
     with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
         run = rescale_file(source, None if output in (None, "-") else output, arch=arch, input_shape=shape, name=name,
                            allow_unused=allow_unused, options=options, device=device, path_norms=path_norms,
                            in_place=in_place, send=_send_to_stdout if output == "-" else None,
                            also_writes=[written("--report", report_file, devices=True), written("--plot", plot)],
                            watcher=_RescaleWatcher(stages))
+    run.seconds["total"] += reading
     return _rescale_report(run, "-" if output == "-" else str(run.destination)), run
 
 

@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+# The name that makes a file a sharded safetensors checkpoint's index.
+SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 # Bytes of the random tag in a companion's name when the preferred name is taken.
 COMPANION_TAG_BYTES = 4
 # What the companion writer inserts before the first dot of a name already taken, and its length.

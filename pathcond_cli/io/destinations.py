@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import OutputError, UsageError
-from .companions import TAKEN_TAG, TAKEN_TAG_CHARS, preferred_companion
+from .companions import SHARD_INDEX_SUFFIX, TAKEN_TAG, TAKEN_TAG_CHARS, preferred_companion
 from .fileio import NAME_MAX, check_destination, describe, resolve_destination, same_file
-from .formats import SHARD_INDEX_SUFFIX
 
 # Messages quote this many characters of a path at most.
 SHOWN_CHARS = 200

@@ -27,7 +27,8 @@ from .common import (
     shapes_by_input,
     shown,
 )
-from .detection import FORMAT_OF_KIND, SHARD_INDEX_SUFFIX, checked_structure, format_mismatch
+from ..companions import SHARD_INDEX_SUFFIX
+from .detection import FORMAT_OF_KIND, checked_structure, format_mismatch
 from .interface import Format
 
 __all__ = [

@@ -14,7 +14,6 @@ from pathlib import Path
 from ...errors import InputError
 from .common import shown
 
-SHARD_INDEX_SUFFIX = ".safetensors.index.json"
 # The format (:attr:`LoadedModel.format`) of each kind of checkpoint the formats' ``detect`` tell apart.
 FORMAT_OF_KIND = {"onnx": "onnx", "safetensors": "safetensors", "safetensors-index": "safetensors"}
 TORCH_PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle")

@@ -33,7 +33,7 @@ from .architecture import (SPEC_METADATA_KEY, architecture_files, check_paramete
                            unused_tensors)
 from .common import (INPUT_COPIES, InputShape, check_weight_types, contained_file, parse_json, refuse_beyond_memory,
                      shown, some_keys)
-from .detection import SHARD_INDEX_SUFFIX
+from ..companions import SHARD_INDEX_SUFFIX
 from .spec import dump_spec, spec_from_graph
 
 # safetensors itself refuses larger headers; a larger length field means corruption.
