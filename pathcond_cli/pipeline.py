@@ -147,6 +147,7 @@ def checked_outputs(
     ``source``, ``source`` itself with ``in_place``; None when the model is ``sent``, not kept),
     then each of ``also_writes``."""
     source_path = source if isinstance(source, Path) else None
+    kind = formats.detect_format(source)
     if sent:
         if destination is not None or in_place:
             raise UsageError("a model that is sent is not kept: give send, or a destination (or in_place), not both.")
@@ -155,11 +156,11 @@ def checked_outputs(
             raise UsageError("a model given as its bytes needs a destination (or send) to write to.")
         if destination is None:
             destination = source_path if in_place else default_output(source_path, tag)
-        mismatch = formats.output_format_mismatch(source, Path(destination))
+        mismatch = formats.format_mismatch(kind, Path(destination))
         if mismatch:
             raise UsageError(f"{mismatch}.")
     # Checked as given: Path() would drop the slash that names a directory.
-    return check_destinations([written("-o", destination, formats.detect_format(source)), *also_writes],
+    return check_destinations([written("-o", destination, kind), *also_writes],
                               formats.files_read(source_path, arch), in_place=in_place)
 
 

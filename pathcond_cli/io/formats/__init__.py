@@ -33,8 +33,8 @@ from .interface import Format
 
 __all__ = [
     "SHARD_INDEX_SUFFIX", "Format", "InputShape", "available_memory", "check_readable", "check_streamable",
-    "check_weight_types", "checkpoint_files", "detect_format", "exception_line", "files_read", "format_named",
-    "load_model", "output_format_mismatch", "refuse_beyond_memory", "replaced_companions", "shapes_by_input",
+    "check_weight_types", "checkpoint_files", "detect_format", "exception_line", "files_read", "format_mismatch",
+    "format_named", "load_model", "refuse_beyond_memory", "replaced_companions", "shapes_by_input",
     "shown", "write_model",
 ]
 
@@ -58,12 +58,6 @@ def detect_format(source: Path | bytes) -> str:
     structure = checked_structure(source)
     path = source if isinstance(source, Path) else None
     return next(kind for name in _DETECTION_ORDER if (kind := format_named(name).detect(path, structure)) is not None)
-
-
-def output_format_mismatch(source: Path | bytes, destination: Path) -> str | None:
-    """Why ``destination``'s name does not fit the format ``source`` is written in, or None
-    (see :func:`~.detection.format_mismatch`)."""
-    return format_mismatch(detect_format(source), destination)
 
 
 def load_model(
