@@ -11,7 +11,8 @@
 #   5. the whole default test suite, where `--device auto` and the API's default pick the GPU
 #      and the CUDA-only tests run, within SUITE_SECONDS (default 420), on pytest-xdist's
 #      workers when it is installed (WORKERS, default 8), each test's outcome streamed to the
-#      log as it ends, so that a suite cut by the time limit still names every failure so far.
+#      log as it ends, so that a suite cut by the time limit still names every failure so far, and
+#      each failure's traceback streamed to failures.log (benchmarks/failure_stream.py).
 # Figures first, suite last: on 2026-11-26 the suite alone did not finish in 570 s on an H200
 # run serially, and a lease of 15 minutes left nothing for the table. LOG_DIR (default: a
 # temporary folder, removed) keeps suite.log and the benchmarks' JSON Lines.
@@ -98,7 +99,9 @@ PY
 
 workers=()
 if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${WORKERS:-8}"); fi
-timeout "${SUITE_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -v -rfE "${workers[@]}" > "$scratch/suite.log" 2>&1
+FAILURE_STREAM="$scratch/failures.log" PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" \
+    timeout "${SUITE_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -p failure_stream -v -rfE "${workers[@]}" \
+    > "$scratch/suite.log" 2>&1
 suite_status=$?
 echo
 echo "suite: exit $suite_status$([ "$suite_status" -eq 124 ] && echo " (cut at ${SUITE_SECONDS:-420} s)"), $(grep -cE ' PASSED' "$scratch/suite.log") passed, \
