@@ -100,7 +100,7 @@ PY
 workers=()
 if python3 -c "import xdist" 2>/dev/null; then workers=(-n "${WORKERS:-8}"); fi
 FAILURE_STREAM="$scratch/failures.log" PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout "${SUITE_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -p failure_stream -v -rfE "${workers[@]}" \
+    timeout "${SUITE_SECONDS:-420}" python3 -m pytest -p no:cacheprovider -p failure_stream -vv -rfE "${workers[@]}" \
     > "$scratch/suite.log" 2>&1
 suite_status=$?
 echo

@@ -6,9 +6,10 @@ the fake device; every tensor computed from a tagged one is tagged too, and ``.d
 ``.is_cuda`` and ``.get_device()`` answer as a real CUDA tensor would. An operation that
 mixes a tagged tensor with an untagged CPU tensor of one or more dimensions raises the
 error CUDA raises ("Expected all tensors to be on the same device"); zero-dimensional CPU
-tensors may mix, as on CUDA. Host transfers are explicit and allowed (``.cpu()``,
-``.to("cpu")``, ``.item()``, ``.tolist()``, ``float()``/``int()``/``bool()``) and counted in
-:attr:`FakeCuda.syncs`; ``.numpy()`` of a tagged tensor raises, as on CUDA.
+tensors may mix, as on CUDA. Reductions that CUDA lacks for booleans raise as CUDA does.
+Host transfers are explicit and allowed (``.cpu()``, ``.to("cpu")``, ``.item()``,
+``.tolist()``, ``float()``/``int()``/``bool()``) and counted in :attr:`FakeCuda.syncs`;
+``.numpy()`` of a tagged tensor raises, as on CUDA.
 
 :func:`install` also makes ``torch.cuda.is_available()`` true (one device), so that
 ``resolve_device("auto")`` and ``--device cuda`` pick the fake device. The test suite runs
@@ -38,6 +39,9 @@ _TRANSFERS = {"to", "cpu", "cuda", "copy_", "__set__", "__setitem__", "type_as",
               "_has_compatible_shallow_copy_type", "is_same_size"}
 # Indexing a CUDA tensor with CPU indices is allowed by torch (it moves them).
 _INDEXING = {"__getitem__", "__setitem__"}
+# Reductions whose CUDA kernels have no boolean version (the CPU's have one), as seen on an H200
+# with torch 2.11: "cuda_scatter_gather_base_kernel_func" not implemented for 'Bool'.
+_NO_BOOL_ON_CUDA = {"scatter_reduce", "scatter_reduce_", "index_reduce", "index_reduce_"}
 
 
 def requested() -> bool:
@@ -116,6 +120,9 @@ class FakeCuda(TorchFunctionMode):
                 raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{generator.device.type}'")
         elif tagged and name not in _TRANSFERS:
             self._check_mix(name, args, kwargs)
+        if tagged and name in _NO_BOOL_ON_CUDA and any(t.dtype == torch.bool for t in tagged):
+            raise NotImplementedError(f'"cuda_scatter_gather_base_kernel_func" not implemented for \'Bool\' '
+                                      f"[fake CUDA: {name}]")
         out = func(*args, **kwargs)
         on = _is_cuda(target) if target is not None else bool(tagged)
         if name in _INDEXING and args and isinstance(args[0], torch.Tensor):

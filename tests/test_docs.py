@@ -54,9 +54,11 @@ def workspace(tmp_path_factory):
     shutil.copytree(ROOT / "sample_models", folder / "sample_models")
     bin_dir = folder / ".bin"
     bin_dir.mkdir()
-    (bin_dir / "pathcond").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pathcond_cli "$@"\n')
-    (bin_dir / "pathcond").chmod(0o755)
-    (bin_dir / "python3").symlink_to(sys.executable)
+    # wrappers, not links: a link to a virtual environment's python finds no pyvenv.cfg beside it
+    # and starts the base interpreter, without the environment's packages
+    for name, arguments in (("pathcond", "-m pathcond_cli "), ("python3", "")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" {arguments}"$@"\n')
+        (bin_dir / name).chmod(0o755)
     env = {**CLEAN_ENV, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
            "COLUMNS": "100"}
     return folder, env

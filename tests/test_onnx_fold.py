@@ -13,6 +13,7 @@ from pathcond_cli.engine.evaluate import forward
 from pathcond_cli.io.formats.onnx_fold import fold_shape_arithmetic
 from pathcond_cli.io.formats.onnx_format import load_onnx
 from pathcond_cli.io.formats.onnx_read import infer_shapes
+from test_onnx_format import ORT_READABLE_IR
 
 
 def _shuffle_view(extra_nodes=(), output="shuffled") -> onnx.ModelProto:
@@ -38,7 +39,7 @@ def _shuffle_view(extra_nodes=(), output="shuffled") -> onnx.ModelProto:
         [helper.make_tensor_value_info(output, TensorProto.FLOAT, ["N", 4, 3])],
         [ints("zero", [0]), ints("one", [1]), ints("two", [2]), ints("three", [3]), ints("minus_one", [-1])],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=ORT_READABLE_IR)
 
 
 def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -90,7 +91,7 @@ def test_nothing_to_fold_returns_the_model():
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=ORT_READABLE_IR)
     assert fold_shape_arithmetic(model) is model
 
 

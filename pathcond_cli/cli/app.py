@@ -111,9 +111,11 @@ CriterionChoice = Enum("CriterionChoice", {name: name for name in CRITERIA}, typ
 
 
 def _complete_device(incomplete: str) -> list[str]:
-    """auto, cpu, cuda and cuda:N for each CUDA device torch sees (torch is only imported for ``cuda:``)."""
+    """auto, cpu, cuda and cuda:N for each CUDA device torch sees (torch is only imported once the
+    word can only be ``c…``: ``cpu`` or a CUDA device)."""
     choices = list(DEVICE_CHOICES)
-    if incomplete.startswith("cuda"):
+    word = incomplete.lower()
+    if word.startswith("c") and ("cuda".startswith(word) or word.startswith("cuda")):
         import torch
 
         choices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]

@@ -175,7 +175,9 @@ class CoarseCorrection:
 
 def _all_per_tensor(flags: torch.Tensor, owner: torch.Tensor, tensors: int) -> torch.Tensor:
     """Per tensor: whether ``flags`` holds on every one of its slots."""
-    return flags.new_ones(tensors).scatter_reduce(0, owner, flags, "amin")
+    # as bytes: CUDA has no scatter reductions of booleans
+    as_bytes = flags.to(torch.uint8)
+    return as_bytes.new_ones(tensors).scatter_reduce(0, owner, as_bytes, "amin").bool()
 
 
 def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: float, max_steps: int,
