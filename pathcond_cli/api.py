@@ -25,7 +25,7 @@ from .engine.diag import (
     DiagG, LogG, OuterLog, PathCount, PathNorm, TensorStats, balancing_exponents, dense, diag_g_and_l2_norm,
     path_count, path_norms, tensor_stats, zeros_per_layer,
 )
-from .engine.graph import BatchNorm, Graph
+from .engine.graph import BatchNorm, Graph, all_finite
 from .engine.groups import DagParam, RescalingGroups, build_groups
 from .engine.layouts import layout_of, release_held
 from .engine.model import LoadedModel
@@ -150,10 +150,17 @@ def histogram(log_g: Sequence[LogG], ln_low: float | None, ln_high: float | None
         return []
     ln_high = ln_high if ln_high > ln_low else ln_low + 1.0
     counts = torch.zeros(bins, dtype=torch.long)
+    inner_edges = torch.linspace(ln_low, ln_high, bins + 1, dtype=torch.float64)[1:-1]
     for lg in log_g:
-        # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
-        for block in lg.row_blocks() if isinstance(lg, OuterLog) else [dense(lg)]:
-            counts += torch.histc(block, bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
+        if isinstance(lg, OuterLog):
+            # entries below each inner edge, differenced into bins; the last bin holds the
+            # maximum; g = 0 (ln g = −inf) is not counted
+            below = lg.counts_below(inner_edges.to(lg.device)).to("cpu")
+            finite_rows, finite_cols = lg.finite_counts()
+            counts += torch.diff(below, prepend=below.new_zeros(1), append=below.new_full((1,), finite_rows * finite_cols))
+        else:
+            # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
+            counts += torch.histc(dense(lg), bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
     width = (ln_high - ln_low) / bins
     return [((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E, int(counts[i])) for i in range(bins)]
 
@@ -795,7 +802,7 @@ class CheckedWhenRead(Mapping[str, torch.Tensor]):
         tensor = self._tensors[key]
         if self._problems is not None and (problem := storage_problem(key, self._original, tensor)) is not None:
             self._problems[key] = problem
-        elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        elif tensor.is_floating_point() and not all_finite(tensor):
             raise VerificationError(f"{self._what} produced NaN or Inf in tensor {key!r}; nothing was written.")
         return tensor
 

@@ -521,7 +521,7 @@ def _assert_summary_matches(case: Case, summary, parts: list[torch.Tensor]) -> N
 
 
 @ALL
-def test_summary_conditioning_and_histogram_from_factors_equal_expanded_and_plain_reductions(name, monkeypatch):
+def test_summary_conditioning_and_histogram_from_factors_equal_expanded_and_plain_reductions(name):
     case = _case(name)
     got = summarise(case.groups, case.factored.parts)
     want = summarise(case.groups, case.expanded.parts)
@@ -533,9 +533,29 @@ def test_summary_conditioning_and_histogram_from_factors_equal_expanded_and_plai
     bins = histogram(case.factored.parts, got.ln_low, got.ln_high, bins=7)
     assert bins == histogram(case.expanded.parts, got.ln_low, got.ln_high, bins=7)
     assert sum(count for *_, count in bins) == got.conditioning.counted
-    # an outer product expanded a row or two at a time, as a large one is
-    monkeypatch.setattr("pathcond_cli.engine.groups.BLOCK_ELEMENTS", 5)
-    assert histogram(case.factored.parts, got.ln_low, got.ln_high, bins=7) == bins
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_histogram_of_factors_counts_each_entry_in_the_bin_of_the_expanded_tensor_edges_included(seed):
+    """Half-integer factors and bins of width 1/2: many entries lie exactly on an edge, where the
+    binary search of each row's sums must bin them as histc bins the expanded tensor (and as a
+    brute-force count does: [e_k, e_k+1), the last bin closed)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(-6, 7, (37,), generator=generator).double() / 2
+    cols = torch.randint(-4, 5, (23,), generator=generator).double() / 2
+    rows[torch.randperm(37, generator=generator)[:3]] = -math.inf
+    cols[torch.randperm(23, generator=generator)[:2]] = -math.inf
+    outer = OuterLog(rows, cols)
+    finite = outer.dense()[torch.isfinite(outer.dense())]
+    low, high = float(finite.min()), float(finite.max())
+    bins = round((high - low) * 2)
+    got = histogram([outer], low, high, bins=bins)
+    assert got == histogram([outer.dense()], low, high, bins=bins)
+    edges = [low + k * (high - low) / bins for k in range(bins + 1)]
+    brute = [int(((finite >= edges[k]) & ((finite < edges[k + 1]) if k < bins - 1 else (finite <= high))).sum())
+             for k in range(bins)]
+    assert [count for *_, count in got] == brute
+    assert sum(brute) == finite.numel()
 
 
 @ALL

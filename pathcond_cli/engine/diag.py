@@ -63,10 +63,25 @@ class OuterLog:
         """The ``[O, I]`` tensor itself (O·I float64 values: for small tensors and tests)."""
         return self.rows[:, None] + self.cols[None, :]
 
-    def row_blocks(self):
-        """The dense tensor, flattened, in consecutive blocks of whole rows of bounded size."""
-        for rows in blocks(self.rows.numel(), self.cols.numel()):
-            yield (self.rows[rows, None] + self.cols[None, :]).reshape(-1)
+    def counts_below(self, edges: torch.Tensor) -> torch.Tensor:
+        """For each edge, how many finite entries rows_o + cols_i are below it (int64, on the device).
+
+        Without the dense tensor: for each row, a binary search of the edge among the row's sums
+        with the sorted finite columns, each compared as the dense tensor's entry would be (the
+        float64 sum rows_o + cols_i is monotone in cols_i). O·E·log I work for O·I entries."""
+        rows = self.rows[torch.isfinite(self.rows)]
+        cols = torch.sort(self.cols[torch.isfinite(self.cols)]).values
+        first = torch.zeros((rows.numel(), edges.numel()), dtype=torch.long, device=rows.device)
+        if not rows.numel() or not cols.numel():
+            return first.sum(0)
+        # first[o, e]: the first column index whose sum with row o is at least edge e (I when none is)
+        last = torch.full_like(first, cols.numel())
+        for _ in range(cols.numel().bit_length()):
+            middle = (first + last) // 2
+            below = (rows[:, None] + cols[middle.clamp(max=cols.numel() - 1)] < edges[None, :]) & (middle < last)
+            first = torch.where(below, middle + 1, first)
+            last = torch.where(below, last, middle)
+        return first.sum(0)
 
     def flat_entries(self, index: torch.Tensor) -> torch.Tensor:
         """Entries of the flattened dense tensor at ``index``."""

@@ -490,7 +490,7 @@ class Graph:
                         f"node '{node.name}' ({node.op}): tensor '{key}' ({role}) has shape {tuple(tensor.shape)}, "
                         f"expected rank {' or '.join(map(str, expected_rank))}"
                     )
-                elif values and tensor.is_floating_point() and not _finite(params[key]):
+                elif values and tensor.is_floating_point() and not all_finite(params[key]):
                     not_finite.append(key)
                 elif not tensor.is_floating_point():
                     problems.append(f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, expected floating point")
@@ -506,7 +506,7 @@ class Graph:
             )
 
 
-def _finite(tensor: torch.Tensor) -> bool:
+def all_finite(tensor: torch.Tensor) -> bool:
     """No NaN or Inf, in one reduction (NaN propagates through min and max)."""
     if not tensor.numel():
         return True

@@ -17,7 +17,7 @@ A refusal (only with ``--max-log-scale none`` or a bound of the user's) names th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +113,7 @@ def storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.T
     new_values = new.reshape(-1)
     # The block size is read now, not when this module was imported.
     parts = blocks(new_values.numel(), 1)
-    if all(_finite_and_normal(new_values[part], tiny) for part in parts):
+    if all(_finite_and_normal(magnitudes, tiny) for magnitudes in _magnitudes(new_values, parts)):
         return None
     old_values = original[key].reshape(-1)
     overflowed = flushed = normal = 0
@@ -127,10 +127,18 @@ def storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.T
     return None
 
 
-def _finite_and_normal(values: torch.Tensor, tiny: float) -> bool:
-    low, high = values.abs().aminmax()
+def _finite_and_normal(magnitudes: torch.Tensor, tiny: float) -> bool:
+    low, high = magnitudes.aminmax()
     # NaN fails the first test.
     return math.isfinite(float(high)) and float(low) >= tiny
+
+
+def _magnitudes(values: torch.Tensor, parts: list[slice]) -> Iterator[torch.Tensor]:
+    """|values| block by block, in one buffer: no allocation (and its page faults) per block."""
+    buffer = torch.empty_like(values[parts[0]])
+    for part in parts:
+        block = values[part]
+        yield torch.abs(block, out=buffer[:block.numel()])
 
 
 def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str, torch.Tensor],
