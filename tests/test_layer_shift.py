@@ -380,17 +380,26 @@ def _start_and_dense_reference(graph, params, monkeypatch) -> tuple[torch.Tensor
     return shifts, _dense_minimise(*args), aggregates.count
 
 
+# Each Newton step's bordered system solved dense (the small systems' route) and by scipy's
+# sparse LU (the large ones'), forced by the size limit.
+SYSTEM_ROUTES = pytest.mark.parametrize("dense_system_max", [layer_shift.DENSE_SYSTEM_MAX, 0], ids=["dense", "sparse"])
+
+
+@SYSTEM_ROUTES
 @pytest.mark.parametrize("scaling", ["none", "alternating_1e30", "growing_1e3"])
 @pytest.mark.parametrize("arch", ["mlp", "residual", "concat", "self_loop", "grouped_conv", "bottleneck", "conv_bn",
                                   "shuffle_split", "mlp_bottleneck"])
-def test_sparse_layer_shift_equals_the_dense_construction(nets, monkeypatch, arch, scaling):
+def test_layer_shift_equals_the_dense_construction(nets, monkeypatch, arch, scaling, dense_system_max):
+    monkeypatch.setattr(layer_shift, "DENSE_SYSTEM_MAX", dense_system_max)
     graph, params = nets.catalogue[arch](0)
     shifts, dense, _ = _start_and_dense_reference(graph, _scaled(params, scaling), monkeypatch)
     assert torch.allclose(shifts, dense, rtol=1e-9, atol=1e-9)
 
 
-def test_deep_thin_chain_start_equals_the_dense_construction(nets, monkeypatch):
+@SYSTEM_ROUTES
+def test_deep_thin_chain_start_equals_the_dense_construction(nets, monkeypatch, dense_system_max):
     """100 one-unit layers: the reduced problem is as large as the network (one aggregate per unit)."""
+    monkeypatch.setattr(layer_shift, "DENSE_SYSTEM_MAX", dense_system_max)
     graph, params = nets.mlp(0, widths=(1,) * 101)
     shifts, dense, count = _start_and_dense_reference(graph, params, monkeypatch)
     assert count >= 99 and torch.allclose(shifts, dense, rtol=1e-9, atol=1e-9)

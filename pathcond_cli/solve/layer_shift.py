@@ -35,6 +35,10 @@ REACH = 10.0
 MAX_ITERATIONS = 200
 ARMIJO = 1e-4
 MIN_STEP = 1e-10
+# Unknowns up to which a Newton step's bordered system is solved dense (LU of at most 512²:
+# milliseconds) rather than by scipy's sparse LU, which takes 0.25 s to load: most networks'
+# layer aggregates number in the tens or hundreds; a deep thin chain's in the thousands.
+DENSE_SYSTEM_MAX = 512
 
 
 def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count: int,
@@ -156,11 +160,8 @@ def _newton_step(shares: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor,
     """(H + D)⁻¹ g for the Hessian H = 4p (L − f fᵀ) of the objective, L = Σ_pairs w (e_I − e_J)(e_I − e_J)ᵀ
     (the ground's row and column dropped), f the flow, and the damping D = diag(|g| / REACH +
     [unused] + ridge). Solved as the bordered sparse system [[4pL + D, 2√p f], [2√p fᵀ, 1]],
-    whose first block row is (4pL + D − 4p f fᵀ) x = g: no dense count × count matrix."""
-    # scipy takes 0.25 s to load: only a Newton step of the layer shifts needs it.
-    import scipy.sparse
-    import scipy.sparse.linalg
-
+    whose first block row is (4pL + D − 4p f fᵀ) x = g: no dense count × count matrix beyond
+    ``DENSE_SYSTEM_MAX`` unknowns."""
     weight = 4 * p * shares.numpy()
     rows = np.concatenate([into.numpy(), out_of.numpy(), into.numpy(), out_of.numpy()])
     cols = np.concatenate([into.numpy(), out_of.numpy(), out_of.numpy(), into.numpy()])
@@ -172,11 +173,16 @@ def _newton_step(shares: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor,
     damping = (gradient.abs() / REACH).numpy() + unused.numpy() + ridge
     border = 2 * np.sqrt(p) * flow.numpy()
     index = np.arange(count)
-    matrix = scipy.sparse.coo_matrix(
-        (np.concatenate([values[inside], damping, border, border, [1.0]]),
-         (np.concatenate([rows[inside], index, index, np.full(count, count), [count]]),
-          np.concatenate([cols[inside], index, np.full(count, count), index, [count]]))),
-        shape=(count + 1, count + 1),
-    ).tocsc()
-    solution = scipy.sparse.linalg.splu(matrix).solve(np.concatenate([gradient.numpy(), [0.0]]))
-    return torch.from_numpy(solution[:count])
+    entries = np.concatenate([values[inside], damping, border, border, [1.0]])
+    at = (np.concatenate([rows[inside], index, index, np.full(count, count), [count]]),
+          np.concatenate([cols[inside], index, np.full(count, count), index, [count]]))
+    right_side = np.concatenate([gradient.numpy(), [0.0]])
+    if count + 1 <= DENSE_SYSTEM_MAX:
+        matrix = np.zeros((count + 1, count + 1))
+        np.add.at(matrix, at, entries)
+        return torch.from_numpy(np.linalg.solve(matrix, right_side)[:count])
+    import scipy.sparse
+    import scipy.sparse.linalg
+
+    matrix = scipy.sparse.coo_matrix((entries, at), shape=(count + 1, count + 1)).tocsc()
+    return torch.from_numpy(scipy.sparse.linalg.splu(matrix).solve(right_side)[:count])
