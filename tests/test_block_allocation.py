@@ -107,7 +107,7 @@ def test_diag_after_slices_like_the_analysis_diag(nets):
         assert isinstance(sliced, list) and len(sliced) == len(indices)
         for tensor, t in zip(sliced, indices):
             assert torch.equal(tensor, after.log_g[t])
-            assert torch.allclose(tensor, fresh[t], rtol=0, atol=1e-9)
+            assert torch.allclose(tensor, fresh[t].to(tensor.device), rtol=0, atol=1e-9)
     parts = after.parts[1:]
     assert len(parts) == count - 1 and isinstance(parts[0], OuterLog) == isinstance(after.parts[1], OuterLog)
     assert len(result.analysis.diag.log_g[:2]) == 2

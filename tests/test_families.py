@@ -90,7 +90,8 @@ def run(module: nn.Module, x: torch.Tensor, *, train: bool) -> torch.Tensor:
     """``module``'s output on a copy (so running statistics never leak between calls), with
     the same dropout masks on every call."""
     clone = copy.deepcopy(module).train(train)
-    with torch.random.fork_rng(), torch.no_grad():
+    # the CPU's generator only: the module runs there (and the fake CUDA device has no generator)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(1234)
         return clone(x)
 

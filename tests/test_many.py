@@ -21,6 +21,7 @@ import safetensors.torch
 import torch
 import yaml
 
+import fake_cuda
 import pathcond_cli.cli.app
 import pathcond_cli.io.formats
 from cli_support import (
@@ -479,7 +480,8 @@ def test_the_torchrun_recipe_of_docs_clusters_runs_one_process_per_device(tmp_pa
     subprocess.run(["bash", "-c", _recipe("slurm-list")], cwd=tmp_path, env=env, check=True, timeout=60)
     rank = _recipe("rank")
     launch = _recipe("torchrun")
-    if not torch.cuda.is_available():
+    # torchrun's processes see the machine's devices, not the fake one this process may run on
+    if not torch.cuda.is_available() or fake_cuda.requested():
         assert "--device cuda" in rank and "--nproc-per-node=gpu" in launch
         rank, launch = rank.replace("--device cuda", "--device cpu"), launch.replace("=gpu", "=2")
     (tmp_path / "rank.sh").write_text(rank)
