@@ -150,16 +150,11 @@ def histogram(log_g: Sequence[LogG], ln_low: float | None, ln_high: float | None
         return []
     ln_high = ln_high if ln_high > ln_low else ln_low + 1.0
     counts = torch.zeros(bins, dtype=torch.long)
-    inner_edges = torch.linspace(ln_low, ln_high, bins + 1, dtype=torch.float64)[1:-1]
     for lg in log_g:
+        # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
         if isinstance(lg, OuterLog):
-            # entries below each inner edge, differenced into bins; the last bin holds the
-            # maximum; g = 0 (ln g = −inf) is not counted
-            below = lg.counts_below(inner_edges.to(lg.device)).to("cpu")
-            finite_rows, finite_cols = lg.finite_counts()
-            counts += torch.diff(below, prepend=below.new_zeros(1), append=below.new_full((1,), finite_rows * finite_cols))
+            counts += lg.histc(bins, ln_low, ln_high).to("cpu")
         else:
-            # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
             counts += torch.histc(dense(lg), bins=bins, min=ln_low, max=ln_high).to("cpu", torch.long)
     width = (ln_high - ln_low) / bins
     return [((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E, int(counts[i])) for i in range(bins)]

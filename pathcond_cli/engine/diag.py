@@ -63,25 +63,32 @@ class OuterLog:
         """The ``[O, I]`` tensor itself (O·I float64 values: for small tensors and tests)."""
         return self.rows[:, None] + self.cols[None, :]
 
-    def counts_below(self, edges: torch.Tensor) -> torch.Tensor:
-        """For each edge, how many finite entries rows_o + cols_i are below it (int64, on the device).
+    def histc(self, bins: int, low: float, high: float) -> torch.Tensor:
+        """``torch.histc`` of the finite entries of the dense tensor (int64 counts, on the
+        device), without the dense tensor.
 
-        Without the dense tensor: for each row, a binary search of the edge among the row's sums
-        with the sorted finite columns, each compared as the dense tensor's entry would be (the
-        float64 sum rows_o + cols_i is monotone in cols_i). O·E·log I work for O·I entries."""
+        An entry x goes to bin ⌊(x − low)·bins / (high − low)⌋, the last bin also holding x =
+        high, as in histc's kernels; that index, computed as they compute it, is monotone in
+        x, hence in cols_i for each row. So for each row and each k, a binary search among the
+        row's sums with the sorted finite columns finds how many entries fall below bin k:
+        O·bins·log I work for O·I entries. ``low`` ≤ every finite entry ≤ ``high``, low < high."""
         rows = self.rows[torch.isfinite(self.rows)]
         cols = torch.sort(self.cols[torch.isfinite(self.cols)]).values
-        first = torch.zeros((rows.numel(), edges.numel()), dtype=torch.long, device=rows.device)
-        if not rows.numel() or not cols.numel():
-            return first.sum(0)
-        # first[o, e]: the first column index whose sum with row o is at least edge e (I when none is)
-        last = torch.full_like(first, cols.numel())
-        for _ in range(cols.numel().bit_length()):
-            middle = (first + last) // 2
-            below = (rows[:, None] + cols[middle.clamp(max=cols.numel() - 1)] < edges[None, :]) & (middle < last)
-            first = torch.where(below, middle + 1, first)
-            last = torch.where(below, last, middle)
-        return first.sum(0)
+        first = torch.zeros((rows.numel(), bins - 1), dtype=torch.long, device=rows.device)
+        if rows.numel() and cols.numel():
+            bounds = torch.arange(1, bins, dtype=torch.float64, device=rows.device)
+            span = high - low
+            # first[o, k − 1]: the first column whose entry with row o is in bin k or above
+            last = torch.full_like(first, cols.numel())
+            for _ in range(cols.numel().bit_length()):
+                middle = (first + last) // 2
+                entries = rows[:, None] + cols[middle.clamp(max=cols.numel() - 1)]
+                below = ((entries - low) * bins / span < bounds) & (middle < last)
+                first = torch.where(below, middle + 1, first)
+                last = torch.where(below, last, middle)
+        below = first.sum(0)
+        total = below.new_full((1,), rows.numel() * cols.numel())
+        return torch.diff(below, prepend=below.new_zeros(1), append=total)
 
     def flat_entries(self, index: torch.Tensor) -> torch.Tensor:
         """Entries of the flattened dense tensor at ``index``."""

@@ -110,7 +110,7 @@ def storage_problem(key: str, original: Mapping[str, torch.Tensor], new: torch.T
     tiny = torch.finfo(new.dtype).tiny
     # Every value finite and normal: nothing overflowed or was flushed, known from one
     # reduction per block (no tensor-sized |new|); the element-wise accounting is for the rest.
-    new_values = new.reshape(-1)
+    new_values = new.detach().reshape(-1)
     # The block size is read now, not when this module was imported.
     parts = blocks(new_values.numel(), 1)
     if all(_finite_and_normal(magnitudes, tiny) for magnitudes in _magnitudes(new_values, parts)):
