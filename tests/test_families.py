@@ -200,7 +200,8 @@ def test_dynamo_export_of_the_other_families(name, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _cases("onnx"))
+# full size: onnxruntime and torch agree on Inception-v3 there (the small one's gap is not this test's)
+@pytest.mark.parametrize("name", _cases("onnx full size"))
 def test_full_size_torchscript_export_runs_the_same_in_onnxruntime(name, tmp_path):
     check_onnx(name, "torchscript", tmp_path, full=True)
 
