@@ -121,7 +121,7 @@ class FakeCuda(TorchFunctionMode):
         elif tagged and name not in _TRANSFERS:
             self._check_mix(name, args, kwargs)
         if tagged and name in _NO_BOOL_ON_CUDA and any(t.dtype == torch.bool for t in tagged):
-            raise NotImplementedError(f'"cuda_scatter_gather_base_kernel_func" not implemented for \'Bool\' '
+            raise NotImplementedError("\"cuda_scatter_gather_base_kernel_func\" not implemented for 'Bool' "
                                       f"[fake CUDA: {name}]")
         out = func(*args, **kwargs)
         on = _is_cuda(target) if target is not None else bool(tagged)

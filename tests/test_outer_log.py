@@ -554,8 +554,9 @@ def test_histogram_of_factors_counts_each_entry_in_the_bin_of_the_expanded_tenso
     cols = torch.randint(-4, 5, (23,), generator=generator).double() / 2
     rows[torch.randperm(37, generator=generator)[:3]] = -math.inf
     cols[torch.randperm(23, generator=generator)[:2]] = -math.inf
-    finite = OuterLog(rows, cols).dense()
-    bins = round(float(finite[torch.isfinite(finite)].max() - finite[torch.isfinite(finite)].min()) * 2)
+    entries = OuterLog(rows, cols).dense()
+    finite = entries[torch.isfinite(entries)]
+    bins = round(float(finite.max() - finite.min()) * 2)
     got, expanded = _histogram_both_ways(rows, cols, bins)
     assert got == expanded and sum(got) == 34 * 21
 

@@ -86,9 +86,10 @@ class OuterLog:
                 below = ((entries - low) * bins / span < bounds) & (middle < last)
                 first = torch.where(below, middle + 1, first)
                 last = torch.where(below, last, middle)
-        below = first.sum(0)
-        total = below.new_full((1,), rows.numel() * cols.numel())
-        return torch.diff(below, prepend=below.new_zeros(1), append=total)
+        # entries below bins 1 … bins − 1, differenced into bins; the last one holds the rest
+        under = first.sum(0)
+        total = under.new_full((1,), rows.numel() * cols.numel())
+        return torch.diff(under, prepend=under.new_zeros(1), append=total)
 
     def flat_entries(self, index: torch.Tensor) -> torch.Tensor:
         """Entries of the flattened dense tensor at ``index``."""
