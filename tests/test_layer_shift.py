@@ -343,7 +343,7 @@ def _dense_minimise(log_s, into, out_of, k, count, p):
         return p * float(torch.logsumexp(exponents, 0)) + 2 * float(k @ c), torch.softmax(exponents, 0)
 
     current, shares = value(c)
-    for _ in range(layer_shift.MAX_ITERATIONS):
+    for _ in range(max(layer_shift.MAX_ITERATIONS, count)):
         flow = incidence.T @ shares
         gradient = 2 * (k - p * flow)
         hessian = 4 * p * ((incidence.T * shares) @ incidence - torch.outer(flow, flow))
@@ -403,6 +403,33 @@ def test_deep_thin_chain_start_equals_the_dense_construction(nets, monkeypatch, 
     graph, params = nets.mlp(0, widths=(1,) * 101)
     shifts, dense, count = _start_and_dense_reference(graph, params, monkeypatch)
     assert count >= 99 and torch.allclose(shifts, dense, rtol=1e-9, atol=1e-9)
+
+
+def test_deep_thin_chain_start_is_a_stationary_point(nets, monkeypatch):
+    """1,600 one-unit layers: the shifts grow to about 1,000 with depth and the damped steps
+    travel about REACH / 2 each, so the minimiser needs more iterations than MAX_ITERATIONS;
+    where it stops, autograd's gradient of the reduced objective must vanish."""
+    graph, params = nets.mlp(0, widths=(1,) * 1601)
+    groups = build_groups(graph, params)
+    diag = diag_g(groups)
+    objective = Objective(groups, diag)
+    aggregates = LayerAggregates(objective)
+    calls = []
+    minimise = layer_shift._minimise
+
+    def recording(*args):
+        calls.append((args, minimise(*args)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(layer_shift, "_minimise", recording)
+    layer_shift_start(objective, aggregates.of_group, aggregates.count, degenerate_mask(groups, diag))
+    ((log_s, into, out_of, k, count, p), shifts), = calls
+    c = shifts.clone().requires_grad_()
+    grounded = torch.cat([c, c.new_zeros(1)])
+    value = p * torch.logsumexp(log_s - 2 * (grounded[into] - grounded[out_of]), 0) + 2 * (k @ c)
+    gradient, = torch.autograd.grad(value, c)
+    assert count == 1599 and float(shifts.abs().max()) > 500
+    assert float(gradient.abs().max()) <= 1e-6 * p
 
 
 @pytest.mark.slow

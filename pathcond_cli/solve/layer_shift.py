@@ -32,6 +32,9 @@ from .objective import Objective, group_logsumexp
 
 #: per-variable damping |∂F/∂c_I| / REACH caps a step near REACH while far from the optimum
 REACH = 10.0
+# At least this many Newton iterations, and one per layer aggregate: on a deep thin chain the
+# shifts grow with depth (~2,000 over 3,000 one-unit layers) and the damped steps travel about
+# REACH / 2 per iteration (394 iterations there).
 MAX_ITERATIONS = 200
 ARMIJO = 1e-4
 MIN_STEP = 1e-10
@@ -127,7 +130,7 @@ def _minimise(log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: 
         return p * float(torch.logsumexp(exponents, 0)) + 2 * float(k @ c), torch.softmax(exponents, 0)
 
     current, shares = value(c)
-    for _ in range(MAX_ITERATIONS):
+    for _ in range(max(MAX_ITERATIONS, count)):
         flow = torch.zeros(count + 1, dtype=torch.float64).index_add_(0, into, shares).index_add_(0, out_of, -shares)
         flow = flow[:count]
         gradient = 2 * (k - p * flow)
