@@ -854,6 +854,9 @@ def _verify_written(model: LoadedModel, target: Path, input_shape, *, name: str 
         raise VerificationError(f"'{name}': the written model does not read back ({exc}); nothing was written.") from None
     # Held any longer, the written values would add to the run's peak: the loader's check read them.
     release_held(written.params)
+    # Nor is its format state (an ONNX model's whole ModelProto, as large as its tensors) used
+    # again: the comparison reads its graph and tensors, the independent runtime its file.
+    written.payload = None
     verification = compare(model.graph, model.params, written.params, rescaled_graph=written.graph)
     if compared is not None:
         compared(verification)

@@ -360,24 +360,31 @@ def _dense_minimise(log_s, into, out_of, k, count, p):
     return c
 
 
-def _start_and_dense_reference(graph, params, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The layer-shift start's shifts, the dense construction's on the same reduced problem, and
-    the number of layer aggregates."""
+def _reduced_problem_and_shifts(graph, params, monkeypatch) -> tuple[tuple, torch.Tensor]:
+    """The reduced problem the layer-shift start minimises (``_minimise``'s arguments: log_s,
+    into, out_of, k, count, p) and the shifts it returns."""
     groups = build_groups(graph, params)
     diag = diag_g(groups)
     objective = Objective(groups, diag)
     aggregates = LayerAggregates(objective)
     calls = []
-    sparse = layer_shift._minimise
+    minimise = layer_shift._minimise
 
     def recording(*args):
-        calls.append((args, sparse(*args)))
+        calls.append((args, minimise(*args)))
         return calls[-1][1]
 
     monkeypatch.setattr(layer_shift, "_minimise", recording)
     layer_shift_start(objective, aggregates.of_group, aggregates.count, degenerate_mask(groups, diag))
     (args, shifts), = calls
-    return shifts, _dense_minimise(*args), aggregates.count
+    return args, shifts
+
+
+def _start_and_dense_reference(graph, params, monkeypatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The layer-shift start's shifts, the dense construction's on the same reduced problem, and
+    the number of layer aggregates."""
+    args, shifts = _reduced_problem_and_shifts(graph, params, monkeypatch)
+    return shifts, _dense_minimise(*args), args[4]
 
 
 # Each Newton step's bordered system solved dense (the small systems' route) and by scipy's
@@ -410,20 +417,7 @@ def test_deep_thin_chain_start_is_a_stationary_point(nets, monkeypatch):
     travel about REACH / 2 each, so the minimiser needs more iterations than MAX_ITERATIONS;
     where it stops, autograd's gradient of the reduced objective must vanish."""
     graph, params = nets.mlp(0, widths=(1,) * 1601)
-    groups = build_groups(graph, params)
-    diag = diag_g(groups)
-    objective = Objective(groups, diag)
-    aggregates = LayerAggregates(objective)
-    calls = []
-    minimise = layer_shift._minimise
-
-    def recording(*args):
-        calls.append((args, minimise(*args)))
-        return calls[-1][1]
-
-    monkeypatch.setattr(layer_shift, "_minimise", recording)
-    layer_shift_start(objective, aggregates.of_group, aggregates.count, degenerate_mask(groups, diag))
-    ((log_s, into, out_of, k, count, p), shifts), = calls
+    (log_s, into, out_of, k, count, p), shifts = _reduced_problem_and_shifts(graph, params, monkeypatch)
     c = shifts.clone().requires_grad_()
     grounded = torch.cat([c, c.new_zeros(1)])
     value = p * torch.logsumexp(log_s - 2 * (grounded[into] - grounded[out_of]), 0) + 2 * (k @ c)

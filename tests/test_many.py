@@ -435,6 +435,16 @@ def _cluster_folder(tmp_path: Path, count: int) -> tuple[Path, dict]:
     return checkpoints, env
 
 
+def test_the_conv_allocator_recipe_of_docs_clusters_runs(tmp_path):
+    """glibc reads the variables at start-up; the rescaled file is written and verified as without them."""
+    _, env = _cluster_folder(tmp_path, 0)
+    shutil.copyfile(SAMPLES / "resnet_small.onnx", tmp_path / "model.onnx")
+    completed = subprocess.run(["bash", "-c", _recipe("conv-allocator")], cwd=tmp_path, env=env, capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert "verified" in completed.stderr and (tmp_path / "model.rescaled.onnx").is_file()
+
+
 @pytest.mark.skipif(shutil.which("xargs") is None, reason="needs xargs")
 def test_the_xargs_recipe_of_docs_clusters_runs(tmp_path):
     checkpoints, env = _cluster_folder(tmp_path, 5)

@@ -14,6 +14,7 @@ import ops_models
 from onnx_models import EXPORTERS, MODELS, build, example_input, export, exported
 from pathcond_cli.errors import InputError, UnsupportedModelError, UsageError
 from pathcond_cli.engine.evaluate import forward
+from pathcond_cli.io.formats import onnx_write
 from pathcond_cli.io.formats.onnx_format import load_onnx, reference_outputs, write_onnx
 from pathcond_cli.engine.graph import BatchNorm, Identity, Linear
 from pathcond_cli.engine.groups import build_groups
@@ -175,6 +176,69 @@ def test_writer_changes_only_the_rescaled_tensors(tmp_path):
     # Running statistics never change; BatchNorm's γ and β carry the conv's output factor.
     assert not {"1.running_mean", "1.running_var", "0.weight"} & set(changed)
     assert {"1.weight", "1.bias"} <= set(changed)
+
+
+def _decorated_cnn() -> tuple[onnx.ModelProto, int]:
+    """The test CNN with a field of each kind the writer copies: doc strings, metadata, value infos,
+    and on a rescaled initializer (BatchNorm's γ, whose index it returns too) a doc string, and
+    float_data instead of raw_data."""
+    proto = onnx.load_from_string(exported("cnn", "torchscript-unfolded"))
+    replaced = [t.name for t in proto.graph.initializer].index("1.weight")
+    proto.doc_string, proto.graph.doc_string = "a test network", "its graph"
+    proto.metadata_props.add(key="author", value="someone")
+    proto.graph.value_info.extend(proto.graph.output)
+    gamma = proto.graph.initializer[replaced]
+    gamma.doc_string = "BatchNorm's gamma"
+    values = numpy_helper.to_array(gamma)
+    gamma.ClearField("raw_data")
+    gamma.float_data.extend(values.reshape(-1).tolist())
+    return proto, replaced
+
+
+def test_writer_output_is_what_a_whole_copy_gives(tmp_path, monkeypatch):
+    """The replaced initializers are copied without their data; the bytes written are those of
+    the copy of the whole model with the data replaced."""
+    proto, replaced = _decorated_cnn()
+    model = load_onnx(proto.SerializeToString())
+    changed = random_rescaling(model)
+    assert model.payload.graph.initializer[replaced].name in changed
+    write_onnx(model, changed, tmp_path / "new.onnx", {"pathcond.version": "1"})
+
+    def whole_copy(payload, replaced):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(payload)
+        return proto
+
+    monkeypatch.setattr(onnx_write, "_copy_without_replaced_data", whole_copy)
+    write_onnx(model, changed, tmp_path / "whole.onnx", {"pathcond.version": "1"})
+    assert (tmp_path / "new.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
+
+
+# a field number no ONNX message uses, varint 7
+_UNKNOWN_FIELD = bytes([0xC0, 0x3E, 0x07])
+
+
+@pytest.mark.parametrize("level", ["model", "graph", "replaced initializer", "kept initializer"])
+def test_writer_keeps_fields_the_installed_onnx_does_not_know(tmp_path, level):
+    unknown_fields = pytest.importorskip("google.protobuf.unknown_fields")
+    proto, replaced = _decorated_cnn()
+    model = load_onnx(proto.SerializeToString())
+    changed = random_rescaling(model)
+    kept = next(i for i, t in enumerate(proto.graph.initializer) if t.name not in changed)
+    index = {"replaced initializer": replaced, "kept initializer": kept}.get(level)
+    if level == "model":
+        proto = onnx.load_from_string(proto.SerializeToString() + _UNKNOWN_FIELD)
+    elif level == "graph":
+        proto.graph.ParseFromString(proto.graph.SerializeToString() + _UNKNOWN_FIELD)
+    else:
+        tensor = proto.graph.initializer[index]
+        tensor.ParseFromString(tensor.SerializeToString() + _UNKNOWN_FIELD)
+    model = load_onnx(proto.SerializeToString())
+    write_onnx(model, changed, tmp_path / "out.onnx", {})
+
+    written = onnx.load(tmp_path / "out.onnx")
+    holder = {"model": written, "graph": written.graph}.get(level) or written.graph.initializer[index]
+    assert [(field.field_number, field.data) for field in unknown_fields.UnknownFieldSet(holder)] == [(1000, 7)]
 
 
 def test_half_precision_round_trip_keeps_half_precision(tmp_path):

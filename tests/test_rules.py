@@ -66,3 +66,37 @@ def test_a_member_a_rule_lacks_is_named_not_silent():
     node = Input("x", shape=(3,))
     with pytest.raises(NotImplementedError, match="InputRule has no 'forward' \\(node 'x', input\\)"):
         rules.rule_for(node).forward(node, [], lambda key: None, False)
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["weight", "weight_t"])
+@pytest.mark.parametrize("block", [1, 12, 10**9], ids=["one_row", "two_rows", "whole"])
+def test_a_large_linear_weight_converted_by_blocks_computes_the_whole_product(nets, monkeypatch, transposed, block):
+    """A float32 Linear weight evaluated in float64 a block of output rows at a time: the same
+    outputs as F.linear with the whole float64 weight (biases and a transposed layout included),
+    and no whole float64 copy of the weight is made."""
+    graph, params = nets.mlp(0, torch.float32, widths=(5, 12, 4), transposed=transposed)
+    monkeypatch.setattr(rules, "LINEAR_BLOCK_ELEMENTS", block)
+    x = torch.randn(3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    converted = []
+    original_to = torch.Tensor.to
+
+    def recording_to(tensor, *args, **kwargs):
+        result = original_to(tensor, *args, **kwargs)
+        if result.dtype == torch.float64 and result.data_ptr() != tensor.data_ptr():
+            converted.append(tensor.numel())
+        return result
+
+    monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    (output,) = forward(graph, params, x).values()
+    monkeypatch.undo()
+    expected = x
+    for node in graph.nodes[1:]:
+        if isinstance(node, Linear):
+            weight = params[node.weight].double()
+            expected = torch.nn.functional.linear(expected, weight.t() if node.weight_transposed else weight,
+                                                  params[node.bias].double() if node.bias else None)
+        else:
+            expected = torch.relu(expected)
+    assert torch.allclose(output, expected, rtol=1e-12, atol=1e-12)
+    largest = max(params[n.weight].numel() for n in graph.nodes if isinstance(n, Linear))
+    assert (max(converted) < largest) == (block < largest)

@@ -9,7 +9,7 @@ import torch
 from ..errors import InputError, UnsupportedModelError
 from .graph import Graph, Input, broadcast_problem
 from .layouts import stand_ins
-from .rules import rule_for
+from .rules import Parameters, rule_for
 
 
 def forward(
@@ -29,11 +29,7 @@ def forward(
         if len(graph.inputs) != 1:
             raise InputError(f"{graph.source}: the network has {len(graph.inputs)} inputs; pass a mapping")
         inputs = {graph.inputs[0].name: inputs}
-    dtype = next(iter(inputs.values())).dtype
-
-    def param(key: str | None) -> torch.Tensor | None:
-        return None if key is None else params[key].to(dtype)
-
+    param = Parameters(params, next(iter(inputs.values())).dtype)
     values: dict[str, torch.Tensor] = {}
     for node in graph.nodes:
         rule = rule_for(node)
@@ -53,10 +49,7 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
     (Meta tensors would skip the arithmetic, but their one-off set-up costs seconds.)
     """
     # Shapes do not depend on values: a checkpoint's tensors are not read from its file.
-    layouts = stand_ins(params)
-
-    def param(key: str | None) -> torch.Tensor | None:
-        return None if key is None else layouts[key].to(torch.float32)
+    param = Parameters(stand_ins(params), torch.float32)
 
     shapes: dict[str, tuple[int, ...]] = {}
     values: dict[str, torch.Tensor] = {}

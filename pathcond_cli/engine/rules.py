@@ -20,7 +20,7 @@ can never pass through silently (a wrong diag(G) would not be caught by verifica
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 import math
 from math import prod
@@ -36,7 +36,26 @@ from .graph import (
     LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Sub, Upsample,
 )
 
-ParamLookup = Callable[[str | None], torch.Tensor | None]
+# A Linear weight with more stored elements than this, evaluated in another dtype, is converted
+# a block of output rows at a time (4 Mi elements: 32 MiB in float64), not whole.
+LINEAR_BLOCK_ELEMENTS = 2**22
+
+
+class Parameters:
+    """The checkpoint's tensors as a forward pass reads them: ``param(key)`` is ``params[key]``
+    in ``dtype`` (None for no key), a copy when the dtypes differ; :meth:`stored` the tensor as
+    stored, for a rule that converts it in parts (a large classifier's float64 copy would add
+    to a verification's peak as much as twice its checkpoint tensor)."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype):
+        self._params, self.dtype = params, dtype
+
+    def __call__(self, key: str | None) -> torch.Tensor | None:
+        return None if key is None else self._params[key].to(self.dtype)
+
+    def stored(self, key: str) -> torch.Tensor:
+        return self._params[key]
+
 
 
 def vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -179,7 +198,7 @@ class Rule:
 
     node_type: ClassVar[type[Node]]
 
-    def forward(self, node: Node, xs: list[torch.Tensor], param: ParamLookup, train: bool) -> torch.Tensor:
+    def forward(self, node: Node, xs: list[torch.Tensor], param: Parameters, train: bool) -> torch.Tensor:
         raise self._missing("forward", node)
 
     def squared(self, node: Node, xs: list[torch.Tensor], power: int) -> torch.Tensor:
@@ -283,6 +302,18 @@ class AffineLayer(Rule):
 
 class LinearRule(AffineLayer):
     node_type = Linear
+
+    def forward(self, node, xs, param, train):
+        stored = param.stored(node.weight)  # read once: a lazy checkpoint reads it per access
+        weight = self.canonical_weight(node, stored)
+        if stored.dtype == param.dtype or stored.numel() <= LINEAR_BLOCK_ELEMENTS:
+            y = self.weighted(node, xs[0], weight.to(param.dtype))
+        else:
+            y = xs[0].new_empty(*xs[0].shape[:-1], weight.shape[0])
+            step = max(1, LINEAR_BLOCK_ELEMENTS // max(1, weight.shape[1]))
+            for start in range(0, weight.shape[0], step):
+                y[..., start:start + step] = F.linear(xs[0], weight[start:start + step].to(param.dtype))
+        return y if node.bias is None else y + per_channel(param(node.bias), y)
 
     def canonical_weight(self, node: Linear, stored: torch.Tensor) -> torch.Tensor:
         return stored.t() if node.weight_transposed else stored

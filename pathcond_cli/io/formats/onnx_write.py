@@ -3,7 +3,8 @@ tensors in an external data file when the model was read with one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import ChainMap
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import onnx
@@ -32,7 +33,7 @@ _ONNX_TYPE_OF = {dtype: onnx_type for onnx_type, dtype in FLOAT_TYPES.items()}
 
 def write_onnx(
     model: LoadedModel,
-    changed: dict[str, torch.Tensor],
+    changed: Mapping[str, torch.Tensor],
     destination: Path,
     metadata: dict[str, str],
     *,
@@ -51,9 +52,9 @@ def write_onnx(
     when it must be self-contained.
     """
     destination = Path(destination)
-    proto = onnx.ModelProto()
-    proto.CopyFrom(model.payload)
-    _replace_tensors(proto.graph, _with_detached_aliases(proto.graph, changed, model.params))
+    replaced = _with_detached_aliases(model.payload.graph, changed, model.params)
+    proto = _copy_without_replaced_data(model.payload, set(replaced))
+    _replace_tensors(proto.graph, replaced)
     _update_metadata(proto, metadata)
     if self_contained and proto.ByteSize() > PROTOBUF_MAX_BYTES:
         raise OutputError(
@@ -75,38 +76,94 @@ def write_onnx(
         atomic_write(destination, lambda tmp: onnx.save_model(proto, str(tmp)))
 
 
+def _copy_without_replaced_data(payload: onnx.ModelProto, replaced: set[str]) -> onnx.ModelProto:
+    """A copy of ``payload`` whose initializers named in ``replaced`` hold no data yet (the writer
+    sets it): their old bytes are never copied, which ``CopyFrom`` would do, and protobuf's arena
+    would then keep both beside the new ones (a third of a rescaled VGG-11-BN's peak).
+
+    The model, its graph and those initializers are copied field by field, everything under them
+    whole. Fields the installed onnx does not know are copied only by ``CopyFrom``: a model with
+    any at those levels is copied whole, as before."""
+    graph = payload.graph
+    emptied = [tensor for tensor in graph.initializer if tensor.name in replaced]
+    if not emptied or any(_has_unknown_fields(message) for message in (payload, graph, *emptied)):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(payload)
+        return proto
+    proto = onnx.ModelProto()
+    _copy_fields(payload, proto, leave_out={"graph"})
+    _copy_fields(graph, proto.graph, leave_out={"initializer"})
+    for tensor in graph.initializer:
+        copy = proto.graph.initializer.add()
+        if tensor.name in replaced:
+            _copy_fields(tensor, copy, leave_out={*TENSOR_DATA_FIELDS, "external_data", "data_location"})
+        else:
+            copy.CopyFrom(tensor)
+    return proto
+
+
+def _copy_fields(source, target, *, leave_out: set[str]) -> None:
+    for field, value in source.ListFields():
+        if field.name in leave_out:
+            continue
+        if _is_repeated(field):
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)
+
+
+def _is_repeated(field) -> bool:
+    # protobuf 6 added is_repeated; protobuf 7 removed label
+    return field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
+
+
+def _has_unknown_fields(message) -> bool:
+    try:
+        from google.protobuf import unknown_fields
+    except ImportError:  # protobuf before 4.22: the message's own method
+        return len(message.UnknownFields()) > 0
+    return len(unknown_fields.UnknownFieldSet(message)) > 0
+
+
 def _with_detached_aliases(
-    graph: onnx.GraphProto, changed: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
+    graph: onnx.GraphProto, changed: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor]:
     """``changed`` plus each Identity alias (a parameter of its own) whose shared tensor changes.
 
-    Such an alias must stop reading the shared tensor and keep the value it had.
+    Such an alias must stop reading the shared tensor and keep the value it had. A view: the
+    tensors of ``changed`` (computed when read) are not read here.
     """
-    detached = dict(changed)
-    for node in graph.node:
-        if node.op_type == "Identity" and node.output[0] in params and node.input[0] in changed:
-            detached.setdefault(node.output[0], params[node.output[0]])
-    return detached
+    aliases = {node.output[0]: params[node.output[0]] for node in graph.node
+               if node.op_type == "Identity" and node.output[0] in params and node.input[0] in changed
+               and node.output[0] not in changed}
+    return ChainMap(changed, aliases)
 
 
-def _replace_tensors(graph: onnx.GraphProto, changed: dict[str, torch.Tensor]) -> None:
-    remaining = dict(changed)
+def _replace_tensors(graph: onnx.GraphProto, changed: Mapping[str, torch.Tensor]) -> None:
+    """Each tensor of ``changed`` read when its place is reached and let go after it is stored,
+    so that one rescaled tensor is held at a time beside the model."""
+    remaining = dict.fromkeys(changed)
     for tensor in graph.initializer:
         if tensor.name in remaining:
-            _set_tensor_data(tensor, remaining.pop(tensor.name))
+            del remaining[tensor.name]
+            _set_tensor_data(tensor, changed[tensor.name])
     for node in graph.node:
         key = node.output[0] if node.output else ""
         if key not in remaining:
             continue
         stored = constant_tensor(node)
         if stored is not None:
-            _set_tensor_data(stored, remaining.pop(key))
+            del remaining[key]
+            _set_tensor_data(stored, changed[key])
             if not any(a.name == "value" for a in node.attribute):
                 # value_floats, sparse_value, ...: the rescaled tensor is held as a dense value.
                 del node.attribute[:]
                 node.attribute.append(onnx.helper.make_attribute("value", stored))
         elif node.op_type == "Identity":
-            _identity_to_constant(node, remaining.pop(key))
+            del remaining[key]
+            _identity_to_constant(node, changed[key])
     if remaining:
         raise KeyError(f"no initializer or Constant named {', '.join(map(repr, remaining))} in the model")
 
