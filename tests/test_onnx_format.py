@@ -202,6 +202,12 @@ def test_writer_output_is_what_a_whole_copy_gives(tmp_path, monkeypatch):
     model = load_onnx(proto.SerializeToString())
     changed = random_rescaling(model)
     assert model.payload.graph.initializer[replaced].name in changed
+    copy = onnx_write._copy_without_replaced_data(model.payload, set(changed))
+    for original, copied in zip(model.payload.graph.initializer, copy.graph.initializer):
+        if original.name in changed:
+            assert not (copied.raw_data or copied.float_data or copied.external_data) and copied.dims == original.dims
+        else:
+            assert copied.SerializeToString() == original.SerializeToString()
     write_onnx(model, changed, tmp_path / "new.onnx", {"pathcond.version": "1"})
 
     def whole_copy(payload, replaced):

@@ -306,7 +306,9 @@ class LinearRule(AffineLayer):
     def forward(self, node, xs, param, train):
         stored = param.stored(node.weight)  # read once: a lazy checkpoint reads it per access
         weight = self.canonical_weight(node, stored)
-        if stored.dtype == param.dtype or stored.numel() <= LINEAR_BLOCK_ELEMENTS:
+        # a weight that does not fit the input goes whole, for F.linear's message about its shape
+        if (stored.dtype == param.dtype or stored.numel() <= LINEAR_BLOCK_ELEMENTS
+                or xs[0].shape[-1] != weight.shape[1]):
             y = self.weighted(node, xs[0], weight.to(param.dtype))
         else:
             y = xs[0].new_empty(*xs[0].shape[:-1], weight.shape[0])

@@ -120,10 +120,15 @@ def _is_repeated(field) -> bool:
 
 
 def _has_unknown_fields(message) -> bool:
+    """Whether ``message`` holds fields the installed onnx does not know; True when this protobuf
+    cannot say (then the model is copied whole)."""
     try:
         from google.protobuf import unknown_fields
-    except ImportError:  # protobuf before 4.22: the message's own method
-        return len(message.UnknownFields()) > 0
+    except ImportError:  # protobuf before 4.21: the message's own method
+        try:
+            return len(message.UnknownFields()) > 0
+        except (AttributeError, NotImplementedError):
+            return True
     return len(unknown_fields.UnknownFieldSet(message)) > 0
 
 
