@@ -271,8 +271,12 @@ class AffineLayer(Rule):
         return 1
 
     def forward(self, node, xs, param, train):
-        y = self.weighted(node, xs[0], self.canonical_weight(node, param(node.weight)))
+        y = self.weighted_stored(node, xs[0], param)
         return y if node.bias is None else y + per_channel(param(node.bias), y)
+
+    def weighted_stored(self, node: Node, x: torch.Tensor, param: Parameters) -> torch.Tensor:
+        """:meth:`weighted` with the node's weight as ``param`` reads it."""
+        return self.weighted(node, x, self.canonical_weight(node, param(node.weight)))
 
     def ties(self, node: Node, ties: Ties) -> torch.Tensor:
         return ties.new(node, ties.shapes[node.name][0])
@@ -303,19 +307,17 @@ class AffineLayer(Rule):
 class LinearRule(AffineLayer):
     node_type = Linear
 
-    def forward(self, node, xs, param, train):
+    def weighted_stored(self, node, x, param):
         stored = param.stored(node.weight)  # read once: a lazy checkpoint reads it per access
         weight = self.canonical_weight(node, stored)
         # a weight that does not fit the input goes whole, for F.linear's message about its shape
-        if (stored.dtype == param.dtype or stored.numel() <= LINEAR_BLOCK_ELEMENTS
-                or xs[0].shape[-1] != weight.shape[1]):
-            y = self.weighted(node, xs[0], weight.to(param.dtype))
-        else:
-            y = xs[0].new_empty(*xs[0].shape[:-1], weight.shape[0])
-            step = max(1, LINEAR_BLOCK_ELEMENTS // max(1, weight.shape[1]))
-            for start in range(0, weight.shape[0], step):
-                y[..., start:start + step] = F.linear(xs[0], weight[start:start + step].to(param.dtype))
-        return y if node.bias is None else y + per_channel(param(node.bias), y)
+        if stored.dtype == param.dtype or stored.numel() <= LINEAR_BLOCK_ELEMENTS or x.shape[-1] != weight.shape[1]:
+            return self.weighted(node, x, weight.to(param.dtype))
+        y = x.new_empty(*x.shape[:-1], weight.shape[0])
+        step = max(1, LINEAR_BLOCK_ELEMENTS // weight.shape[1])  # a weight this large has columns
+        for start in range(0, weight.shape[0], step):
+            y[..., start:start + step] = F.linear(x, weight[start:start + step].to(param.dtype))
+        return y
 
     def canonical_weight(self, node: Linear, stored: torch.Tensor) -> torch.Tensor:
         return stored.t() if node.weight_transposed else stored
