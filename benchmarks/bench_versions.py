@@ -13,7 +13,9 @@ child, from wait4) and peak RSS (ru_maxrss). Each model is also timed against it
 same machine, measured in a process of their own: reading the input's files (from the page
 cache, as pathcond reads them after the first run), one float64 forward pass of the network
 (pathcond's evaluator, batch 1) and writing the output's bytes (fsync included, as pathcond's
-writer does).
+writer does). After the table, a line per model gives the CPU seconds of the work any version
+must do (``_REQUIRED``: the imports, the verification's forward passes, the squared-network
+passes) and the largest CPU ratio against the baseline that this work allows.
 
 Models, built once (``--keep`` reuses a folder): ResNet-50, DenseNet-121 and VGG-11 with
 BatchNorm exported to ONNX at 224x224 (BatchNorm kept, random statistics: a calibrated network),
@@ -85,6 +87,38 @@ with open(path, "wb") as out:
 write = time.perf_counter() - started
 os.remove(path)
 print(json.dumps({"read": read, "forward": forward_seconds, "write": write}))
+"""
+
+
+# The CPU seconds of the work every `rescale` must do, whatever the version: importing torch and
+# pathcond, the verification's float64 forward passes (SPEC.md's eval and train modes, original
+# and written network, at the verification's batch) and the squared-network passes (diag(G) and
+# ℓ2, the path count, ℓ1, and ℓ1 and ℓ2 of the written file, which issue 26 requires). The
+# baseline's CPU time over their sum is the largest ratio any version doing this work can reach.
+# Prints one JSON object.
+_REQUIRED = """
+import json, sys, time
+import torch
+from pathcond_cli.api import load
+imported = time.process_time()
+from pathcond_cli.engine.diag import balancing_exponents, diag_g_and_l2_norm, path_count, path_norms
+from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.verify import compare
+
+model_args = json.loads(sys.argv[1])
+model = load(model_args[0], arch=model_args[1] if len(model_args) > 1 else None)
+groups = build_groups(model.graph, model.params)
+u_ext = groups.extend(balancing_exponents(groups))
+started = time.process_time()
+compare(model.graph, model.params, model.params)
+verification = time.process_time() - started
+started = time.process_time()
+diag_g_and_l2_norm(groups, u_ext=u_ext)
+path_count(groups)
+path_norms(groups, [1.0], u_ext=u_ext)
+path_norms(groups, [1.0, 2.0], u_ext=u_ext)
+squared = time.process_time() - started
+print(json.dumps({"import": imported, "verification": verification, "squared_networks": squared}))
 """
 
 
@@ -218,13 +252,22 @@ def measure(command: list[str], cwd: Path, log: Path) -> Run:
     return Run(float(wall), float(cpu), int(peak))
 
 
-def floors(model_args: list[str], output: Path, scratch: Path) -> dict[str, float]:
-    files = [model_args[0]] + ([model_args[2]] if len(model_args) > 2 else [])
-    payload = json.dumps([[model_args[0], *model_args[2:3]], files, output.stat().st_size])
+def _in_working_tree(script: str, payload: str, scratch: Path) -> dict[str, float]:
+    """Run one of the scripts above in a process of its own, on the working tree, one thread."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _FLOORS, payload], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-c", script, payload], capture_output=True, text=True, env=env,
                           cwd=scratch, check=True)
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def floors(model_args: list[str], output: Path, scratch: Path) -> dict[str, float]:
+    files = [model_args[0]] + ([model_args[2]] if len(model_args) > 2 else [])
+    return _in_working_tree(_FLOORS, json.dumps([[model_args[0], *model_args[2:3]], files, output.stat().st_size]),
+                            scratch)
+
+
+def required_work(model_args: list[str], scratch: Path) -> dict[str, float]:
+    return _in_working_tree(_REQUIRED, json.dumps([model_args[0], *model_args[2:3]]), scratch)
 
 
 def main() -> None:
@@ -241,6 +284,7 @@ def main() -> None:
         folder.mkdir(parents=True, exist_ok=True)
         print("| model | input | version | wall (s) | CPU (s) | peak RSS (GiB) | floors: read / forward / write (s) "
               "| wall / floors |\n| --- | ---: | --- | ---: | ---: | ---: | --- | ---: |", flush=True)
+        notes: list[str] = []
         for name in args.models:
             model_args = build(name, folder)
             size = sum(Path(file).stat().st_size for file in model_args[:1] + model_args[2:3])
@@ -262,12 +306,19 @@ def main() -> None:
             old, new = best[args.baseline], best["tree"]
             print(f"| {name} | | **{args.baseline} / tree** | {old.wall / new.wall:.2f}x | {old.cpu / new.cpu:.2f}x "
                   f"| {old.peak_rss / new.peak_rss:.2f}x | | |", flush=True)
+            required = required_work(model_args, Path(scratch))
+            summed = sum(required.values())
+            notes.append(f"{name}: required work {required['import']:.2f} s import + {required['verification']:.2f} s "
+                         f"verification forwards + {required['squared_networks']:.2f} s squared-network passes = "
+                         f"{summed:.2f} s CPU; {args.baseline}'s best CPU over it: {old.cpu / summed:.2f}x, the "
+                         "largest CPU ratio a version doing this work can reach")
             if args.json:
                 with open(args.json, "a") as handle:
-                    handle.write(json.dumps({"model": name, "bytes": size, "floors": floor,
+                    handle.write(json.dumps({"model": name, "bytes": size, "floors": floor, "required": required,
                                              "best": {label: vars(run) for label, run in best.items()},
                                              "runs": {label: [vars(r) for r in done] for label, done in runs.items()}})
                                  + "\n")
+        print("", *notes, sep="\n")
 
 
 if __name__ == "__main__":

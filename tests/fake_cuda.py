@@ -195,33 +195,45 @@ def _no_op(*args, **kwargs):
     return None
 
 
+# What torch.cuda answers while the fake device is installed.
+_CUDA_ANSWERS = {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+                 "get_device_name": lambda *a, **k: "fake CUDA (pathcond tests)", "synchronize": _no_op,
+                 "reset_peak_memory_stats": _no_op, "max_memory_allocated": lambda *a, **k: 0,
+                 "memory_allocated": lambda *a, **k: 0, "empty_cache": _no_op}
+# torch.cuda's own answers, as imported.
+_REAL_CUDA = {name: getattr(torch.cuda, name) for name in _CUDA_ANSWERS}
+
+
 @contextmanager
-def installed() -> Iterator[FakeCuda]:
-    """The fake device active, and torch.cuda reporting one device, until the block ends."""
-    patches = {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-               "get_device_name": lambda *a, **k: "fake CUDA (pathcond tests)", "synchronize": _no_op,
-               "reset_peak_memory_stats": _no_op, "max_memory_allocated": lambda *a, **k: 0,
-               "memory_allocated": lambda *a, **k: 0, "empty_cache": _no_op}
-    saved = {name: getattr(torch.cuda, name) for name in patches}
-    for name, value in patches.items():
+def _cuda_answering(answers: dict) -> Iterator[None]:
+    saved = {name: getattr(torch.cuda, name) for name in answers}
+    for name, value in answers.items():
         setattr(torch.cuda, name, value)
-    mode = FakeCuda()
     try:
-        with mode:
-            yield mode
+        yield
     finally:
         for name, value in saved.items():
             setattr(torch.cuda, name, value)
 
 
 @contextmanager
+def installed() -> Iterator[FakeCuda]:
+    """The fake device active, and torch.cuda reporting one device, until the block ends."""
+    mode = FakeCuda()
+    with _cuda_answering(_CUDA_ANSWERS), mode:
+        yield mode
+
+
+@contextmanager
 def suspended() -> Iterator[None]:
-    """Run a block on the plain CPU (e.g. building a test input with torch's exporters)."""
+    """Run a block on the plain CPU (e.g. building a test input with torch's exporters): without
+    the mode, and with torch.cuda's own answers (believing in a device, torch.export asks it for
+    its random state, fails half-way and leaves the dispatcher's state broken for later tests)."""
     from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
 
     stack = _get_current_function_mode_stack()
     if not stack or not isinstance(stack[-1], FakeCuda):
         yield
         return
-    with _pop_mode_temporarily():
+    with _pop_mode_temporarily(), _cuda_answering(_REAL_CUDA):
         yield

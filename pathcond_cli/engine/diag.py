@@ -373,15 +373,17 @@ def squared_network(
     power: float,
     dtype: torch.dtype = torch.float64,
     device: torch.device | str = "cpu",
+    totals_only: bool = False,
 ) -> SquaredPass:
     """Forward pass of the squared network on all-ones inputs, with a log offset per node.
 
     ``layers`` maps each Linear/Conv (and standalone BatchNorm) node to its ψ weight and bias
     in torch's layout, each with its own log scale; so neither a huge global scale nor a huge
     path count overflows. A layer without weight (a bias alone) passes its input on through
-    fixed edges of weight 1.
+    fixed edges of weight 1. ``totals_only``: as :func:`squared_networks`.
     """
-    return squared_networks(graph, _OnePower(layers), powers=(power,), dtype=dtype, device=device)[0]
+    return squared_networks(graph, _OnePower(layers), powers=(power,), dtype=dtype, device=device,
+                            totals_only=totals_only)[0]
 
 
 def squared_networks(
@@ -391,13 +393,16 @@ def squared_networks(
     powers: Sequence[float],
     dtype: torch.dtype = torch.float64,
     device: torch.device | str = "cpu",
+    totals_only: bool = False,
 ) -> list[SquaredPass]:
     """:func:`squared_network` for each of ``powers`` in one sweep: ``layers`` gives each layer's
     ψ weight and bias for each power in turn (:class:`PowerLayerValues` builds them from one read
-    of the layer's values)."""
+    of the layer's values). With ``totals_only`` each activation another node reads is let go
+    after its last read: a pass keeps the outputs (all :meth:`SquaredPass.total` reads), and
+    the values of inputs nothing reads."""
     passes = [SquaredPass({}, {}) for _ in powers]
     with torch.no_grad():
-        for node in graph.nodes:
+        for node in graph.sweep(*(sweep.values for sweep in passes if totals_only)):
             rule = rule_for(node)
             per_power = iter(layers[node.name]) if node.name in layers else None
             for power, sweep in zip(powers, passes):
@@ -472,12 +477,16 @@ def log_gradients(
     Each node's vector–Jacobian product is taken locally on normalised values, and the scale
     of the cotangent is carried as a log offset, so gradients far below (or above) the rest
     of the network stay representable: no chain of tiny factors ever multiplies out.
+
+    The sweep consumes ``forward``: each activation is let go once it has been read for the
+    last time, so that afterwards ``forward`` holds the outputs (all its total reads) and the
+    values of inputs nothing reads.
     """
     cotangents: dict[str, list[tuple[torch.Tensor, float]]] = {
         o: [(torch.ones_like(forward.values[o]), 0.0)] for o in graph.outputs
     }
     result: dict[str, tuple[LogG | LayerGradient | None, torch.Tensor | None]] = {}
-    for node in reversed(graph.nodes):
+    for node in graph.sweep(forward.values, backward=True):
         if isinstance(node, Input) or node.name not in cotangents:
             continue
         incoming = cotangents.pop(node.name)
@@ -769,7 +778,8 @@ def path_sum(groups: RescalingGroups, power: float, make: Callable[[DagParam], S
     """Σ_P Π_{e∈P} ψ_e·|c_e|^power of the squared network of ``power`` whose layers are
     ``make(dp)``, as (mantissa, ln offset): ‖Φ‖_q^q with ψ = |θ|^q and power q; the path count
     with ψ = 1 and power 0 (then an exact integer mantissa while the offset is 0)."""
-    return squared_network(groups.graph, LayerValues(groups, make), power=power, device=device).total(groups.graph)
+    return squared_network(groups.graph, LayerValues(groups, make), power=power, device=device,
+                           totals_only=True).total(groups.graph)
 
 
 def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> PathCount:
@@ -802,7 +812,7 @@ def path_norms(groups: RescalingGroups, orders: Sequence[float], *, device: torc
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
     passes = squared_networks(groups.graph, PowerLayerValues(groups, u_ext, device, orders), powers=orders,
-                              device=device)
+                              device=device, totals_only=True)
     return [_norm_of_total(q, *sweep.total(groups.graph)) for q, sweep in zip(orders, passes)]
 
 

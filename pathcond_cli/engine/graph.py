@@ -8,9 +8,9 @@ feature vectors. Axis 0 of every shape is the channel axis that rescaling groups
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -445,6 +445,28 @@ class Graph:
 
     def consumers(self, name: str) -> list[str]:
         return self._consumers[name]
+
+    def sweep(self, *held: dict[str, Any], backward: bool = False) -> Iterator[Node]:
+        """The nodes in topological order (reversed with ``backward``); after the loop's body
+        has handled a node, each ``held`` mapping of values by node name loses the values that
+        node read and no later step reads (never the outputs'; a value nothing reads stays). A
+        node's inputs are read when it is handled, so a forward sweep holds a few activations
+        instead of all, and a backward one lets go of the forward activations it has used.
+        """
+        order = self.nodes[::-1] if backward else self.nodes
+        last: dict[str, int] = {}
+        for position, node in enumerate(order):
+            for name in node.inputs:
+                last[name] = position
+        done: list[list[str]] = [[] for _ in order]
+        for name, position in last.items():
+            if name not in self.outputs:
+                done[position].append(name)
+        for node, done_with in zip(order, done):
+            yield node
+            for values in held:
+                for name in done_with:
+                    values.pop(name, None)
 
     @property
     def inputs(self) -> list[Input]:

@@ -146,7 +146,7 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
     values: dict[str, torch.Tensor] = {}
     offsets: dict[str, float] = {}
     with torch.no_grad():
-        for node in graph.nodes:
+        for node in graph.sweep(values):
             rule = rule_for(node)
             if isinstance(node, Input):
                 y, offset = torch.zeros((1, *node.shape), dtype=torch.float64, device=device), 0.0
