@@ -466,7 +466,7 @@ class Graph:
             yield node
             for values in held:
                 for name in done_with:
-                    values.pop(name, None)
+                    del values[name]  # a value missing here was never computed: a broken sweep
 
     @property
     def inputs(self) -> list[Input]:

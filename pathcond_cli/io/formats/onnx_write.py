@@ -127,8 +127,8 @@ def _has_unknown_fields(message) -> bool:
     except ImportError:  # protobuf before 4.21: the message's own method
         try:
             return len(message.UnknownFields()) > 0
-        except (AttributeError, NotImplementedError):
-            return True
+        except (AttributeError, NotImplementedError):  # e.g. upb 4.21, which raises for it
+            return True  # cannot tell: the caller copies the whole model, the old, safe route
     return len(unknown_fields.UnknownFieldSet(message)) > 0
 
 
