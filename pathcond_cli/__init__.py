@@ -15,7 +15,7 @@ _PUBLIC = {
     "Analysis": "api", "RescaleResult": "api", "analyse": "api", "load": "api", "rescale": "api",
     "rescale_module": "api", "save": "api", "PathcondError": "errors",
     "compare_models": "toolkit", "prune": "toolkit", "save_pruned": "toolkit", "set_threads": "threads",
-    "rescale_file": "pipeline",
+    "rescale_file": "pipeline", "GSGD": "gsgd",
 }
 
 __all__ = [*sorted(_PUBLIC), "__version__"]
@@ -24,6 +24,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type che
 if TYPE_CHECKING:
     from .api import Analysis, RescaleResult, analyse, load, rescale, rescale_module, save
     from .errors import PathcondError
+    from .gsgd import GSGD
     from .pipeline import rescale_file
     from .threads import set_threads
     from .toolkit import compare_models, prune, save_pruned

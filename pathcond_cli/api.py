@@ -23,7 +23,7 @@ from . import __version__
 from .engine.calibration import calibration_warnings, constant_output_warnings, ignores_input
 from .engine.diag import (
     DiagG, LogG, OuterLog, PathCount, PathNorm, TensorStats, balancing_exponents, dense, diag_g_and_l2_norm,
-    path_count, path_norms, tensor_stats, zeros_per_layer,
+    norm_order_text, path_count, path_norms, tensor_stats, zeros_per_layer,
 )
 from .engine.graph import BatchNorm, Graph, all_finite
 from .engine.groups import DagParam, RescalingGroups, build_groups
@@ -471,7 +471,7 @@ def check_path_norms(analysis: Analysis, graph, params: Mapping[str, torch.Tenso
         change = 0.0 if same else abs(math.expm1((after[key].log10 - before.log10) * math.log(10)))
         if not change <= tolerance:  # NaN fails too
             raise VerificationError(
-                f"'{name}': the path norm ‖Φ‖_{before.q:g} changed by a relative {change:.3g} (from 10^{before.log10:.9g} "
+                f"'{name}': the path norm ‖Φ‖_{norm_order_text(before.q)} changed by a relative {change:.3g} (from 10^{before.log10:.9g} "
                 f"to 10^{after[key].log10:.9g}), beyond the {tolerance:.2g} that rounding the stored tensors allows; "
                 "a rescaling leaves every path norm unchanged, so the rescaled model is not a rescaling of the "
                 f"original. {outcome}"
@@ -622,7 +622,7 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
     options.pop("verify", None)
     model = module_model(module, input_shape)
     result = rescale(model, verify=False, **options)
-    verification = compare_modules(module, result.changed, tuple(input_shape))
+    verification = _compare_module(module, result.changed, tuple(input_shape), model.source)
     if not verification.passed:
         raise VerificationError(
             f"{model.source}: the rescaled module differs from the original by a relative "
@@ -639,6 +639,24 @@ def rescale_module(module: torch.nn.Module, input_shape: tuple[int, ...], **opti
             state[key].copy_(tensor)
     result.verification = verification
     return result
+
+
+def _compare_module(module: torch.nn.Module, changed: Mapping[str, torch.Tensor], input_shape: tuple[int, ...],
+                    source: str) -> Verification:
+    """:func:`compare_modules`, with a forward that cannot run as it runs the module (in float64) refused."""
+    try:
+        return compare_modules(module, changed, input_shape)
+    except PathcondError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's forward, run on float64 copies, may raise anything
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise VerificationError(
+            f"{source}: the rescaling cannot be verified: the verification runs copies of the module in float64 on "
+            f"standard normal inputs, and its forward raises there ({type(exc).__name__}: {reason[:300]}). A "
+            "forward that casts a stored tensor to a fixed dtype (self.filt.float(), .to(torch.float32)) runs in "
+            "that dtype only: store the tensor in the dtype it is used in, and use it without the cast. The module "
+            "was not changed."
+        ) from None
 
 
 def _check_module(module: torch.nn.Module) -> None:
@@ -728,7 +746,7 @@ def save(
     model = result.analysis.model
     if input_shape is None and model.format == "onnx":
         # The written file is read back with the shapes the analysis used, which the model may leave open.
-        input_shape = {node.name: tuple(node.shape) for node in model.graph.inputs}
+        input_shape = model.carried.inputs or {node.name: tuple(node.shape) for node in model.graph.inputs}
     timings = seconds if seconds is not None else result.seconds
     timed = Stopwatch(timings)
 

@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+# Problems a message lists before it counts the others: a long list would bury the lines that
+# close the message (why, and what to do). ``complete`` lists them all; --json prints it.
+PROBLEMS_SHOWN = 10
 
 
 class PathcondError(Exception):
-    """Base class: a clear, one-paragraph message for the user and a distinct exit code."""
+    """Base class: a clear, one-paragraph message for the user and a distinct exit code.
+
+    ``message`` says what is wrong; ``problems`` (one line each) are its instances, of which
+    the first :data:`PROBLEMS_SHOWN` are listed and the others counted; ``note`` closes the
+    paragraph (why, and what would help) and is always given whole. ``follow_on`` are problems
+    that only follow from those (counted, never listed). ``complete`` is the paragraph with
+    every problem listed, as --json prints it.
+    """
 
     exit_code = 1
+
+    def __init__(self, message: str, problems: Sequence[str] = (), note: str | None = None, *,
+                 follow_on: Sequence[str] = (), follow_on_meaning: str = ""):
+        root = list(problems)
+        self.message, self.note, self.follow_on = message, note, list(follow_on)
+        self.problems = root + self.follow_on
+        closing = [note] if note else []
+        self.complete = "\n".join([message, *(f"  - {p}" for p in self.problems), *closing])
+        lines = [f"  - {p}" for p in root[:PROBLEMS_SHOWN]]
+        if len(root) > PROBLEMS_SHOWN:
+            lines.append(f"  and {len(root) - PROBLEMS_SHOWN} more problem(s) (all listed with --json; "
+                         "in the API, the error's problems)")
+        if self.follow_on:
+            lines.append(f"  and {len(self.follow_on)} more problem(s){follow_on_meaning} (listed with --json; in "
+                         "the API, the error's follow_on)")
+        super().__init__("\n".join([message, *lines, *closing]))
 
 
 class UsageError(PathcondError):
@@ -34,16 +61,8 @@ class UnsupportedModelError(PathcondError):
         """``problems`` are the root causes; ``follow_on`` the problems of nodes that only read
         the output of a refused node (counted in the message; ``complete`` lists them all);
         ``note`` a paragraph closing the message (why, and what would help), given once."""
-        root = list(problems or [])
-        self.follow_on = list(follow_on or [])
-        self.problems = root + self.follow_on
-        lines = [f"  - {p}" for p in root]
-        closing = [note] if note else []
-        self.complete = "\n".join([message, *lines, *(f"  - {p}" for p in self.follow_on), *closing])
-        if self.follow_on:
-            lines.append(f"  and {len(self.follow_on)} more problem(s) in nodes that read the output of those above, "
-                         "consequences of them (listed with --json; in the API, the error's follow_on)")
-        super().__init__("\n".join([message, *lines, *closing]) if lines or closing else message)
+        super().__init__(message, problems or [], note, follow_on=follow_on or [],
+                         follow_on_meaning=" in nodes that read the output of those above, consequences of them")
 
 
 class VerificationError(PathcondError):
@@ -69,6 +88,11 @@ class StorageError(PathcondError):
     flushed below the smallest normal): with ``--max-log-scale none`` or a bound of the user's."""
 
     exit_code = 8
+
+
+class SingularBasisError(PathcondError):
+    """G-SGD's basis-path coordinates are singular: a skeleton-path value is (or a step would make
+    it) 0, or a product of skeleton weights leaves the dtype's range."""
 
 
 class MismatchError(PathcondError):

@@ -11,47 +11,53 @@ architecture through the ℓ1 path-metric, and prune a checkpoint by path magnit
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import ChainMap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from . import __version__
 from .api import DEFAULT_PATH_NORMS, LOG10_E, Stopwatch, path_norm_orders, path_norms_of, resolve_device, write_staged
-from .engine.diag import PathNorm, balancing_exponents, path_magnitude_scores
+from .engine.diag import (
+    LayerValues, PathNorm, balanced_power, balancing_exponents, path_magnitude_scores, squared_network,
+)
 from .engine.evaluate import forward
 from .engine.graph import Graph, Input
-from .engine.groups import build_groups
+from .engine.groups import RescalingGroups, build_groups
 from .engine.model import LoadedModel
 from .engine.pathlift import (
-    PRUNING_CRITERIA, PathMetric, SignComparison, compare_signs, exp_or_none, ln_difference, magnitude_keys, non_relu_activations,
-    path_metric, prunable, select_pruned, stored_weight_mask,
+    PathMetric, SignComparison, compare_signs, exp_or_none, magnitude_keys, non_relu_activations, path_metric, prunable,
+    rounding_bound, select_pruned, stored_weight_mask,
 )
-from .errors import MismatchError, PathcondError, VerificationError
+from .errors import MismatchError, PathcondError, UsageError, VerificationError
 from .io.formats import load_model
+from .solve.options import PRUNING_CRITERIA, InvalidOption
 from .verify import independent_agreement
 
 # Inputs drawn in the box ‖x‖∞ ≤ R to measure an output change: half uniform, half corners (±R).
 SAMPLED_INPUTS = 16
 LARGE_INPUT = 16384
 SAMPLED_LARGE_INPUTS = 4
-# What float64 evaluation of both networks may add to a measured output change, relative to
-# the outputs' size, before it counts against a bound.
-EVALUATION_SLACK = 1e-9
+LN_FLOAT64_MAX = math.log(sys.float_info.max)
 
 
 def check_same_architecture(a: LoadedModel, b: LoadedModel) -> None:
-    """Refuse two models whose DAGs differ: node by node (type, hyper-parameters, wiring by
-    position), then the tensors the graphs read (names and shapes). :class:`MismatchError`
-    names the first difference."""
+    """Refuse two models whose DAGs differ: in their number of nodes, their inputs (names,
+    order, shapes) and outputs (names, order), then node by node (type, hyper-parameters, wiring
+    by position), then in the tensors the graphs read (names and shapes); the outputs' shapes
+    follow from these. :class:`MismatchError` names the first difference."""
     nodes_a, nodes_b = a.graph.nodes, b.graph.nodes
     if len(nodes_a) != len(nodes_b):
         raise MismatchError(f"'{a.source}' has {len(nodes_a)} nodes and '{b.source}' {len(nodes_b)}: not one "
                             "architecture. Nothing was compared.")
+    _check_same_ends("input", [(node.name, tuple(node.shape)) for node in a.graph.inputs],
+                     [(node.name, tuple(node.shape)) for node in b.graph.inputs], a.source, b.source)
+    _check_same_ends("output", [(name, None) for name in a.graph.outputs], [(name, None) for name in b.graph.outputs],
+                     a.source, b.source)
     position_a = {node.name: i for i, node in enumerate(nodes_a)}
     position_b = {node.name: i for i, node in enumerate(nodes_b)}
     for index, (node_a, node_b) in enumerate(zip(nodes_a, nodes_b)):
@@ -71,6 +77,20 @@ def check_same_architecture(a: LoadedModel, b: LoadedModel) -> None:
                                 f"'{b.source}'. Nothing was compared.")
 
 
+def _check_same_ends(what: str, ends_a: list[tuple[str, tuple | None]], ends_b: list[tuple[str, tuple | None]],
+                     source_a: str, source_b: str) -> None:
+    """Refuse two graphs whose inputs (or outputs) differ in number, name, order or shape: the
+    outputs are compared position by position, and the inputs are fed so."""
+    names_a, names_b = [name for name, _ in ends_a], [name for name, _ in ends_b]
+    if names_a != names_b:
+        raise MismatchError(f"'{source_a}' has {what}s {names_a} and '{source_b}' {names_b}: compare needs the same "
+                            f"{what}s in the same order. Nothing was compared.")
+    for name, ((_, shape_a), (_, shape_b)) in zip(names_a, zip(ends_a, ends_b)):
+        if shape_a != shape_b:
+            raise MismatchError(f"{what} '{name}' has shape {list(shape_a)} in '{source_a}' and {list(shape_b)} in "
+                                f"'{source_b}'. Nothing was compared.")
+
+
 def _node_difference(node_a, node_b, position_a: dict[str, int], position_b: dict[str, int]) -> str | None:
     if type(node_a) is not type(node_b):
         return f"{node_a.op} against {node_b.op}"
@@ -88,9 +108,23 @@ def _node_difference(node_a, node_b, position_a: dict[str, int], position_b: dic
 
 
 def measured_output_change(graph_a: Graph, params_a: Mapping[str, torch.Tensor], graph_b: Graph,
-                           params_b: Mapping[str, torch.Tensor], input_bound: float, *, seed: int = 0) -> float:
+                           params_b: Mapping[str, torch.Tensor], input_bound: float, *, names: tuple[str, str],
+                           outcome: str, seed: int = 0) -> float:
     """The largest ℓ1 change of the outputs (all concatenated) between two networks, over inputs
-    in the box ‖x‖∞ ≤ R: half drawn uniformly, half at random corners (±R). float64 throughout."""
+    in the box ‖x‖∞ ≤ R (:func:`sampled_output_changes`)."""
+    changes, _ = sampled_output_changes(graph_a, params_a, graph_b, params_b, input_bound, names=names,
+                                        outcome=outcome, seed=seed)
+    return float(changes.max())
+
+
+def sampled_output_changes(graph_a: Graph, params_a: Mapping[str, torch.Tensor], graph_b: Graph,
+                           params_b: Mapping[str, torch.Tensor], input_bound: float, *, names: tuple[str, str],
+                           outcome: str, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The ℓ1 change of the outputs (all concatenated) between two networks at each of a few
+    inputs in the box ‖x‖∞ ≤ R, half drawn uniformly, half at random corners (±R), and those
+    inputs (by ``graph_a``'s input names). float64 throughout, so every input lies in the box.
+    Outputs that are not finite are refused (:class:`VerificationError`, naming the network by
+    ``names`` and ending with ``outcome``)."""
     inputs_a = [node for node in graph_a.nodes if isinstance(node, Input)]
     largest = max(math.prod(node.shape) for node in inputs_a)
     batch = SAMPLED_LARGE_INPUTS if largest > LARGE_INPUT else SAMPLED_INPUTS
@@ -98,25 +132,100 @@ def measured_output_change(graph_a: Graph, params_a: Mapping[str, torch.Tensor],
     feeds_a, feeds_b = {}, {}
     for node_a, node_b in zip(inputs_a, [node for node in graph_b.nodes if isinstance(node, Input)]):
         shape = (batch, *node_a.shape)
+        # 2t − 1 is exact and in [−1, 1], so its product with R rounds to at most R.
         uniform = (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1) * input_bound
-        corners = torch.where(torch.rand(shape, generator=generator) < 0.5, -input_bound, input_bound).to(torch.float64)
+        signs = torch.rand(shape, generator=generator, dtype=torch.float64) < 0.5
+        corners = torch.full(shape, input_bound, dtype=torch.float64).masked_fill_(signs, -input_bound)
         feeds_a[node_a.name] = feeds_b[node_b.name] = torch.cat([uniform[: batch // 2], corners[batch // 2:]])
+    flats = []
     with torch.no_grad():
-        out_a = forward(graph_a, params_a, feeds_a)
-        out_b = forward(graph_b, params_b, feeds_b)
-    flat_a = torch.cat([out_a[name].reshape(batch, -1) for name in graph_a.outputs], dim=1)
-    flat_b = torch.cat([out_b[name].reshape(batch, -1) for name in graph_b.outputs], dim=1)
-    return float((flat_a - flat_b).abs().sum(dim=1).max())
+        for graph, params, feeds, name in ((graph_a, params_a, feeds_a, names[0]), (graph_b, params_b, feeds_b, names[1])):
+            outputs = forward(graph, params, feeds)
+            flat = torch.cat([outputs[output].reshape(batch, -1) for output in graph.outputs], dim=1)
+            if not bool(torch.isfinite(flat).all()):
+                raise VerificationError(
+                    f"'{name}': the network's outputs are not finite on inputs with ‖x‖∞ ≤ {input_bound:g}: it overflows "
+                    "float64 by itself (a constant factor or weights too large?), so no output change can be measured "
+                    f"against its bound. {outcome}")
+            flats.append(flat)
+    return (flats[0] - flats[1]).abs().sum(dim=1), feeds_a
+
+
+def _ln_evaluation_errors(groups: RescalingGroups, u_ext: torch.Tensor, feeds: Mapping[str, torch.Tensor],
+                          device) -> torch.Tensor:
+    """ln of what float64 evaluation can have added to a network's outputs (their ℓ1 norm) at
+    each input of ``feeds``: every output is a sum of path terms, each rounding of which moves
+    it by at most a relative u of the terms' magnitudes (Higham §3.1), so the error is at most
+    γ_K (:func:`~.engine.pathlift.rounding_bound`, K the roundings of a forward) times the
+    outputs of the |θ| network on |x|, Σ_P |Φ_P| |x_P|, computed on the balanced copy."""
+    layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, 1))
+    magnitudes = {name: feed.abs() for name, feed in feeds.items()}
+    sweep = squared_network(groups.graph, layers, power=1, device=device, totals_only=True, inputs=magnitudes)
+    final = max(sweep.offsets[output] for output in groups.graph.outputs)
+    batch = next(iter(feeds.values())).shape[0]
+    mass = sum(sweep.values[output].reshape(batch, -1).sum(dim=1) * math.exp(sweep.offsets[output] - final)
+               for output in groups.graph.outputs)
+    return torch.log(mass).cpu() + final + math.log(rounding_bound(groups, 0.0))
+
+
+def _measure_within_bound(a: tuple[Graph, Mapping[str, torch.Tensor], RescalingGroups, torch.Tensor],
+                          b: tuple[Graph, Mapping[str, torch.Tensor], RescalingGroups, torch.Tensor],
+                          input_bound: float, ln_bound: float | None, names: tuple[str, str], outcome: str,
+                          device) -> float:
+    """The largest output change measured on inputs of the box between network ``a`` and ``b``
+    (each its graph, tensors, groups and balancing), checked against the bound (natural log,
+    rounded up already; None where none applies): a change above it is a bug (of pathcond or of
+    the theorem's conditions), never a result to print, :class:`VerificationError`. At each
+    input the measured change may exceed the true one by what float64 evaluation of the two
+    networks adds there (:func:`_ln_evaluation_errors`), and by nothing else."""
+    graph_a, params_a, groups_a, u_a = a
+    graph_b, params_b, groups_b, u_b = b
+    changes, feeds = sampled_output_changes(graph_a, params_a, graph_b, params_b, input_bound, names=names,
+                                            outcome=outcome)
+    if ln_bound is not None:
+        feeds_b = dict(zip((node.name for node in graph_b.inputs), feeds.values()))
+        ln_errors = torch.logaddexp(_ln_evaluation_errors(groups_a, u_a, feeds, device),
+                                    _ln_evaluation_errors(groups_b, u_b, feeds_b, device))
+        allowed = torch.logaddexp(ln_errors, torch.tensor(ln_bound, dtype=torch.float64))
+        over = changes.log() > allowed
+        if bool(over.any()):
+            worst = int(over.nonzero()[0])
+            raise VerificationError(
+                f"'{names[0]}' against '{names[1]}': the measured output change, {float(changes[worst]):.6g}, exceeds its "
+                f"bound {exp_or_none(ln_bound) or 0.0:.6g} (seed 004's Theorem 4.1) by more than float64 evaluation can "
+                f"account for there ({math.exp(float(ln_errors[worst])):.3g}); this is a bug in pathcond: please report "
+                f"it. {outcome}")
+    return float(changes.max())
+
+
+def _check_in_range(norms: Mapping[str, PathNorm], input_bound: float, name: str, outcome: str) -> None:
+    """Refuse a network whose ℓ1 path norm is beyond float64 (:class:`VerificationError`, as
+    ``rescale`` refuses outputs that overflow: the network overflows float64 by itself), and an
+    R that takes max(R, 1) · ‖Φ‖₁, which bounds every output on the box, beyond it
+    (:class:`UsageError`: a smaller R works)."""
+    ln_l1 = norms["l1"].log10 / LOG10_E
+    if ln_l1 > LN_FLOAT64_MAX:
+        raise VerificationError(
+            f"'{name}': its ℓ1 path norm is 10^{norms['l1'].log10:.6g}, beyond float64 (weights or a constant factor too "
+            "large?): its outputs can overflow float64 by themselves, and no bound of Theorem 4.1 can be printed. "
+            f"{outcome}")
+    if ln_l1 + math.log(max(input_bound, 1.0)) > LN_FLOAT64_MAX:
+        largest = math.exp(LN_FLOAT64_MAX - ln_l1)
+        raise UsageError(
+            f"--input-bound {input_bound:g}: max(R, 1) · ‖Φ‖₁ of '{name}' (‖Φ‖₁ = 10^{norms['l1'].log10:.6g}) is beyond "
+            f"float64, so the outputs on that box can overflow and no bound can be printed; choose R ≤ {largest:.6g}. "
+            f"{outcome}")
 
 
 @dataclass
 class Comparison:
     """Two checkpoints of one architecture through the ℓ1 path-metric (seed 004, SPEC §8).
 
-    ``output_change_bound`` = max(R, 1) · ``metric.upper``, the bound of Theorem 4.1 on
-    ‖R_θ(x) − R_θ'(x)‖₁ for every ‖x‖∞ ≤ R; None when the theorem does not apply (``bound_note``
-    says why: a sign flip, or an activation other than ReLU). ``measured_output_change`` is
-    the largest change found on a few inputs in the box: never above the bound.
+    ``output_change_bound`` = max(R, 1) · ``metric.upper`` · (1 + ρ), the bound of Theorem 4.1
+    on ‖R_θ(x) − R_θ'(x)‖₁ for every ‖x‖∞ ≤ R, rounded up by ρ (``metric.rounding``, what float64
+    can have taken off the metric); None when the theorem does not apply (``bound_note`` says
+    why: a sign flip, or an activation other than ReLU). ``measured_output_change`` is the
+    largest change found on a few inputs in the box: never above the bound.
     """
 
     a: LoadedModel
@@ -137,9 +246,7 @@ class Comparison:
 
     @property
     def ln_output_change_bound(self) -> float | None:
-        if not self.bound_applies:
-            return None
-        return self.metric.ln_upper + math.log(max(self.input_bound, 1.0))
+        return _ln_bound(self.metric.ln_bound, self.input_bound, self.bound_note)
 
     @property
     def output_change_bound(self) -> float | None:
@@ -147,8 +254,15 @@ class Comparison:
         return None if ln is None else exp_or_none(ln)
 
 
-def _bound_note(graph: Graph, signs: SignComparison | None) -> str | None:
-    """Why seed 004's Theorem 4.1 gives no bound for these two vectors, or None when it does."""
+def _ln_bound(ln_metric: float, input_bound: float, note: str | None) -> float | None:
+    """ln(max(R, 1) · metric): Theorem 4.1's bound, or None where ``note`` says it does not apply."""
+    return None if note is not None else ln_metric + math.log(max(input_bound, 1.0))
+
+
+def bound_note(graph: Graph, signs: SignComparison | None) -> str | None:
+    """Why seed 004's Theorem 4.1 (and its corollary, eq. 13) gives no bound for these two
+    vectors, or None when it does: it is proved for ReLU DAGs (identity and max-pooling
+    included) without a sign change."""
     other = non_relu_activations(graph)
     if other:
         return (f"the network has activations other than ReLU ({', '.join(other[:3])}"
@@ -166,13 +280,14 @@ def compare_models(a: LoadedModel, b: LoadedModel, *, input_bound: float = 1.0, 
     Reports each one's path norms, the sign flips between them (per layer, BatchNorm folded),
     the ℓ1 path-metric's lower and upper bounds (equal, and exact, when one dominates the
     other), and for inputs with ‖x‖∞ ≤ ``input_bound`` the output-change bound of Theorem 4.1
-    beside the largest change measured. Refuses two architectures with :class:`MismatchError`.
+    beside the largest change measured. Refuses two architectures with :class:`MismatchError`,
+    a network whose ℓ1 path norm or outputs overflow float64 with :class:`VerificationError`.
     """
-    if not (math.isfinite(input_bound) and input_bound > 0):
-        raise ValueError(f"input_bound must be a finite number > 0, not {input_bound}")
+    _check_input_bound(input_bound)
     check_same_architecture(a, b)
     device = resolve_device(device)
     orders = path_norm_orders(path_norms)
+    outcome = "Nothing was compared."
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     groups_a = build_groups(a.graph, a.params).to(device)
@@ -183,38 +298,25 @@ def compare_models(a: LoadedModel, b: LoadedModel, *, input_bound: float = 1.0, 
     u_a, u_b = (groups.extend(balancing_exponents(groups)) for groups in (groups_a, groups_b))
     norms_a = path_norms_of(groups_a, orders, device=device, u_ext=u_a)
     norms_b = path_norms_of(groups_b, orders, device=device, u_ext=u_b)
+    for model, norms in ((a, norms_a), (b, norms_b)):
+        _check_in_range(norms, input_bound, model.source, outcome)
     seconds["path_norms"] = time.perf_counter() - start
     start = time.perf_counter()
     signs = compare_signs(groups_a, groups_b)
     metric = path_metric(groups_a, groups_b, norms_a["l1"], norms_b["l1"], signs, device=device, u_a=u_a, u_b=u_b)
     seconds["path_metric"] = time.perf_counter() - start
+    note = bound_note(a.graph, signs)
     start = time.perf_counter()
-    measured = measured_output_change(a.graph, a.params, b.graph, b.params, input_bound)
+    measured = _measure_within_bound((a.graph, a.params, groups_a, u_a), (b.graph, b.params, groups_b, u_b), input_bound,
+                                     _ln_bound(metric.ln_bound, input_bound, note), (a.source, b.source), outcome,
+                                     device)
     seconds["measured_output_change"] = time.perf_counter() - start
-    comparison = Comparison(a, b, norms_a, norms_b, signs, metric, input_bound, measured, _bound_note(a.graph, signs),
-                            seconds, str(device))
-    _check_bound(comparison.ln_output_change_bound, measured, _ln_output_scale(input_bound, norms_a["l1"], norms_b["l1"]),
-                 f"'{a.source}' against '{b.source}'")
-    return comparison
+    return Comparison(a, b, norms_a, norms_b, signs, metric, input_bound, measured, note, seconds, str(device))
 
 
-def _check_bound(ln_bound: float | None, measured: float, ln_scale: float, name: str) -> None:
-    """A measured output change above its bound is a bug (of pathcond or of the theorem's
-    conditions), never a result to print: :class:`VerificationError`. The bound is met up to
-    float64's evaluation of both networks: ``EVALUATION_SLACK`` relative to it and to
-    ``ln_scale``, the natural log of max(R, 1) · ‖Φ‖₁ (which bounds every output)."""
-    if ln_bound is None:
-        return
-    allowed = float(np.logaddexp(ln_bound + math.log1p(EVALUATION_SLACK), ln_scale + math.log(EVALUATION_SLACK)))
-    if measured > 0 and math.log(measured) > allowed:
-        raise VerificationError(f"{name}: the measured output change, {measured:.6g}, exceeds its bound "
-                                f"{exp_or_none(ln_bound) or 0.0:.6g} (seed 004's Theorem 4.1); this is a bug in pathcond: "
-                                "please report it. Nothing was written.")
-
-
-def _ln_output_scale(input_bound: float, *norms: PathNorm) -> float:
-    """ln(max(R, 1) · the largest ‖Φ‖₁): every output of either network is at most that."""
-    return math.log(max(input_bound, 1.0)) + max(norm.log10 for norm in norms) / LOG10_E
+def _check_input_bound(input_bound: float) -> None:
+    if not (math.isfinite(input_bound) and input_bound > 0):
+        raise InvalidOption("--input-bound", f"the input bound R must be a finite number > 0, not {input_bound}")
 
 
 @dataclass(frozen=True)
@@ -234,11 +336,14 @@ class PruneResult:
     """A pruned checkpoint (in memory until :func:`save_pruned`).
 
     ``changed`` holds the pruned weights as stored (θ ⊙ m: every kept entry bit-identical, every
-    pruned one +0). ``ln_score_sum`` is ln Σ_{i∈S} Δ_i(θ) over the pruned set S, so that
-    ``score_bound`` = max(R, 1) · Σ Δ_i is the a-priori bound of seed 004 (eq. 13) on the output
-    change for ‖x‖∞ ≤ R; ``metric`` is the exact path-metric between the input and the pruned
-    network (pruning is dominated: lower = upper) and ``output_change_bound`` = max(R, 1) · d,
-    the tighter bound of Theorem 4.1; ``measured_output_change`` never exceeds it.
+    pruned one +0). ``ln_score_sum`` is ln Σ_{i∈S} Δ_i(θ) over the pruned set S; ``metric`` is
+    the exact path-metric d between the input and the pruned network (pruning is dominated:
+    lower = upper = d, from the telescoped sum, where nothing cancels). For ‖x‖∞ ≤ R,
+    ``output_change_bound`` = max(R, 1) · d · (1 + ρ), Theorem 4.1 rounded up, and
+    ``score_bound`` = max(R, 1) · Σ Δ_i · (1 + ρ), the a-priori bound of seed 004 (eq. 13),
+    never below it (d ≤ Σ Δ_i in exact arithmetic; where rounding would say otherwise the
+    score bound takes d's). Both are None where the theorem does not apply (``bound_note``:
+    LeakyReLU, PReLU). ``measured_output_change`` never exceeds the bound.
     """
 
     model: LoadedModel
@@ -253,9 +358,15 @@ class PruneResult:
     path_norms_after: dict[str, PathNorm]
     metric: PathMetric
     measured_output_change: float
+    bound_note: str | None
+    balanced: tuple[RescalingGroups, torch.Tensor] = field(repr=False)
     seconds: dict[str, float] = field(default_factory=dict)
     device: str = "cpu"
     written: dict[str, str] | None = None
+
+    @property
+    def bound_applies(self) -> bool:
+        return self.bound_note is None
 
     @property
     def achieved_sparsity(self) -> float:
@@ -263,44 +374,55 @@ class PruneResult:
         return sum(layer.zeros_after for layer in self.layers) / total if total else 0.0
 
     @property
+    def ln_output_change_bound(self) -> float | None:
+        return _ln_bound(self.metric.ln_bound, self.input_bound, self.bound_note)
+
+    @property
     def score_bound(self) -> float | None:
-        return exp_or_none(self.ln_score_sum + math.log(max(self.input_bound, 1.0)))
+        ln_scores = self.ln_score_sum + math.log1p(self.metric.rounding)
+        ln = _ln_bound(max(ln_scores, self.metric.ln_bound), self.input_bound, self.bound_note)
+        return None if ln is None else exp_or_none(ln)
 
     @property
     def output_change_bound(self) -> float | None:
-        return exp_or_none(self.metric.ln_upper + math.log(max(self.input_bound, 1.0)))
+        ln = self.ln_output_change_bound
+        return None if ln is None else exp_or_none(ln)
 
 
 def prune(model: LoadedModel, sparsity: float, *, criterion: str = "path-magnitude", per_layer: bool = False,
           input_bound: float = 1.0, device: str | torch.device = "auto",
           path_norms: Iterable[float] = DEFAULT_PATH_NORMS) -> PruneResult:
-    """Zero the ``sparsity`` share of the Linear/Conv weights with the smallest path-magnitude
-    scores Δ_i(θ) (seed 004 §5; one backward pass for all), over the whole network or with
-    ``per_layer`` the same share in each layer. ``criterion="magnitude"`` ranks by |W| as stored
-    instead (classical magnitude pruning, the control: not rescaling-invariant). Biases,
-    BatchNorm and per-channel affine layers are kept. Nothing is written (:func:`save_pruned`).
+    """Zero Linear/Conv weights until the ``sparsity`` share of them is zero (those already zero
+    count, and come first), choosing the smallest path-magnitude scores Δ_i(θ) (seed 004 §5; one
+    backward pass for all), over the whole network or with ``per_layer`` the same share in each
+    layer. ``criterion="magnitude"`` ranks by |W| as stored instead (classical magnitude
+    pruning, the control: not rescaling-invariant). Biases, BatchNorm and per-channel affine
+    layers are kept. Nothing is written (:func:`save_pruned`).
     """
     if criterion not in PRUNING_CRITERIA:
         raise ValueError(f"unknown pruning criterion '{criterion}'; choose one of {', '.join(PRUNING_CRITERIA)}")
-    if not (math.isfinite(input_bound) and input_bound > 0):
-        raise ValueError(f"input_bound must be a finite number > 0, not {input_bound}")
+    _check_input_bound(input_bound)
     if not 0 <= sparsity <= 1:
         raise ValueError(f"sparsity must be a share between 0 and 1, not {sparsity}")
     device = resolve_device(device)
     orders = path_norm_orders(path_norms)
+    outcome = "Nothing was written."
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     groups = build_groups(model.graph, model.params).to(device)
     seconds["groups"] = time.perf_counter() - start
     start = time.perf_counter()
-    # One balancing serves the scores and the path norms.
+    # One balancing serves the scores, the path norms and the metric.
     u_ext = groups.extend(balancing_exponents(groups))
+    norms_before = path_norms_of(groups, orders, device=device, u_ext=u_ext)
+    _check_in_range(norms_before, input_bound, model.source, outcome)
     scores = path_magnitude_scores(groups, device=device, u_ext=u_ext)
     seconds["scores"] = time.perf_counter() - start
     candidates = prunable(model.graph, groups)
-    keys = [scores[index] if criterion == "path-magnitude" else
-            magnitude_keys(model.graph, model.params, dp.layer).to(device) for index, dp in candidates]
-    masks = select_pruned(keys, sparsity, per_layer=per_layer)
+    stored = [magnitude_keys(model.graph, model.params, dp.layer).to(device) for _, dp in candidates]
+    keys = [scores[index] if criterion == "path-magnitude" else magnitude for (index, _), magnitude in
+            zip(candidates, stored)]
+    masks = select_pruned(keys, [magnitude == 0 for magnitude in stored], sparsity, per_layer=per_layer)
     chosen = [scores[index][mask] for (index, _), mask in zip(candidates, masks)]
     ln_score_sum = float(torch.logsumexp(torch.cat(chosen), 0)) if chosen and sum(c.numel() for c in chosen) else -math.inf
     changed: dict[str, torch.Tensor] = {}
@@ -313,38 +435,44 @@ def prune(model: LoadedModel, sparsity: float, *, criterion: str = "path-magnitu
         layers.append(PrunedLayer(dp.layer, key, original.numel(), int((original == 0).sum()), int((pruned == 0).sum())))
     seconds["select"] = time.perf_counter() - start - seconds["scores"]
     start = time.perf_counter()
-    norms_before = path_norms_of(groups, orders, device=device, u_ext=u_ext)
     pruned_params = ChainMap(changed, model.params)
-    norms_after, metric = _pruned_metric(model.graph, pruned_params, norms_before, orders, device)
-    measured = measured_output_change(model.graph, model.params, model.graph, pruned_params, input_bound)
+    norms_after, metric, pruned = _pruned_metric(groups, u_ext, norms_before["l1"], model.graph, pruned_params, orders,
+                                                 device, model.source)
+    note = bound_note(model.graph, None)
+    _check_scores(metric, ln_score_sum, model.source, outcome)
+    measured = _measure_within_bound((model.graph, model.params, groups, u_ext), (model.graph, pruned_params, *pruned),
+                                     input_bound, _ln_bound(metric.ln_bound, input_bound, note),
+                                     (model.source, f"{model.source} pruned"), outcome, device)
     seconds["path_metric"] = time.perf_counter() - start
-    result = PruneResult(model, changed, criterion, sparsity, per_layer, layers, input_bound, norms_before,
-                         ln_score_sum, norms_after, metric, measured, seconds, str(device))
-    _check_pruned(result, model.source)
-    return result
+    return PruneResult(model, changed, criterion, sparsity, per_layer, layers, input_bound, norms_before, ln_score_sum,
+                       norms_after, metric, measured, note, (groups, u_ext), seconds, str(device))
 
 
-def _pruned_metric(graph: Graph, params: Mapping[str, torch.Tensor], norms_before: dict[str, PathNorm],
-                   orders: list[float], device) -> tuple[dict[str, PathNorm], PathMetric]:
-    """The pruned network's path norms, and its exact ℓ1 path-metric to the original: θ ⊙ m is
-    dominated by θ, so d = ‖Φ(θ)‖₁ − ‖Φ(θ ⊙ m)‖₁ (004 Lemma 4.2)."""
-    norms_after = path_norms_of(build_groups(graph, params).to(device), orders, device=device)
-    ln_d = ln_difference(norms_before["l1"].log10 / LOG10_E, norms_after["l1"].log10 / LOG10_E)
-    return norms_after, PathMetric(ln_d, ln_d, True)
+def _pruned_metric(groups: RescalingGroups, u_ext: torch.Tensor, l1_before: PathNorm, graph: Graph,
+                   params: Mapping[str, torch.Tensor], orders: list[float], device, name: str,
+                   ) -> tuple[dict[str, PathNorm], PathMetric, tuple[RescalingGroups, torch.Tensor]]:
+    """The pruned network's path norms, its exact ℓ1 path-metric to the original (``groups``,
+    balanced by ``u_ext``, of ℓ1 path norm ``l1_before``), and its groups and balancing: θ ⊙ m is
+    dominated by θ, so d is the telescoped sum on θ's balancing
+    (:func:`~.engine.pathlift.path_metric`)."""
+    pruned = build_groups(graph, params).to(device)
+    u_pruned = pruned.extend(balancing_exponents(pruned))
+    norms_after = path_norms_of(pruned, orders, device=device, u_ext=u_pruned)
+    signs = compare_signs(groups, pruned)
+    if not signs.a_dominates:
+        raise VerificationError(f"'{name}': the pruned network is not θ ⊙ m (some parameter grew or changed sign); "
+                                "this is a bug in pathcond: please report it. Nothing was written.")
+    metric = path_metric(groups, pruned, l1_before, norms_after["l1"], signs, device=device, u_a=u_ext)
+    return norms_after, metric, (pruned, u_pruned)
 
 
-def _check_pruned(result: PruneResult, name: str) -> None:
-    """The guarantees a pruned network must meet: d ≤ Σ_{i∈S} Δ_i (004 eq. 13) and a measured
-    output change within max(R, 1) · d, each up to float64 rounding of ‖Φ‖₁'s passes."""
-    ln_l1 = result.path_norms_before["l1"].log10 / LOG10_E
-    ln_d, ln_sum = result.metric.ln_upper, result.ln_score_sum
-    allowed = float(np.logaddexp(ln_sum + math.log1p(EVALUATION_SLACK), ln_l1 + math.log(EVALUATION_SLACK)))
-    if ln_d > allowed:
+def _check_scores(metric: PathMetric, ln_score_sum: float, name: str, outcome: str) -> None:
+    """d ≤ Σ_{i∈S} Δ_i (004 eq. 13), each computed within a relative ρ of the truth."""
+    ln_d, rounding = metric.ln_upper, metric.rounding
+    if rounding < 1 and ln_d + math.log1p(-rounding) > ln_score_sum + math.log1p(rounding):
         raise VerificationError(f"{name}: the pruned network's path-metric {exp_or_none(ln_d) or math.inf:.6g} exceeds the "
-                                f"sum of the pruned weights' scores {exp_or_none(ln_sum) or 0.0:.6g} (seed 004 eq. 13); this "
-                                "is a bug in pathcond: please report it. Nothing was written.")
-    _check_bound(ln_d + math.log(max(result.input_bound, 1.0)), result.measured_output_change,
-                 _ln_output_scale(result.input_bound, result.path_norms_before["l1"]), name)
+                                f"sum of the pruned weights' scores {exp_or_none(ln_score_sum) or 0.0:.6g} (seed 004 eq. "
+                                f"13); this is a bug in pathcond: please report it. {outcome}")
 
 
 def save_pruned(result: PruneResult, destination: str | Path, *, in_place: bool = False,
@@ -358,7 +486,7 @@ def save_pruned(result: PruneResult, destination: str | Path, *, in_place: bool 
     a summary of the checks (``written``)."""
     model = result.model
     if input_shape is None and model.format == "onnx":
-        input_shape = {node.name: tuple(node.shape) for node in model.graph.inputs}
+        input_shape = model.carried.inputs or {node.name: tuple(node.shape) for node in model.graph.inputs}
     metadata = {
         "pathcond.version": __version__,
         "pathcond.command": "prune",
@@ -390,13 +518,16 @@ def _verify_pruned(result: PruneResult, target: Path, input_shape, name: str) ->
                                     "written.")
     device = torch.device(result.device)
     orders = [norm.q for norm in result.path_norms_before.values()]
-    norms, metric = _pruned_metric(written.graph, written.params, result.path_norms_before, orders, device)
+    groups, u_ext = result.balanced
+    _, metric, pruned = _pruned_metric(groups, u_ext, result.path_norms_before["l1"], written.graph, written.params,
+                                       orders, device, name)
     if not math.isclose(metric.ln_upper, result.metric.ln_upper, rel_tol=1e-9, abs_tol=1e-9):
         raise VerificationError(f"'{name}': the written model's path-metric to the input, {metric.upper:.9g}, is not "
                                 f"the one computed before writing, {result.metric.upper:.9g}; nothing was written.")
-    measured = measured_output_change(model.graph, model.params, written.graph, written.params, result.input_bound)
+    measured = _measure_within_bound((model.graph, model.params, groups, u_ext),
+                                     (written.graph, written.params, *pruned), result.input_bound,
+                                     result.ln_output_change_bound, (model.source, name), "Nothing was written.", device)
     result.measured_output_change = max(result.measured_output_change, measured)
-    _check_pruned(result, f"'{name}'")
     independent = independent_agreement(written, target)
     if independent["status"] == "failed":
         raise VerificationError(f"'{name}': the check by {independent['runtime']} failed: {independent['detail']}; "

@@ -276,14 +276,26 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     ``passed``; ``failed`` when the runtime that evaluates the original finds a difference, or
     cannot load or evaluate the written file; or ``unavailable`` when no runtime can evaluate
     the original (reported, never fatal).
+
+    A file with pre- and post-processing runs end to end, and the runtime also fetches the
+    values the DAG outputs (what post-processing reads): those are compared. Post-processing
+    is carried unchanged, so its outputs are a fixed function of them; one of its outputs that
+    differs while they agree (an ArgMax between two values that agree to the tolerance) is a
+    near-tie, reported, not a failure.
     """
     if model.format != "onnx":
         return _no_independent_runtime(model)
     runners, why_not = _onnx_runners(model)
     feeds = _random_feeds(model, seed)
+    fetched = _dag_outputs_fetched(model)
     # The original as the user holds it: its own file when it came from one (the in-memory
     # model may carry initializers split for reading), else the bytes it was read from.
-    original = (None, model.files[0]) if model.files else (model.payload.SerializeToString(), None)
+    if fetched:
+        original = (_fetching(model.files[0] if model.files else model.payload, fetched)[0], None)
+        updated = (_fetching(written, fetched)[0], None)
+    else:
+        original = (None, model.files[0]) if model.files else (model.payload.SerializeToString(), None)
+        updated = (None, written)
     reasons = []
     for runtime, runner in runners:
         try:
@@ -292,20 +304,66 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
             reasons.append(f"{runtime} cannot evaluate the original model ({exception_line(exc)})")
             continue
         try:
-            after = runner(None, written, feeds)
+            after = runner(*updated, feeds)
         except Exception as exc:  # noqa: BLE001 - it evaluates the original: the written file is at fault
             return {"runtime": runtime, "status": "failed",
                     "detail": f"it evaluates the original model but cannot load or evaluate the written one "
                               f"({exception_line(exc)})"}
-        max_abs, max_rel = _max_errors([torch.from_numpy(np.asarray(b, dtype=np.float64)) for b in before],
-                                       [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in after])
+        before, after = ([torch.from_numpy(np.asarray(t, dtype=np.float64)) for t in ts] for ts in (before, after))
         limit = max(tolerance, INDEPENDENT_MIN_TOLERANCE)
+        if fetched:
+            # The file's outputs come first, then the values fetched that are not among them.
+            position = {name: i for i, name in enumerate(_output_names(model, fetched))}
+            dag = [position[value] for value in fetched]
+            max_rel = _max_errors([before[i] for i in dag], [after[i] for i in dag])[1]
+            detail = (f"max relative difference {max_rel:.3g} between the values the DAG outputs in original and "
+                      f"written model (tolerance {limit:g})")
+            files = len(model.payload.graph.output)
+            detail += _near_ties(before[:files], after[:files], limit)
+        else:
+            max_rel = _max_errors(before, after)[1]
+            detail = f"max relative difference {max_rel:.3g} between original and written model (tolerance {limit:g})"
         status = "passed" if max_rel <= limit else "failed"
         return {"runtime": runtime, "status": status,
-                "detail": f"max relative difference {max_rel:.3g} between original and written model "
-                          f"(tolerance {limit:g})" + "".join(f"; {reason}" for reason in reasons)}
+                "detail": detail + "".join(f"; {reason}" for reason in reasons)}
     reasons += [why_not] if why_not else []
     return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
+
+
+def _dag_outputs_fetched(model: LoadedModel) -> tuple[str, ...]:
+    """The values of the file a runtime fetches besides its outputs: those the DAG outputs, when
+    post-processing follows it (otherwise the file's outputs are the DAG's)."""
+    return model.carried.dag_outputs if model.carried.post else ()
+
+
+def _near_ties(before: list[torch.Tensor], after: list[torch.Tensor], limit: float) -> str:
+    """What the file's own outputs say, computed by unchanged post-processing from values that agree."""
+    differing = [i for i, (b, a) in enumerate(zip(before, after)) if _max_errors([b], [a])[1] > limit]
+    if not differing:
+        return "; the file's outputs agree too"
+    elements = sum(int((before[i] != after[i]).sum()) for i in differing)
+    return (f"; {elements} element(s) of the file's output(s) {', '.join(str(i) for i in differing)} differ, computed "
+            "by unchanged post-processing from values that agree: near-ties (e.g. an ArgMax between nearly equal "
+            "values)")
+
+
+def _fetching(source: Path | Any, values: tuple[str, ...]) -> tuple[bytes, list[str]]:
+    """The ONNX model at ``source`` (a path or a ModelProto) that also outputs ``values``,
+    serialised, and the names of its outputs in order."""
+    import onnx
+
+    proto = onnx.ModelProto()
+    proto.CopyFrom(source if isinstance(source, onnx.ModelProto) else onnx.load(str(source)))
+    outputs = [o.name for o in proto.graph.output]
+    extra = [value for value in dict.fromkeys(values) if value not in outputs]
+    proto.graph.output.extend(onnx.ValueInfoProto(name=value) for value in extra)
+    return proto.SerializeToString(), outputs + extra
+
+
+def _output_names(model: LoadedModel, values: tuple[str, ...]) -> list[str]:
+    """The outputs of :func:`_fetching`'s model, from the model's own outputs, without serialising it."""
+    outputs = [o.name for o in model.payload.graph.output]
+    return outputs + [value for value in dict.fromkeys(values) if value not in outputs]
 
 
 def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) -> dict[str, Any]:
@@ -317,19 +375,31 @@ def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) ->
         return _no_independent_runtime(written)
     runners, why_not = _onnx_runners(written)
     feeds = _random_feeds(written, seed)
-    with torch.no_grad():
-        ours = forward(written.graph, written.params,
-                       {name: torch.from_numpy(value.astype(np.float64)) for name, value in feeds.items()})
-    expected = [ours[name] for name in written.graph.outputs]
+    # With pre- or post-processing, the runtime also fetches the DAG's inputs and outputs, and
+    # pathcond's DAG runs on the inputs it fetched.
+    carried = written.carried
+    dag_inputs = tuple(carried.dag_inputs.values())
+    fetched = (*dag_inputs, *carried.dag_outputs) if carried else ()
+    data, names = _fetching(path, fetched) if fetched else (None, [])
+    file = None if fetched else path
     tolerance = max(tolerance_for(written.params, written.graph.parameter_keys()), INDEPENDENT_MIN_TOLERANCE)
     reasons = []
     for runtime, runner in runners:
         try:
-            theirs = runner(None, path, feeds)
+            theirs = runner(data, file, feeds)
         except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
             reasons.append(f"{runtime} cannot evaluate the written model ({exception_line(exc)})")
             continue
         theirs = [torch.from_numpy(np.asarray(t, dtype=np.float64)) for t in theirs]
+        if fetched:
+            dag_values = dict(zip(names, theirs))
+            fed = {name: dag_values[value] for name, value in carried.dag_inputs.items()}
+            theirs = [dag_values[value] for value in carried.dag_outputs]
+        else:
+            fed = {name: torch.from_numpy(value.astype(np.float64)) for name, value in feeds.items()}
+        with torch.no_grad():
+            ours = forward(written.graph, written.params, fed)
+        expected = [ours[name] for name in written.graph.outputs]
         if [tuple(t.shape) for t in theirs] != [tuple(t.shape) for t in expected]:
             return {"runtime": runtime, "status": "failed",
                     "detail": f"its outputs have shapes {[list(t.shape) for t in theirs]}, pathcond's "
@@ -360,8 +430,10 @@ def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
     graph_inputs = fed_inputs(model.payload, model.source)
     batch = declared_batch(graph_inputs) or 1
     generator = np.random.default_rng(seed)
-    # The importer names each input node after its ONNX input.
-    return {i.name: generator.standard_normal((batch, *model.graph[i.name].shape)).astype(
+    # The importer names each input node after its ONNX input; with pre- or post-processing
+    # the file's inputs need not be the DAG's, and the model keeps their shapes.
+    shapes = model.carried.inputs or {i.name: model.graph[i.name].shape for i in graph_inputs}
+    return {i.name: generator.standard_normal((batch, *shapes[i.name])).astype(
         onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph_inputs}
 
 
@@ -394,11 +466,11 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
 
     def run_reference(data, path, feeds):
         import onnx
-        from onnx.reference import ReferenceEvaluator
+
+        from .io.formats.onnx_format import reference_evaluator
 
         proto = onnx.load_from_string(data) if data is not None else onnx.load(str(path))
-        evaluator = ReferenceEvaluator(proto)
-        return evaluator.run(None, feeds)
+        return reference_evaluator(proto).run(None, feeds)
 
     runners.append(("onnx.reference", run_reference))
     return runners, ""

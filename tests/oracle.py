@@ -34,7 +34,7 @@ from pathcond_cli.engine.graph import (
     AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
     Concat,
     Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
-    ReLU, Scale, Sub, Upsample,
+    Rearrange, ReLU, Scale, Sub, Upsample,
 )
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
@@ -123,6 +123,8 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             y = _ADAP[xs[0].dim()](xs[0], node.output_size)
         elif isinstance(node, Flatten):
             y = xs[0].flatten(1)
+        elif isinstance(node, Rearrange):
+            y = xs[0].reshape(xs[0].shape[0], -1)[:, list(node.elements)].reshape(xs[0].shape[0], *node.shape)
         elif isinstance(node, Add):
             y = xs[0]
             for other in xs[1:]:
@@ -359,6 +361,16 @@ class NeuronDAG:
             if isinstance(node, (Conv, ConvTranspose, Pad, ChannelAffine, FixedFilter)):
                 elems = self.elements[node.name]
                 C = self.shapes[node.name][0]
+                per = len(elems) // C
+                for c in range(C):
+                    for e in elems[c * per + 1:(c + 1) * per]:
+                        union(elems[c * per], e)
+        # weight sharing on the input side: a conv reads every position of an input channel
+        # through the same kernel, so those positions share one λ
+        for node in self.graph.nodes:
+            if isinstance(node, (Conv, ConvTranspose)):
+                elems = self.elements[node.inputs[0]]
+                C = self.shapes[node.inputs[0]][0]
                 per = len(elems) // C
                 for c in range(C):
                     for e in elems[c * per + 1:(c + 1) * per]:
@@ -650,6 +662,11 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                     for opos in response.nonzero().tolist():
                         edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))],
                              const=float(response[tuple(opos)]))
+        elif isinstance(node, Rearrange):
+            # output element j copies input element elements[j]: a fixed edge of 1
+            out = new_neurons(node.name, tuple(node.shape), "sum")
+            for j, i in enumerate(node.elements):
+                edge(src[i], out[j], const=1.0)
         elif isinstance(node, Flatten):
             out = new_neurons(node.name, (math.prod(ishape),), "sum")
             for a, b_ in zip(src, out):  # channel-major flattening = same flat order

@@ -348,7 +348,8 @@ def test_convnext_module_refusal_leads_with_its_root_causes():
     error = caught.value
     root = [p for p in error.problems if p not in error.follow_on]
     assert [p.split(" ×")[0] for p in root] == ["LayerNorm", "GELU"]
-    assert len(error.follow_on) >= 3 and all(p.startswith("fx node") for p in error.follow_on)
+    # ConvNeXt's channel-last permutes are read (as rearranges) since 0.9, so nothing follows on.
+    assert all(p.startswith("fx node") for p in error.follow_on)
     assert str(error).count("\n  - ") == 2
 
 

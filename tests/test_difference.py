@@ -24,7 +24,7 @@ from pathcond_cli.api import module_model
 from pathcond_cli.engine.diag import diag_g, path_count, path_norm
 from pathcond_cli.engine.graph import Add, Graph, Scale, Sub
 from pathcond_cli.engine.groups import build_groups
-from pathcond_cli.errors import UnsupportedModelError
+from pathcond_cli.errors import InputError, UnsupportedModelError
 from pathcond_cli.io.formats.onnx_format import load_onnx, write_onnx
 from pathcond_cli.io.formats.spec import graph_from_spec
 from test_onnx_format import TOLERANCE, _model, _tensor, only_output, random_rescaling, relative_error
@@ -141,7 +141,7 @@ def test_a_spec_difference_takes_exactly_two_inputs():
     spec = {"layers": [{"name": "x", "type": "input", "shape": [3]},
                        {"name": "a", "type": "linear"}, {"name": "b", "type": "linear", "inputs": "x"},
                        {"name": "d", "type": "sub", "inputs": ["a", "b", "x"]}]}
-    with pytest.raises(UnsupportedModelError, match="node 'd' \\(sub\\) has 3 inputs"):
+    with pytest.raises(InputError, match="layer 'd' \\(sub\\) reads exactly 2 inputs, and is given 3"):
         graph_from_spec(spec, source="spec")
 
 

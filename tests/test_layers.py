@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pathcond_cli"
-LIBRARY = {"api", "pipeline", "toolkit", "verify", "threads"}
+LIBRARY = {"api", "pipeline", "toolkit", "verify", "threads", "gsgd"}
 ALLOWED = {
     "errors": set(),
     "engine": {"errors"},

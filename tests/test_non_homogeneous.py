@@ -106,7 +106,9 @@ def _clipped_chain(count: int) -> onnx.ModelProto:
         nodes.append(helper.make_node("Conv", [value, f"w{i}"], [f"c{i}"], name=f"features.{i}.conv"))
         nodes.append(helper.make_node("Clip", [f"c{i}", "low", "high"], [f"r{i}"], name=f"features.{i}.relu6"))
         value = f"r{i}"
-    nodes.append(helper.make_node("Identity", [value], ["y"], name="out"))
+    # A layer after the last Clip: after the last layer it would be post-processing.
+    tensors.append(numpy_helper.from_array(rng.standard_normal((4, 4, 1, 1)).astype(np.float32), "head"))
+    nodes.append(helper.make_node("Conv", [value, "head"], ["y"], name="head"))
     graph = helper.make_graph(nodes, "clipped", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 3, 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 3, 3])],
                               [low, high, *tensors])

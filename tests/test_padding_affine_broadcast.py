@@ -136,10 +136,11 @@ def test_a_channel_affine_tensor_must_hold_one_value_per_channel():
 class _ConstantPad(nn.Module):
     def __init__(self, value: float):
         super().__init__()
-        self.conv, self.value = nn.Conv2d(1, 2, 1), value
+        # The pad lies between two layers: after the last one it would be post-processing.
+        self.conv, self.fc, self.value = nn.Conv2d(1, 2, 1), nn.Linear(8, 3), value
 
     def forward(self, x):
-        return F.max_pool2d(F.pad(self.conv(x), (1, 1, 1, 1), value=self.value), 2).flatten(1)
+        return self.fc(F.max_pool2d(F.pad(self.conv(x), (1, 1, 1, 1), value=self.value), 2).flatten(1))
 
 
 @pytest.mark.parametrize("route", ["fx", *EXPORTERS])
@@ -190,12 +191,13 @@ def test_an_index_map_that_copies_pixels_is_the_pad_torch_computes(mode):
     assert movement_layer((2, 4, 5), padded) == {"type": "pad", "begin": (0, 2), "end": (3, 1), "mode": mode}
 
 
-def test_an_index_map_no_torch_pad_computes_is_refused():
-    from pathcond_cli.io.formats.movement import UnsupportedMovement, movement_layer
+def test_an_index_map_no_torch_pad_computes_is_the_copy_it_is():
+    from pathcond_cli.io.formats.movement import movement_layer
 
     index = torch.arange(2 * 4 * 4).reshape(1, 2, 4, 4)
-    with pytest.raises(UnsupportedMovement, match="reflect, replicate or circular padding"):
-        movement_layer((2, 4, 4), torch.cat([index] * 4, dim=2))  # a wrap longer than the axis
+    wrapped = torch.cat([index] * 4, dim=2)  # a wrap longer than the axis: no pad torch computes
+    assert movement_layer((2, 4, 4), wrapped) == {"type": "rearrange", "shape": (2, 16, 4),
+                                                  "elements": tuple(wrapped.reshape(-1).tolist())}
 
 
 # -- one tensor in two roles of a node is named once; circular padding beyond an axis is unsupported

@@ -259,10 +259,11 @@ def test_duplicate_dangling_and_cyclic_layers():
 
 def test_structural_problems_from_the_graph_name_the_spec():
     message = spec_error(
-        {"layers": [{"name": "x", "type": "input", "shape": [4]}, {"name": "sum", "type": "add"}]},
+        {"layers": [{"name": "x", "type": "input", "shape": [4]}, {"name": "dead", "type": "relu"},
+                    {"name": "out", "type": "relu", "inputs": ["x"]}]},
         error=UnsupportedModelError,
     )
-    assert SOURCE in message and "node 'sum' (add) has 1 inputs" in message
+    assert SOURCE in message and "node 'dead' (relu) does not reach any output" in message
 
 
 def test_missing_and_misshapen_tensors_are_named():

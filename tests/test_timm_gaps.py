@@ -127,12 +127,15 @@ def test_mobileone_export_is_rescaled_and_verified_with_its_shift_stored_rescale
 
 
 class _NumberAdded(torch.nn.Module):
+    """The number is added between two layers: after the last one it would be ONNX post-processing."""
+
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 4, 1)
+        self.head = torch.nn.Conv2d(4, 2, 1)
 
     def forward(self, x):
-        return torch.relu(self.conv(x) + 1.5)
+        return self.head(torch.relu(self.conv(x) + 1.5))
 
 
 def test_a_constant_that_cannot_rescale_with_its_channel_is_refused_on_both_routes():

@@ -458,11 +458,12 @@ def test_one_initializer_as_scale_and_shift_is_refused_naming_each_node_once(tmp
 
 def test_a_wrap_pad_larger_than_its_axis_is_unsupported_exit_4(tmp_path):
     pads = numpy_helper.from_array(np.array([0, 0, 10, 10, 0, 0, 10, 10], np.int64), "pads")
+    # Between two layers: on the input, before any layer, it would be pre-processing.
     path = _conv_model(tmp_path / "net.onnx", [
-        helper.make_node("Pad", ["x", "pads"], ["p"], name="wrap_pad", mode="wrap"),
-        helper.make_node("Conv", ["p", "W"], ["c"], name="conv"),
-        helper.make_node("Relu", ["c"], ["r"], name="relu"),
-        helper.make_node("Conv", ["r", "W2"], ["y"], name="conv2")], [pads], (3, 4, 4), (2, 20, 20), opset=19)
+        helper.make_node("Conv", ["x", "W"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("Pad", ["c", "pads"], ["p"], name="wrap_pad", mode="wrap"),
+        helper.make_node("Relu", ["p"], ["r"], name="relu"),
+        helper.make_node("Conv", ["r", "W2"], ["y"], name="conv2")], [pads], (3, 4, 4), (2, 22, 22), opset=19)
     before = snapshot(tmp_path)
     assert_clean_exit(invoke("rescale", path, "-o", tmp_path / "out.onnx"), 4,
                       "node 'wrap_pad' (Pad)", "wrap padding of 10", "size 4", "wraps around more than once")

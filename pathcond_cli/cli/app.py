@@ -27,11 +27,11 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from .. import __version__
-from ..errors import InputError
-from ..io.fileio import INTERRUPTING_SIGNALS, atomic_write, describe, is_character_device
+from ..errors import InputError, PathcondError
+from ..io.fileio import INTERRUPTING_SIGNALS, atomic_write, describe, is_character_device, read_within
 from ..solve.options import (
-    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, SOLVERS, InvalidOption,
-    SolveOptions,
+    BOUNDED_SOLVERS, CRITERIA, DEFAULT_CRITERION, DEFAULT_MAX_ITER, DEFAULT_SOLVER, DEFAULT_TOL, PRUNING_CRITERIA, SOLVERS,
+    InvalidOption, SolveOptions,
 )
 from .batch import batch_plan, check_batch_options, run_batch
 from .guard import CommandGuard, stream_closed
@@ -296,8 +296,8 @@ def _read_source(model: str) -> tuple[Path | bytes, Path | None, str]:
         if sys.stdin.isatty():
             raise typer.BadParameter("'-' reads the model from stdin, but stdin is a terminal; pipe a file in", param_hint="MODEL")
         limit = _stdin_limit()
-        data = sys.stdin.buffer.read(limit + 1)
-        if len(data) > limit:
+        data = read_within(sys.stdin.buffer, limit)
+        if data is None:
             raise InputError(f"<stdin>: more than {limit} bytes arrived, over a quarter of the memory available; "
                              "pass the checkpoint as a file instead.")
         return data, None, "<stdin>"
@@ -577,11 +577,18 @@ def _parse_input_bound(radius: float) -> float:
     return radius
 
 
-def _load_one(model: str, arch, shape, allow_unused):
-    """Read MODEL (a file, or - for stdin) as every command does."""
-    from ..io.formats import load_model
+def _load_one(model: str, arch, shape, allow_unused, *, arch_for_onnx: bool = True):
+    """Read MODEL (a file, or - for stdin) as every command does. Without ``arch_for_onnx``
+    (``compare``, whose --arch applies to both files) an ONNX model, which carries its graph,
+    is read without ``arch``."""
+    from ..io.formats import detect_format, load_model
 
     source, _, name = _read_source(model)
+    if arch is not None and not arch_for_onnx:
+        try:
+            arch = None if detect_format(source) == "onnx" else arch
+        except (OSError, PathcondError):
+            pass  # load_model reports an unreadable file as every command does
     return load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
 
 
@@ -620,8 +627,8 @@ def compare(
         started = time.perf_counter()
         with _Stages(enabled=stderr.is_terminal and not quiet) as stages:
             stages.stage("loading")
-            first = _load_one(model, arch, shape, allow_unused)
-            second = _load_one(other, arch, shape, allow_unused)
+            first = _load_one(model, arch, shape, allow_unused, arch_for_onnx=False)
+            second = _load_one(other, arch, shape, allow_unused, arch_for_onnx=False)
             guard.report_so_far = {**failure_report("compare", first.source), "other": second.source}
             load_seconds = time.perf_counter() - started
             stages.stage("path norms, path-metric, output change")
@@ -665,8 +672,6 @@ def prune(
 
     Biases, BatchNorm and per-channel scales are kept. Example: pathcond prune model.onnx --sparsity 0.5 -o pruned.onnx
     """
-    from ..engine.pathlift import PRUNING_CRITERIA
-
     if criterion not in PRUNING_CRITERIA:
         raise typer.BadParameter(f"'{criterion}' is not one of {', '.join(PRUNING_CRITERIA)}", param_hint="--criterion")
     if not (0 <= sparsity <= 1):

@@ -24,11 +24,12 @@ import typer
 from rich.console import Console
 
 from .. import __version__
-from ..errors import EXIT_CODES, OutputError, PathcondError, UnsupportedModelError
+from ..errors import EXIT_CODES, OutputError, PathcondError
 from ..io.fileio import NOTHING_WRITTEN, describe, interrupts_deferred, printable, written_files
 
 DEBUG_VARIABLE = "PATHCOND_DEBUG"
-# A message quotes at most this many characters of a line (a name read from a file may be a megabyte long).
+# A message quotes at most this many characters of a line (a name read from a file may be a megabyte long):
+# a longer line loses its middle, never its end, where a message says what to do.
 MESSAGE_LINE_CHARS = 1000
 # What every command's work needs, torch first: imported before the command runs, Ctrl-C held back.
 LIBRARY_MODULES = ("torch", "pathcond_cli.api", "pathcond_cli.io.formats", "pathcond_cli.report.render")
@@ -102,14 +103,13 @@ class CommandGuard:
 
     def failure(self, exc: Exception, *, complete: bool = False) -> tuple[int, str, str]:
         """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure;
-        ``complete`` (``--json``) lists every problem of a refused network, consequences included.
+        ``complete`` (``--json``) lists every problem, those a long list counts and the consequences
+        of a refused network included.
         A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
         from ..io.formats import exception_line
 
-        if isinstance(exc, UnsupportedModelError) and complete:
-            return exc.exit_code, "error", true_to_disk(exc.complete)
         if isinstance(exc, PathcondError):
-            return exc.exit_code, "error", true_to_disk(str(exc))
+            return exc.exit_code, "error", true_to_disk(exc.complete if complete else str(exc))
         if out_of_memory(exc):
             # The network's passes need more than the machine has: a property of the input (exit 3).
             return EXIT_CODES["unreadable_input"], "error", true_to_disk(
@@ -219,10 +219,15 @@ def printable_message(text: str) -> str:
 def shown_message(text: str) -> str:
     """``text`` with undecodable file-name bytes and control characters shown as escapes, and no
     line longer than :data:`MESSAGE_LINE_CHARS`: the paragraph on stderr, and the ``message`` of a
-    JSON error document."""
-    return "\n".join(line if len(line) <= MESSAGE_LINE_CHARS else
-                     f"{line[:MESSAGE_LINE_CHARS]}... ({len(line) - MESSAGE_LINE_CHARS} more characters)"
-                     for line in printable(text, keep="\n").split("\n"))
+    JSON error document. A longer line keeps its beginning and its end."""
+    return "\n".join(map(_within_line_limit, printable(text, keep="\n").split("\n")))
+
+
+def _within_line_limit(line: str) -> str:
+    if len(line) <= MESSAGE_LINE_CHARS:
+        return line
+    kept = MESSAGE_LINE_CHARS // 2
+    return f"{line[:kept]} ... ({len(line) - 2 * kept} characters left out) ... {line[-kept:]}"
 
 
 def true_to_disk(message: str) -> str:

@@ -321,8 +321,15 @@ class PathNorm:
 
     @property
     def key(self) -> str:
-        """The report's key: ``l1``, ``l2``, ``l4``, ``l1.5``."""
-        return f"l{self.q:g}"
+        """The report's key: ``l`` and q's shortest decimal that reads back as the same float64
+        (``l1``, ``l2``, ``l4``, ``l1.5``, ``l1.0000001``, ``l1e+308``), so distinct q never share one."""
+        return "l" + norm_order_text(self.q)
+
+
+def norm_order_text(q: float) -> str:
+    """q as its shortest round-tripping decimal, without a trailing ``.0``: ``1``, ``1.5``, ``1e+308``."""
+    text = repr(float(q))
+    return text[:-2] if text.endswith(".0") else text
 
 
 @dataclass
@@ -374,16 +381,17 @@ def squared_network(
     dtype: torch.dtype = torch.float64,
     device: torch.device | str = "cpu",
     totals_only: bool = False,
+    inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> SquaredPass:
     """Forward pass of the squared network on all-ones inputs, with a log offset per node.
 
     ``layers`` maps each Linear/Conv (and standalone BatchNorm) node to its ψ weight and bias
     in torch's layout, each with its own log scale; so neither a huge global scale nor a huge
     path count overflows. A layer without weight (a bias alone) passes its input on through
-    fixed edges of weight 1. ``totals_only``: as :func:`squared_networks`.
+    fixed edges of weight 1. ``totals_only``, ``inputs``: as :func:`squared_networks`.
     """
     return squared_networks(graph, _OnePower(layers), powers=(power,), dtype=dtype, device=device,
-                            totals_only=totals_only)[0]
+                            totals_only=totals_only, inputs=inputs)[0]
 
 
 def squared_networks(
@@ -394,12 +402,14 @@ def squared_networks(
     dtype: torch.dtype = torch.float64,
     device: torch.device | str = "cpu",
     totals_only: bool = False,
+    inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> list[SquaredPass]:
     """:func:`squared_network` for each of ``powers`` in one sweep: ``layers`` gives each layer's
     ψ weight and bias for each power in turn (:class:`PowerLayerValues` builds them from one read
     of the layer's values). With ``totals_only`` each activation another node reads is let go
     after its last read: a pass keeps the outputs (all :meth:`SquaredPass.total` reads), and
-    the values of inputs nothing reads."""
+    the values of inputs nothing reads. ``inputs``: a batch of non-negative values per input
+    instead of one all-ones example (with power 1, the |θ| network on |x|)."""
     passes = [SquaredPass({}, {}) for _ in powers]
     with torch.no_grad():
         for node in graph.sweep(*(sweep.values for sweep in passes if totals_only)):
@@ -408,7 +418,9 @@ def squared_networks(
             for power, sweep in zip(powers, passes):
                 values, offsets = sweep.values, sweep.offsets
                 if isinstance(node, Input):
-                    y, offset = torch.ones((1, *node.shape), dtype=dtype, device=device), 0.0
+                    y = (torch.ones((1, *node.shape), dtype=dtype, device=device) if inputs is None
+                         else inputs[node.name].to(device, dtype))
+                    offset = 0.0
                 elif per_power is not None:
                     weight, bias = next(per_power)
                     x = values[node.inputs[0]]
@@ -628,47 +640,63 @@ def unit_values(dp: DagParam, device) -> ScaledTensor:
     return ScaledTensor(torch.ones(dp.shape, dtype=torch.float64, device=device))
 
 
-def balancing_exponents(groups: RescalingGroups) -> torch.Tensor:
-    """An admissible rescaling u_D that gives each free group's incoming parameters unit squared norm.
+def balancing_exponents(groups: RescalingGroups, order: float = 2.0) -> torch.Tensor:
+    """An admissible rescaling u_D that gives each free group's incoming parameters unit ℓ_order
+    norm (squared norm by default; a path norm of order q ≫ 2 runs on its own, so that the largest
+    entry of each row is near 1 and its q-th power does not underflow).
 
     Computed layer by layer in topological order; each output row is divided by its largest
-    entry before squaring and the scales are kept as logarithms, so it is finite for any
-    finite weights. A group fed by several layers (a residual stream) takes the first.
+    entry before the power and the scales are kept as logarithms, so it is finite for any
+    finite weights. A group fed by several layers (a residual stream) takes the first whose
+    row is not zero.
+
+    Only parameters on a path count: a weight that leaves a dead group (no non-zero weight
+    from a live group and no bias reaches it, e.g. after a BatchNorm with γ = 0 and β = 0) and
+    an all-zero row are left out, and a dead group keeps u = 0. So u_D(D_v θ) = u_D(θ) − v on
+    every live group for any rescaling v, dead groups included: the balanced copy is the same
+    for a network and any rescaling of it wherever a path runs, and dead groups carry no path.
     """
     H = groups.num_free
     u = torch.zeros(H + 1, dtype=torch.float64, device=groups.device)
     assigned = torch.zeros(H + 1, dtype=torch.bool, device=groups.device)
     assigned[H] = True
+    live = assigned.clone()
     for dps in _layer_tensors(groups, groups.dag_params).values():
         weight_dp, *bias_dps = dps
         if weight_dp.is_bias:
             continue  # a bias alone: its channels are its input's, balanced where they were made
-        source = -2 * u[weight_dp.src]
-        source_max = source.amax(dim=1, keepdim=True)
-        source_scale = torch.exp(source - source_max)[:, :, None]
+        source = (-order * u[weight_dp.src]).masked_fill_(~live[weight_dp.src], -math.inf)
         stored = weight_dp.value.reshape(weight_dp.view)
         conv_groups, rows_per_group, in_per_group, kernel = weight_dp.view
-        per_out = torch.cat([_log_row_norms(stored[:, rows], source_scale)
+        per_out = torch.cat([_log_row_norms(stored[:, rows], source, order)
                              for rows in blocks(rows_per_group, conv_groups * in_per_group * kernel)], dim=1)
-        per_out = (per_out + source_max).reshape(-1)
+        per_out = per_out.reshape(-1)
         for bias_dp in bias_dps:
-            per_out = torch.logaddexp(per_out, 2 * torch.log(bias_dp.value.to(torch.float64).abs()))
+            per_out = torch.logaddexp(per_out, order * torch.log(bias_dp.value.to(torch.float64).abs()))
         dst = weight_dp.dst.reshape(-1)
-        target = torch.where(torch.isfinite(per_out), -0.5 * per_out, torch.zeros_like(per_out))
-        fresh = ~assigned[dst]
+        row_live = torch.isfinite(per_out)
+        live[dst[row_live]] = True
+        target = torch.where(row_live, -per_out / order, torch.zeros_like(per_out))
+        fresh = ~assigned[dst] & row_live
         if bool(fresh.any()):
             u.scatter_reduce_(0, dst[fresh], target[fresh], reduce="amin", include_self=False)
             assigned[dst[fresh]] = True
     return u[:H]
 
 
-def _log_row_norms(w4: torch.Tensor, source_scale: torch.Tensor) -> torch.Tensor:
-    """ln Σ_{i,k} w_oik² e^{s_i} per row o of a ``[G, rows, I/G, K]`` block, with ``source_scale``
-    = e^{s − max s} and without that max; each row divided by its largest entry before squaring."""
+def _log_row_norms(w4: torch.Tensor, source: torch.Tensor, order: float) -> torch.Tensor:
+    """ln Σ_{i,k} |w_oik|^order e^{s_i} per row o of a ``[G, rows, I/G, K]`` block (``source``:
+    s, ``[G, I/G]``, −inf for a source left out). Order 2: each row divided by its largest entry
+    before squaring, one matrix product; other orders: a log-sum-exp per row, where |w|^q for a
+    large q, even divided by the row's largest, would underflow."""
     w4 = w4.to(torch.float64).abs()
+    if order != 2:
+        return torch.logsumexp(w4.log_().mul_(order).add_(source[:, None, :, None]).flatten(2), dim=2)
+    source_max = source.amax(dim=1, keepdim=True).nan_to_num_(neginf=0.0)
+    source_scale = torch.exp(source - source_max)[:, :, None]
     row_max = w4.amax(dim=(2, 3), keepdim=True)
     squares = w4.div_(row_max.clamp_min(torch.finfo(torch.float64).tiny)).square_().sum(3)
-    return torch.log(torch.bmm(squares, source_scale).squeeze(2)) + 2 * torch.log(row_max[:, :, 0, 0])
+    return torch.log(torch.bmm(squares, source_scale).squeeze(2)) + 2 * torch.log(row_max[:, :, 0, 0]) + source_max
 
 
 def balanced_value(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
@@ -695,10 +723,22 @@ def balanced_power(dp: DagParam, u_ext: torch.Tensor, device, power: float) -> S
 
 
 def psi_of(signed: ScaledTensor, power: float, *, in_place: bool = False) -> ScaledTensor:
-    """ψ = |v|^power of a signed value, its scale as a logarithm; in ``signed``'s memory with ``in_place``."""
+    """ψ = |v|^power of a signed value, its scale as a logarithm; in ``signed``'s memory with ``in_place``.
+
+    For a power other than 1, |v| is divided by its largest entry first, so that the largest ψ
+    is 1 whatever the power: a largest entry below 1 raised to q = 1000 would underflow the whole
+    tensor to 0. (ψ for power 1 is |v| itself, and may share ``signed``'s memory while other
+    powers are still to be built from it.)
+    """
     value = signed.value if in_place else signed.value.clone()
-    psi = value.square_() if power == 2 else value.abs_().pow_(power)
-    return ScaledTensor(psi, power * signed.log_scale)
+    magnitude = value.abs_()
+    log_scale = signed.log_scale
+    peak = float(magnitude.max()) if power != 1 and magnitude.numel() else 0.0
+    if peak > 0:
+        magnitude.div_(peak)
+        log_scale += math.log(peak)
+    psi = magnitude.square_() if power == 2 else magnitude.pow_(power)
+    return ScaledTensor(psi, power * log_scale)
 
 
 def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext: torch.Tensor | None = None) -> DiagG:
@@ -735,7 +775,7 @@ def diag_g_and_l2_norm(groups: RescalingGroups, *, device: torch.device | str = 
         if any(not peak < math.inf for peak in peaks):
             raise ArithmeticError("diag(G) could not be represented even in the log domain")
         log_g.append(lg)
-    return DiagG(log_g), _norm_of_total(2.0, *total)
+    return DiagG(log_g), _norm_of_total(2.0, 2.0, *total)
 
 
 def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power: float, device, *,
@@ -811,15 +851,37 @@ def path_norms(groups: RescalingGroups, orders: Sequence[float], *, device: torc
     groups = groups.to(device)
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
-    passes = squared_networks(groups.graph, PowerLayerValues(groups, u_ext, device, orders), powers=orders,
-                              device=device, totals_only=True)
-    return [_norm_of_total(q, *sweep.total(groups.graph)) for q, sweep in zip(orders, passes)]
+    powers = {q: min(q, LARGEST_COMPUTED_ORDER) for q in orders}
+    shared = [q for q in orders if q <= 2]
+    norms = {}
+    if shared:
+        passes = squared_networks(groups.graph, PowerLayerValues(groups, u_ext, device, shared), powers=shared,
+                                  device=device, totals_only=True)
+        norms |= {q: _norm_of_total(q, q, *sweep.total(groups.graph)) for q, sweep in zip(shared, passes)}
+    for q in orders:
+        if q not in norms:
+            # The ℓ2 balancing leaves rows whose largest entry is n^(−1/2) of their norm: to a power q ≫ 2
+            # that underflows. The balancing of order q keeps each row's largest entry within n^(−1/q) of 1.
+            power = powers[q]
+            balanced = groups.extend(balancing_exponents(groups, power))
+            sweep, = squared_networks(groups.graph, PowerLayerValues(groups, balanced, device, [power]), powers=[power],
+                                      device=device, totals_only=True)
+            norms[q] = _norm_of_total(q, power, *sweep.total(groups.graph))
+    return [norms[q] for q in orders]
 
 
-def _norm_of_total(q: float, mantissa: float, offset: float) -> PathNorm:
-    """‖Φ‖_q from ‖Φ‖_q^q as (mantissa, ln offset)."""
+# The largest order a pass runs at. ψ = |v|^q turns a relative rounding δ of a balanced value
+# (δ ≈ (|u| + 4)·2^−53) into a factor e^{qδ}: harmless up to q = 10^12, while beyond some 10^16
+# the entries that should be near 1 underflow. For q beyond it, ‖Φ‖_∞ ≤ ‖Φ‖_q ≤ ‖Φ‖_p ≤
+# N^{1/p} ‖Φ‖_∞ (p = 10^12, N the path count): ‖Φ‖_p is within a relative ln(N)/10^12 of
+# ‖Φ‖_q, below 1e-9 for any network of fewer than 10^400 paths.
+LARGEST_COMPUTED_ORDER = 1e12
+
+
+def _norm_of_total(q: float, power: float, mantissa: float, offset: float) -> PathNorm:
+    """‖Φ‖_q from ‖Φ‖_p^p as (mantissa, ln offset), p = ``power`` (q, or the order that has q's norm)."""
     ln_total = math.log(mantissa) + offset if mantissa > 0 else -math.inf
-    return PathNorm(float(q), ln_total / q / math.log(10))
+    return PathNorm(float(q), ln_total / power / math.log(10))
 
 
 def zeros_per_layer(groups: RescalingGroups, psi: Callable[[DagParam], torch.Tensor], *,

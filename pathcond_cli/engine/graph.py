@@ -308,6 +308,26 @@ class ChannelGather(Node):
 
 
 @dataclass(frozen=True)
+class Rearrange(Node):
+    """Any other data movement: each output element copies one input element (a Transpose of an
+    NHWC layout, a Reshape from features to ``(C, H, W)``, any chain of Transpose, Reshape,
+    Flatten, Squeeze, Unsqueeze, Slice and Gather that no simpler node expresses).
+
+    ``shape`` is the output's batch-free shape and ``elements`` the flat batch-free index of the
+    input element each output element copies, in row-major order. Each copy is a fixed edge of
+    weight 1; every neuron that lands in one output channel takes that channel's one scale, so
+    the input channels it copies from are tied together (ties only remove freedom).
+    """
+
+    shape: tuple[int, ...] = hyper((1,), ints(1), spec_default=REQUIRED)
+    elements: tuple[int, ...] = hyper((0,), ints(0), spec_default=REQUIRED)
+    op: ClassVar[str] = "rearrange"
+
+    def output_spatial_rank(self, input_rank: int) -> int:
+        return len(self.shape) - 1
+
+
+@dataclass(frozen=True)
 class Identity(Node):
     """Pass-through (Identity, Dropout in inference)."""
 
@@ -394,7 +414,7 @@ NODE_TYPES: dict[str, type[Node]] = {
     for cls in (
         Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
         MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather, ChannelAffine, FixedFilter, ChannelBias, Sub,
+        ChannelGather, ChannelAffine, FixedFilter, ChannelBias, Sub, Rearrange,
     )
 }
 
@@ -495,11 +515,15 @@ class Graph:
         """Check that every tensor the graph reads exists with a plausible shape and dtype and, with
         ``values`` (which reads each of them), finite values.
 
-        All problems are collected before raising, so a spec with three typos shows three lines.
+        All problems are collected before raising, so a spec with three typos shows three lines;
+        a checkpoint that holds none of the tensors the graph reads is said to be another model's first.
+        With ``values``, BatchNorm statistics whose ``running_var + eps`` is not > 0 are refused too.
         """
         problems: list[str] = []
         not_finite: list[str] = []
+        invalid_statistics: list[str] = []
         layouts = stand_ins(params)
+        _refuse_unrelated_checkpoint(self, layouts)
         for node in self.nodes:
             for role, key in node.parameter_keys().items():
                 if key not in layouts:
@@ -512,20 +536,85 @@ class Graph:
                         f"node '{node.name}' ({node.op}): tensor '{key}' ({role}) has shape {tuple(tensor.shape)}, "
                         f"expected rank {' or '.join(map(str, expected_rank))}"
                     )
-                elif values and tensor.is_floating_point() and not all_finite(params[key]):
-                    not_finite.append(key)
                 elif not tensor.is_floating_point():
                     problems.append(f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, expected floating point")
+                elif values:
+                    value = params[key]
+                    if not all_finite(value):
+                        not_finite.append(f"'{key}' ({role} of node '{node.name}')")
+                    elif isinstance(node, BatchNorm) and role == "running_var":
+                        invalid_statistics += batchnorm_variance_problems(node, value)
         if problems:
-            raise InputError(
-                f"{self.source}: the checkpoint does not match the architecture:\n"
-                + "\n".join(f"  - {p}" for p in problems)
-            )
+            wanted = set(self.parameter_keys())
+            lacking = len(wanted - set(layouts))
+            raise InputError(f"{self.source}: the checkpoint does not match the architecture ({len(problems)} "
+                             f"problem(s); it lacks {lacking} of the {len(wanted)} tensors the architecture reads):",
+                             problems)
         if not_finite:
             raise InvalidWeightsError(
-                f"{self.source}: tensor(s) {', '.join(repr(k) for k in not_finite)} contain NaN or Inf; "
-                "pathcond refuses to rescale a network whose function is not finite."
+                f"{self.source}: {len(not_finite)} tensor(s) contain NaN or Inf:", not_finite,
+                "The network's function is not finite, so pathcond can neither analyse, rescale, compare nor prune it.",
             )
+        _refuse_invalid_statistics(self.source, invalid_statistics)
+
+
+def check_batchnorm_statistics(graph: Graph, params: Mapping[str, torch.Tensor]) -> None:
+    """Refuse (InputError) BatchNorm statistics whose ``running_var + eps`` is not > 0 (see
+    :func:`batchnorm_variance_problems`); :meth:`Graph.check_parameters` checks them with the
+    values it reads, this is for a loader that reads no values."""
+    _refuse_invalid_statistics(graph.source, [
+        problem for node in graph.nodes if isinstance(node, BatchNorm) and node.running_var in params
+        for problem in batchnorm_variance_problems(node, params[node.running_var])
+    ])
+
+
+def _refuse_invalid_statistics(source: str, problems: list[str]) -> None:
+    if problems:
+        raise InputError(
+            f"{source}: {len(problems)} BatchNorm layer(s) have a running_var + eps that is not > 0:", problems,
+            "A BatchNorm divides by the square root of running_var + eps; a variance is never negative, so the "
+            "checkpoint is damaged or these tensors are not BatchNorm statistics. The network's output is NaN or "
+            "Inf in these channels: nothing was computed from it.",
+        )
+
+
+def batchnorm_variance_problems(node: BatchNorm, running_var: torch.Tensor) -> list[str]:
+    """The problem of BatchNorm ``node`` whose ``running_var`` + eps is not > 0 in some channel
+    (empty when none), reckoned in the precision a BatchNorm of that dtype computes in, as torch and
+    onnxruntime do: float64 for float64 statistics, float32 otherwise, where a variance of -1e-5
+    and an eps of 1e-5 add to 0 although their float64 sum is not."""
+    precision = torch.float64 if running_var.dtype == torch.float64 else torch.float32
+    total = running_var.detach().to(precision) + torch.tensor(node.eps, dtype=precision, device=running_var.device)
+    channels = (~(total > 0)).nonzero().flatten().tolist()
+    if not channels:
+        return []
+    listed = ", ".join(f"{c} (running_var {running_var[c].item():.9g}, sum {total[c].item():.9g})" for c in channels[:5])
+    more = f" and {len(channels) - 5} more" if len(channels) > 5 else ""
+    return [f"tensor '{node.running_var}' (running_var of BatchNorm '{node.name}', eps {node.eps:g}): "
+            f"running_var + eps is not > 0 in {str(precision).removeprefix('torch.')} in {len(channels)} of "
+            f"{running_var.numel()} channel(s): channel {listed}{more}"]
+
+
+def _refuse_unrelated_checkpoint(graph: Graph, layouts: Mapping[str, torch.Tensor]) -> None:
+    """An InputError, before any tensor is listed as missing, when the checkpoint holds tensors but
+    not one that the graph reads: it is another model's (or names its tensors otherwise)."""
+    wanted = list(dict.fromkeys(graph.parameter_keys()))
+    if not wanted or not layouts or any(key in layouts for key in wanted):
+        return
+    held = list(layouts)
+    raise InputError(
+        f"{graph.source}: not one tensor name of the architecture is in the checkpoint: the architecture reads "
+        f"{len(wanted)} tensor(s) ({first_names(wanted)}), the checkpoint holds {len(held)} named otherwise "
+        f"({first_names(held)}).",
+        note="The architecture is another model's, or names its tensors differently (a prefix such as 'model.' or "
+             "'module.'): give the architecture this checkpoint was saved from.",
+    )
+
+
+def first_names(keys: Sequence[str], count: int = 5) -> str:
+    """The first ``count`` of ``keys`` quoted for a message (each cut to 120 characters), and how many more."""
+    named = ", ".join(f"'{key[:120]}'" for key in keys[:count])
+    return named + (f" and {len(keys) - count} more" if len(keys) > count else "")
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -17,6 +17,25 @@ from .rules import rule_for
 NON_LEARNABLE_ROLES = ("running_mean", "running_var")
 
 
+@dataclass(frozen=True)
+class Carried:
+    """Operations of an ONNX file that run unchanged around the ReLU DAG: ``pre`` (computed from
+    the network's inputs and constants only, before any layer with parameters) and ``post``
+    (computed from values no rescaling changes, after the DAG), their op types in file order.
+    With either, ``inputs`` are the file's own inputs (batch-free shapes), ``dag_inputs`` the
+    file's value each input node of the DAG is (by node name) and ``dag_outputs`` the file's
+    values the DAG's outputs are, in its output order."""
+
+    pre: tuple[str, ...] = ()
+    post: tuple[str, ...] = ()
+    inputs: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dag_inputs: dict[str, str] = field(default_factory=dict)
+    dag_outputs: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.pre or self.post)
+
+
 @dataclass
 class LoadedModel:
     """What every loader returns and every writer takes.
@@ -31,7 +50,10 @@ class LoadedModel:
     ``sidecar FILE``. ``files`` are the files the checkpoint was read from
     (main file first, then shards, external data and the spec file), which a run without
     ``--in-place`` never writes. ``file_states`` holds each file's ``fileio.file_state`` once
-    read: an in-place run replaces nothing another process has written since.
+    read: an in-place run replaces nothing another process has written since. ``carried``: an
+    ONNX file's pre- and post-processing, kept unchanged around the DAG. ``copies``: keys of
+    ``params`` that hold a loader's copy of another stored tensor (an ONNX initializer several
+    layers read gets one copy per reader), each with the key of the tensor it copies.
     """
 
     graph: Graph
@@ -43,16 +65,20 @@ class LoadedModel:
     files: list[Path] = field(default_factory=list)
     arch_source: str = ""
     file_states: dict[Path, tuple[int, int, int, int] | None] = field(default_factory=dict)
+    carried: Carried = field(default_factory=Carried)
+    copies: dict[str, str] = field(default_factory=dict)
 
     @property
     def parameter_count(self) -> int:
-        """Learnable elements as torch counts them (BatchNorm γ, β included, statistics not)."""
-        return sum(
-            math.prod(layout_of(self.params, key)[0])
+        """Learnable elements as torch counts them (BatchNorm γ, β included, statistics not), a
+        stored tensor once however many layers read it (its :attr:`copies` included)."""
+        stored = {
+            self.copies.get(key, key): key
             for node in self.graph.nodes
             for role, key in node.parameter_keys().items()
             if role not in NON_LEARNABLE_ROLES
-        )
+        }
+        return sum(math.prod(layout_of(self.params, key)[0]) for key in stored.values())
 
     @property
     def hidden_units(self) -> int:

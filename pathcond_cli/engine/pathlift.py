@@ -8,6 +8,7 @@ reading files and writing them is the API's job (:mod:`.toolkit`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -71,12 +72,16 @@ def compare_signs(groups_a: RescalingGroups, groups_b: RescalingGroups) -> SignC
 class PathMetric:
     """Bounds on the ℓ1 path-metric d = ‖Φ(θ) − Φ(θ')‖₁, as natural logarithms (−inf for 0).
 
-    ``exact``: one vector dominates the other, and ``lower`` = ``upper`` = d.
+    ``exact``: one vector dominates the other, and ``lower`` = ``upper`` = d. ``rounding``: ρ,
+    a bound on the relative rounding error of the float64 pass that computed ``upper``
+    (:func:`rounding_bound`); ``ln_bound`` = ln(upper · (1 + ρ)) is never below the true d or
+    the true upper bound, whatever the rounding.
     """
 
     ln_lower: float
     ln_upper: float
     exact: bool
+    rounding: float = 0.0
 
     @property
     def lower(self) -> float | None:
@@ -85,6 +90,34 @@ class PathMetric:
     @property
     def upper(self) -> float | None:
         return exp_or_none(self.ln_upper)
+
+    @property
+    def ln_bound(self) -> float:
+        return self.ln_upper + math.log1p(self.rounding)
+
+
+UNIT_ROUNDOFF = 2.0**-53
+
+
+def rounding_bound(groups: RescalingGroups, ln_magnitude: float) -> float:
+    """ρ = γ_K = K·u / (1 − K·u) (u = 2^−53): a bound on the relative rounding error of one
+    float64 pass over non-negative values on ``groups``' graph (a squared network forward or
+    backward, the telescoped sum; a forward of the |W| network with ``ln_magnitude`` 0).
+
+    Every value such a pass forms is a sum of products of non-negative numbers, so nothing
+    cancels and each rounding moves a term by a relative u at most: the result is within
+    (1 ± u)^K of the truth, K the roundings that can reach one term (Higham, Lemma 3.1). K
+    counts, at every node, one rounding per term summed into an entry (at most the entries its
+    inputs hold, plus a bias, forward; at most the entries it holds, backward) and eight for the product by a weight, the renormalisation and the
+    exponentials of scale differences; and the balancing's factors e^a, whose arguments carry an
+    absolute error of about |a|·u, a relative one in the value: ``ln_magnitude`` bounds those
+    logarithms (the balancing's |u|, the log scales and offsets), four of them per node.
+    """
+    shapes = groups.shapes
+    nodes = groups.graph.nodes
+    summed = sum(sum(math.prod(shapes[i]) for i in node.inputs) + math.prod(shapes[node.name]) + 1 for node in nodes)
+    count = (summed + len(nodes) * (8 + 4 * ln_magnitude)) * UNIT_ROUNDOFF
+    return count / (1 - count) if count < 0.5 else math.inf
 
 
 def exp_or_none(ln: float) -> float | None:
@@ -108,35 +141,54 @@ def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: Path
                 u_b: torch.Tensor | None = None) -> PathMetric:
     """The ℓ1 path-metric's bounds (SPEC §8).
 
-    ``lower`` = |‖Φ(θ)‖₁ − ‖Φ(θ')‖₁| (exact when one vector dominates). ``upper`` sums the
-    telescoped bound |Π a_e − Π b_e| ≤ Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over
-    every path, in one pass carrying two streams per neuron (:func:`telescoped_sum`), on the
-    balanced representatives of both vectors: the balancing depends only on the rescaling
-    orbit, so the bound is rescaling-invariant, and 0 up to rounding for equivalent vectors.
-    It is never reported below ``lower`` (they differ by rounding only when that happens).
+    When one vector dominates the other, d is the telescoped sum (:func:`telescoped_sum`) on
+    one balancing, the dominating vector's, for both: one D keeps |b_e| ≤ |a_e| with equal signs,
+    so along each path |Π a_e| − |Π b_e| = Σ_k |b_1 … b_{k−1}| (|a_k| − |b_k|) |a_{k+1} … a_L| is
+    a sum of non-negative terms and the pass returns d itself, each term from |θ − θ'| taken
+    before any scaling: nothing cancels (‖Φ(θ)‖₁ − ‖Φ(θ')‖₁ loses every digit once d is below
+    1e-13 of the norms), and ``lower`` = ``upper`` = d.
+
+    Otherwise ``lower`` = |‖Φ(θ)‖₁ − ‖Φ(θ')‖₁| less what rounding the two norms can have added,
+    and ``upper`` sums the telescoped bound |Π a_e − Π b_e| ≤ Σ_k |b_1 … b_{k−1}| |a_k − b_k|
+    |a_{k+1} … a_L| over every path on the balanced representatives of each vector: the balancing
+    depends only on the rescaling orbit, so the bound is rescaling-invariant, and 0 up to
+    rounding for equivalent vectors. It is never reported below ``lower``.
     ``u_a``, ``u_b``: the balancings (extended), when the caller has them.
     """
-    ln_a, ln_b = (norm.log10 * math.log(10) for norm in (l1_a, l1_b))
-    lower = ln_difference(ln_a, ln_b)
     if signs.a_dominates or signs.b_dominates:
-        return PathMetric(lower, lower, True)
-    return PathMetric(lower, max(lower, telescoped_sum(groups_a, groups_b, device=device, u_a=u_a, u_b=u_b)), False)
+        larger, smaller, u_larger = (groups_a, groups_b, u_a) if signs.a_dominates else (groups_b, groups_a, u_b)
+        if u_larger is None:
+            u_larger = larger.extend(balancing_exponents(larger.to(device)))
+        ln_d, rounding = telescoped_sum(larger, smaller, device=device, u_a=u_larger, u_b=u_larger)
+        return PathMetric(ln_d, ln_d, True, rounding)
+    ln_upper, rounding = telescoped_sum(groups_a, groups_b, device=device, u_a=u_a, u_b=u_b)
+    # The B stream is the ℓ1 pass of θ', so its rounding bound serves the two norms as well.
+    ln_a, ln_b = (norm.log10 * math.log(10) for norm in (l1_a, l1_b))
+    high = max(ln_a, ln_b) + (math.log1p(-rounding) if rounding < 1 else -math.inf)
+    low = min(ln_a, ln_b) + math.log1p(rounding)
+    lower = ln_difference(high, low) if high > low else -math.inf
+    return PathMetric(lower, max(lower, ln_upper), False, rounding)
 
 
 def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str = "cpu",
-                   u_a: torch.Tensor | None = None, u_b: torch.Tensor | None = None) -> float:
+                   u_a: torch.Tensor | None = None, u_b: torch.Tensor | None = None) -> tuple[float, float]:
     """ln Σ_P Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over every path P, on balanced
-    representatives a = D_a θ, b = D_b θ' (an upper bound on ‖Φ(θ) − Φ(θ')‖₁).
+    representatives a = D_a θ, b = D_b θ' (an upper bound on ‖Φ(θ) − Φ(θ')‖₁, and d itself when
+    θ dominates θ' and ``u_b`` is ``u_a``), and ρ, the pass's :func:`rounding_bound`.
 
     Stream B(v) = Σ_u |b_uv| B(u) + |b_v| is the ℓ1 network of b; stream
     T(v) = Σ_u (|a_uv| T(u) + |a_uv − b_uv| B(u)) + |a_v − b_v| carries the telescoped sums.
     Fixed edges (pooling, skips, constants) are the same in both vectors, so they enter T as
     they enter B. Both streams keep a log offset per node, as the squared network does.
-    ``u_a``, ``u_b``: the two balancings (extended), computed here when not given.
+    With one balancing for both, |a − b| is D|θ − θ'|, the difference taken on the stored
+    values, where it is exact for a pruned or a kept weight; with two, the difference of the
+    two balanced copies. ``u_a``, ``u_b``: the two balancings (extended), computed here when
+    not given.
     """
     groups_a, groups_b = groups_a.to(device), groups_b.to(device)
     u_a = groups_a.extend(balancing_exponents(groups_a)) if u_a is None else u_a
     u_b = groups_b.extend(balancing_exponents(groups_b)) if u_b is None else u_b
+    one_balancing = u_b is u_a
     graph = groups_a.graph
     layers_b = LayerValues(groups_b, lambda dp: balanced_power(dp, u_b, device, 1))
     stream_b = squared_network(graph, layers_b, power=1, device=device)
@@ -145,6 +197,7 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
         pairs[dp_a.layer].append((dp_a, dp_b))
     values: dict[str, torch.Tensor] = {}
     offsets: dict[str, float] = {}
+    ln_magnitude = 1 + max(float(u.abs().max()) for u in (u_a, u_b))
     with torch.no_grad():
         for node in graph.sweep(values):
             rule = rule_for(node)
@@ -156,7 +209,9 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
                 terms = [] if not pairs[node.name][0][0].is_bias else [(values[source], offsets[source])]
                 for dp_a, dp_b in pairs[node.name]:
                     a = balanced_value(dp_a, u_a, device)
-                    difference = _absolute_difference(a, balanced_value(dp_b, u_b, device))
+                    difference = (_balanced_difference(dp_a, dp_b, u_a, device) if one_balancing
+                                  else _absolute_difference(a, balanced_value(dp_b, u_b, device)))
+                    ln_magnitude = max(ln_magnitude, abs(a.log_scale), abs(difference.log_scale))
                     if not dp_a.is_bias:
                         magnitude = ScaledTensor(a.value.abs_(), a.log_scale)
                         terms.append((rule.weighted(node, values[source], magnitude.value),
@@ -169,8 +224,15 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
             else:
                 y, offset = parameter_free_step(node, values, offsets, 1)
             values[node.name], offsets[node.name] = renormalise(y, offset)
+            ln_magnitude = max(ln_magnitude, abs(offsets[node.name]), abs(stream_b.offsets[node.name]))
     total, ln_offset = SquaredPass(values, offsets).total(graph)
-    return math.log(total) + ln_offset if total > 0 else -math.inf
+    return (math.log(total) + ln_offset if total > 0 else -math.inf), rounding_bound(groups_a, ln_magnitude)
+
+
+def _balanced_difference(dp_a: DagParam, dp_b: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
+    """D|θ − θ'| for one tensor: the difference of the stored values, then the balancing."""
+    gap = dp_a.value.to(device, torch.float64) - dp_b.value.to(device, torch.float64)
+    return balanced_value(dataclasses.replace(dp_a, source=gap.abs_()), u_ext, device)
 
 
 def _absolute_difference(a: ScaledTensor, b: ScaledTensor) -> ScaledTensor:
@@ -205,8 +267,6 @@ def _combine(terms: list) -> tuple[torch.Tensor, float]:
 
 # --------------------------------------------------------------------------- pruning
 
-PRUNING_CRITERIA = ("path-magnitude", "magnitude")
-
 
 def prunable(graph: Graph, groups: RescalingGroups) -> list[tuple[int, DagParam]]:
     """(index, DAG weight) of every Linear, Conv and ConvTranspose layer: the weights pruning may
@@ -234,19 +294,25 @@ def magnitude_keys(graph: Graph, params: Mapping[str, torch.Tensor], layer: str)
     return rule_for(node).canonical_weight(node, params[node.weight]).to(torch.float64).abs()
 
 
-def select_pruned(keys: Sequence[torch.Tensor], sparsity: float, *, per_layer: bool) -> list[torch.Tensor]:
-    """A boolean mask per tensor, True where the weight is pruned: the ``sparsity`` share of the
-    entries with the smallest keys, over all tensors (or in each, ``per_layer``). Ties go to
-    the entry that comes first, tensor by tensor, so the choice is deterministic."""
+def select_pruned(keys: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor], sparsity: float, *,
+                  per_layer: bool) -> list[torch.Tensor]:
+    """A boolean mask per tensor, True where the weight is zero after pruning: the ``sparsity``
+    share of the entries (over all tensors, or in each with ``per_layer``), the entries already
+    zero (``zeros``, True where the stored weight is 0) first, whatever their key, then the
+    other entries with the smallest keys. So ``sparsity`` is the share of zeros afterwards, or
+    the share already zero when that is larger. Ties go to the entry that comes first, tensor
+    by tensor, so the choice is deterministic."""
     if not 0 <= sparsity <= 1:
         raise ValueError(f"sparsity {sparsity} is not a share between 0 and 1")
     if per_layer:
-        return [select_pruned([key], sparsity, per_layer=False)[0] for key in keys]
+        return [select_pruned([key], [zero], sparsity, per_layer=False)[0] for key, zero in zip(keys, zeros)]
     flat = torch.cat([key.reshape(-1).to(torch.float64) for key in keys]) if keys else torch.zeros(0)
-    chosen = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-    count = round(sparsity * flat.numel())
-    if count:
-        chosen[torch.sort(flat, stable=True).indices[:count]] = True
+    kept = torch.cat([~zero.reshape(-1).to(flat.device) for zero in zeros]) if zeros else torch.zeros(0, dtype=torch.bool)
+    chosen = ~kept
+    count = round(sparsity * flat.numel()) - int(chosen.sum())
+    if count > 0:
+        candidates = kept.nonzero().reshape(-1)
+        chosen[candidates[torch.sort(flat[candidates], stable=True).indices[:count]]] = True
     masks, start = [], 0
     for key in keys:
         masks.append(chosen[start:start + key.numel()].reshape(key.shape))

@@ -33,7 +33,7 @@ from ..errors import UnsupportedModelError
 from .graph import (
     COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather,
     ChannelShuffle, ChannelSlice, Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, ReLU, Scale, Sub, Upsample,
+    LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, Rearrange, ReLU, Scale, Sub, Upsample,
 )
 
 # A Linear weight with more stored elements than this, evaluated in another dtype, is converted
@@ -629,6 +629,41 @@ class ChannelGatherRule(Rule):
         return ties.ids(node.inputs[0])[list(node.channels)]
 
 
+class RearrangeRule(Rule):
+    """Each output element copies one input element: fixed edges of weight 1 (1**power in the
+    squared network, so the same copy there). An output channel is one scale, so the input
+    channels its elements copy from are tied together."""
+
+    node_type = Rearrange
+
+    @staticmethod
+    def elements(node: Rearrange, x: torch.Tensor) -> torch.Tensor:
+        """The flat input index of every output element, checked against batched ``x``."""
+        elements = torch.tensor(node.elements, dtype=torch.long, device=x.device)
+        per_example = prod(x.shape[1:])
+        if len(elements) != prod(node.shape) or (len(elements) and int(elements.max()) >= per_example):
+            raise ValueError(f"{len(elements)} element indices are not one per element of {tuple(node.shape)} "
+                             f"among the input's {per_example}")
+        return elements
+
+    def forward(self, node: Rearrange, xs, param, train):
+        x = xs[0]
+        return x.reshape(x.shape[0], -1)[:, self.elements(node, x)].reshape(x.shape[0], *node.shape)
+
+    def squared(self, node, xs, power):
+        return self.forward(node, xs, None, False)
+
+    def ties(self, node: Rearrange, ties):
+        source = node.inputs[0]
+        per_channel_in = prod(ties.shapes[source][1:])
+        copied = ties.ids(source)[torch.tensor(node.elements, dtype=torch.long) // per_channel_in]
+        copied = copied.reshape(node.shape[0], -1)
+        first = copied[:, :1].expand_as(copied)
+        pairs = torch.unique(torch.stack([first.reshape(-1), copied.reshape(-1)]), dim=1)
+        ties.union(pairs[0], pairs[1])
+        return copied[:, 0].clone()
+
+
 class UpsampleRule(PassThrough):
     """Nearest or (bi/tri)linear resize: fixed edges, output channel c from input channel c.
 
@@ -848,7 +883,7 @@ RULES: dict[type[Node], Rule] = {
         InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
         PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
         FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(), ChannelBiasRule(), SubRule(),
+        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(), ChannelBiasRule(), SubRule(), RearrangeRule(),
     )
 }
 

@@ -88,12 +88,23 @@ def finite_floats(value: Any) -> tuple[float, ...]:
     return _floats(value, number("a finite number"), "a finite number")
 
 
+class ItemError(ValueError):
+    """A list value with one item that is not acceptable, named in the message (whose other
+    items, thousands of coefficients say, need not be quoted)."""
+
+
 def _floats(value: Any, convert: Callable[[Any], float], requirement: str) -> tuple[float, ...]:
     items = list(value) if isinstance(value, (list, tuple)) else [value]
-    try:
-        return tuple(convert(v) for v in items)
-    except ValueError:
-        raise ValueError(f"must be {requirement} or a list of them") from None
+    converted = []
+    for position, item in enumerate(items):
+        try:
+            converted.append(convert(item))
+        except ValueError:
+            if len(items) == 1:
+                raise ValueError(f"must be {requirement} or a list of them") from None
+            raise ItemError(f"must be {requirement} or a list of them; item {position} of {len(items)} is "
+                            f"{item!r}") from None
+    return tuple(converted)
 
 
 def choice(*choices: str) -> Callable[[Any], str]:

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import OutputError
 from .companions import COMPANION_TAG_BYTES
@@ -57,6 +58,22 @@ def printable(text: str, *, keep: str = "") -> str:
     escapes, so that a name read from a file cannot drive the terminal."""
     return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii")
                    for c in describe(text))
+
+
+# A stream is read this many bytes at a time: what is allocated is what arrived, not the most
+# that may (a read of n bytes allocates n at once, which an address-space limit refuses).
+STREAM_CHUNK_BYTES = 1 << 24
+
+
+def read_within(stream: BinaryIO, limit: int) -> bytes | None:
+    """Everything ``stream`` holds, or None as soon as more than ``limit`` bytes arrived."""
+    chunks, size = [], 0
+    while chunk := stream.read(min(STREAM_CHUNK_BYTES, limit + 1 - size)):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            return None
+    return b"".join(chunks)
 
 
 def resolve_destination(destination: Path) -> Path:

@@ -20,7 +20,7 @@ from rich.text import Text
 
 from .. import __version__
 from ..api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, ZeroCause, histogram, zero_causes
-from ..engine.diag import LogG, PathNorm, unused_parameters
+from ..engine.diag import LogG, PathNorm, norm_order_text, unused_parameters
 from ..engine.model import LoadedModel
 from ..io.fileio import printable
 from ..solve.objective import degenerate_mask
@@ -123,8 +123,29 @@ def loaded_report(model: LoadedModel, command: str) -> dict[str, Any]:
         "parameters": model.parameter_count,
         "hidden_units": model.hidden_units,
         "input_shape": [list(node.shape) for node in model.graph.inputs],
+        "processing": processing_section(model),
         "warnings": list(model.warnings),
     }
+
+
+PROCESSING_NOTE = ("carried unchanged around the ReLU DAG; path norms, diag(G), compare and prune are those of the "
+                   "DAG between them")
+
+
+def processing_section(model: LoadedModel) -> dict[str, Any] | None:
+    """``processing``: the file's pre- and post-processing, carried unchanged (op types in file
+    order), the file's own inputs, and what the measures are of; null when the DAG is the file."""
+    carried = model.carried
+    if not carried:
+        return None
+    return {"pre": list(carried.pre), "post": list(carried.post),
+            "file_inputs": {name: list(shape) for name, shape in carried.inputs.items()}, "note": PROCESSING_NOTE}
+
+
+def _by_operation(ops: Sequence[str]) -> str:
+    """``Sub, Div ×2, Flatten``: each operation once, in order of first appearance, with its count."""
+    counts = {op: ops.count(op) for op in dict.fromkeys(ops)}
+    return ", ".join(op if count == 1 else f"{op} ×{count}" for op, count in counts.items()) or "none"
 
 
 def analysis_report(
@@ -278,8 +299,9 @@ def _safe(text: str, *, keep: str = "") -> str:
 
 def path_norms_text(norms: dict[str, Any]) -> str:
     """``ℓ1 4.331e+08 · ℓ2 0.2859``: each norm's value, or 10^log10 beyond float64."""
-    return " · ".join(f"ℓ{norm['q']:g} " + (_fmt(norm["value"], 7) if norm["value"] is not None
-                                             else f"10^{_fmt(norm['log10'], 7)}") for norm in norms.values())
+    return " · ".join(f"ℓ{norm_order_text(norm['q'])} " + (_fmt(norm["value"], 7) if norm["value"] is not None
+                                                          else f"10^{_fmt(norm['log10'], 7)}")
+                      for norm in norms.values())
 
 
 def _conditioning_text(measure: dict[str, Any]) -> str:
@@ -307,6 +329,10 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     rows.append(("architecture from", _safe(report["arch_source"])))
     rows.append(("device", report["device"]))
     rows.append(("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"])))
+    processing = report.get("processing")
+    if processing is not None:
+        rows.append(("pre/post-processing", f"pre {_safe(_by_operation(processing['pre']))} · post "
+                                            f"{_safe(_by_operation(processing['post']))}: {processing['note']}"))
     rows.append(("parameters", _fmt(report["parameters"])))
     rows.append(("DAG parameters", f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
                  "with g > 0: p of F and D)"))
@@ -485,7 +511,7 @@ def summary_line(report: dict[str, Any]) -> str:
         parts[0] += f" → {printable(report['output'])}"
         parts.append(f"{100 * report['sparsity_achieved']:.1f}% zero")
         parts.append(f"path-metric {_fmt(report['path_metric']['lower'], 4)}")
-        parts.append(f"output change ≤ {_fmt(report['output_change_bound'], 4)}")
+        parts.append(f"output change ≤ {_fmt(report['output_change_bound'], 4)}" if report["bound_applies"] else "no bound")
         parts.append(f"{report['seconds']['total']:.2f} s")
         return " · ".join(parts)
     conditioning = report["conditioning"]
@@ -571,6 +597,8 @@ def prune_report(result, output: str | None) -> dict[str, Any]:
         "path_norms_after": path_norms_section(result.path_norms_after),
         "path_metric": _metric_section(result.metric),
         "input_bound": result.input_bound,
+        "bound_applies": result.bound_applies,
+        "bound_note": result.bound_note,
         "score_bound": _finite(result.score_bound),
         "output_change_bound": _finite(result.output_change_bound),
         "measured_output_change": _finite(result.measured_output_change),
@@ -626,8 +654,13 @@ def render_prune(report: dict[str, Any], console: Console) -> None:
     rows.append(("path norms after", path_norms_text(report["path_norms_after"])))
     rows.append(("ℓ1 path-metric", _metric_text(report["path_metric"])))
     radius = report["input_bound"]
-    rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} (ℓ1; "
-                    f"scores' sum {_fmt(report['score_bound'], 6)}) · measured {_fmt(report['measured_output_change'], 6)}"))
+    if report["bound_applies"]:
+        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} (ℓ1; "
+                        f"scores' sum {_fmt(report['score_bound'], 6)}) · measured "
+                        f"{_fmt(report['measured_output_change'], 6)}"))
+    else:
+        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"no bound: {_safe(report['bound_note'])} · measured "
+                        f"{_fmt(report['measured_output_change'], 6)}"))
     verification = report["verification"]
     if verification is not None:
         rows.append(("verification", f"reloaded θ ⊙ m {verification['reloaded']} · independent runtime "

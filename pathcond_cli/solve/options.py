@@ -17,6 +17,8 @@ DEFAULT_MAX_ITER = 1000
 
 CRITERIA = ("pathcond", "enorm")
 DEFAULT_CRITERION = "pathcond"
+# prune's criteria, here so that the command line checks them without loading torch.
+PRUNING_CRITERIA = ("path-magnitude", "magnitude")
 
 # How the bound on |u_h| is chosen: the largest the checkpoint's dtypes can store (auto), none, or the user's.
 AUTO, NONE, USER = "auto", "none", "user"

@@ -46,35 +46,39 @@ def sidecar_candidates(checkpoint: Path) -> list[Path]:
 
 
 def resolve_architecture(
-    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: InputShape | None, display: str
-) -> tuple[Graph, str, Path | None, list[str]]:
+    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: InputShape | None, display: str,
+    params: Mapping[str, torch.Tensor],
+) -> tuple[Graph, str, Path | None, list[str], frozenset[str]]:
     """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``), the spec
-    file it was read from (None when embedded or a factory) and a factory's import notes."""
+    file it was read from (None when embedded or a factory), a factory's import notes, and the
+    keys of the checkpoint tensors (``params``) it reads as constants (a factory's filter
+    buffers: see :func:`graph_from_factory`)."""
     if arch is not None:
-        graph, notes = _graph_from_arch(arch, input_shape)
-        return graph, f"--arch {arch}", Path(arch) if arch.lower().endswith(SPEC_SUFFIXES) else None, notes
+        graph, notes, constants = _graph_from_arch(arch, input_shape, params, display)
+        return graph, f"--arch {arch}", Path(arch) if arch.lower().endswith(SPEC_SUFFIXES) else None, notes, constants
     embedded = metadata.get(SPEC_METADATA_KEY)
     if embedded is not None:
         source = f"{display} (metadata '{SPEC_METADATA_KEY}')"
         if not isinstance(embedded, str):
             raise InputError(f"{source}: expected the spec as a JSON string")
         graph = graph_from_spec(parse_spec_text(embedded, source=source), source=source, input_shape=input_shape)
-        return graph, "metadata", None, []
+        return graph, "metadata", None, [], frozenset()
     candidates = sidecar_candidates(path) if path is not None else []
     for candidate in candidates:
         if candidate.is_file():
             candidate = contained_file(candidate.parent, candidate.name, display, "the sidecar spec")
             graph = graph_from_spec(load_spec_file(candidate), source=str(candidate), input_shape=input_shape)
-            return graph, f"sidecar {candidate}", candidate, []
+            return graph, f"sidecar {candidate}", candidate, [], frozenset()
     raise InputError(_no_architecture_message(display, candidates))
 
 
-def _graph_from_arch(arch: str, input_shape: InputShape | None) -> tuple[Graph, list[str]]:
-    """The graph of a spec file or a factory, and the factory's import notes."""
+def _graph_from_arch(arch: str, input_shape: InputShape | None, params: Mapping[str, torch.Tensor],
+                     display: str) -> tuple[Graph, list[str], frozenset[str]]:
+    """The graph of a spec file or a factory, the factory's import notes and the keys it reads as constants."""
     if arch.lower().endswith(SPEC_SUFFIXES):
-        return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape), []
+        return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape), [], frozenset()
     if ":" in arch:
-        return graph_from_factory(arch, input_shape)
+        return graph_from_factory(arch, input_shape, params, display)
     raise InputError(
         f"--arch '{arch}': expected a spec file (.yaml, .yml, .json) or a Python factory module.path:callable"
     )
@@ -99,19 +103,19 @@ def check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display: 
     """``graph.check_parameters`` with the checkpoint named, and a hint for a default bias key."""
     try:
         graph.check_parameters(params)
-    except InvalidWeightsError as exc:
-        raise InvalidWeightsError(f"{display}: {exc}") from None
-    except InputError as exc:
+    except (InvalidWeightsError, InputError) as exc:
         missing_biases = [
             node.name for node in graph.nodes
             if "bias" in node.optional_roles and node.bias is not None and node.bias not in params
         ]
-        hint = ""
-        if missing_biases:
+        hint = exc.note
+        # A checkpoint with no tensor the architecture names is refused without problems listed:
+        # its missing biases are no hint.
+        if missing_biases and exc.problems:
             used = set(graph.parameter_keys())
             folded = any(key.endswith("running_mean") and key not in used for key in params)
             hint = (
-                f"\n(layers {', '.join(missing_biases)} have no bias tensor: "
+                f"({len(missing_biases)} layer(s) have no bias tensor: {some_keys(set(missing_biases))}; "
                 + ("the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
                    "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
                    "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
@@ -119,13 +123,15 @@ def check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display: 
                    if folded else "a layer without bias needs 'bias: null' in the spec")
                 + ")"
             )
-        raise InputError(f"{display}: {exc}{hint}") from None
+        raise type(exc)(f"{display}: {exc.message}", exc.problems, hint) from None
 
 
-def unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> str:
+def unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: str,
+                   constants: frozenset[str] = frozenset()) -> str:
     """A paragraph naming the checkpoint tensors the architecture does not read ('' if none),
-    grouped by the layer they most likely belong to."""
-    used = set(graph.parameter_keys())
+    neither as parameters nor as the ``constants`` it holds, grouped by the layer they most
+    likely belong to."""
+    used = set(graph.parameter_keys()) | constants
     # BatchNorm's num_batches_tracked only counts training steps: never part of the function.
     unused = sorted(k for k in params if k not in used and not k.endswith("num_batches_tracked"))
     if not unused:

@@ -11,6 +11,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+try:
+    import resource
+except ImportError:  # Windows: no address-space limit to honour
+    resource = None
+
 import numpy as np
 
 from ...engine.layouts import stand_ins
@@ -89,7 +94,9 @@ def contained_file(folder: Path, name: object, label: str, what: str) -> Path:
         )
     if not path.is_file():
         problem = "does not exist" if not os.path.lexists(path) else "is not a regular file"
-        raise InputError(f"{label}: {what} '{shown(name)}' {problem}.")
+        raise InputError(
+            f"{label}: {what} '{shown(name)}' {problem} (looked for in '{shown(os.path.abspath(folder))}')."
+        )
     return path
 
 
@@ -184,13 +191,15 @@ def _bias_size_problem(node, params: Mapping[str, torch.Tensor]) -> str | None:
 
 
 def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit; None if unknown."""
-    available = None
+    """Bytes this process may still allocate: MemAvailable, capped by a cgroup limit and by the
+    address space left under its limit (``ulimit -v``); None if unknown."""
+    available = address_space_left()
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:
             for line in handle:
                 if line.startswith("MemAvailable:"):
-                    available = int(line.split()[1]) * 1024
+                    free = int(line.split()[1]) * 1024
+                    available = free if available is None else min(available, free)
     except (OSError, ValueError):
         pass
     try:
@@ -202,6 +211,23 @@ def available_memory() -> int | None:
     except (OSError, ValueError):
         pass
     return available
+
+
+def address_space_left() -> int | None:
+    """Bytes of address space this process may still map under its limit (``ulimit -v``,
+    RLIMIT_AS), which every allocation and thread stack counts against whether or not it is
+    touched; None without a limit, or where the mapped size is unknown (no /proc)."""
+    if resource is None:
+        return None
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status", encoding="ascii") as handle:
+            mapped = next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmSize:"))
+    except (OSError, ValueError, StopIteration):
+        return None
+    return max(limit - mapped, 0)
 
 
 def refuse_beyond_memory(estimate: int, label: str, detail: str) -> None:

@@ -32,11 +32,40 @@ def _batch_norm_arguments(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (x, mean, var, weight, bias, *rest[:3])
 
 
-# Each ATen operation (any overload) torch.export records for a supported layer: the torch
-# function the fx import translates, and how its positional arguments map onto that function's.
-_EQUIVALENTS: dict[Any, tuple[Callable[..., Any], Callable[[tuple[Any, ...]], tuple[Any, ...]]]] = {
+def slice_along(x: torch.Tensor, dim: int = 0, start: int | None = None, end: int | None = None,
+                step: int = 1) -> torch.Tensor:
+    """``x[..., start:end:step, ...]`` on axis ``dim``: what ``aten.slice`` records for indexing with a slice."""
+    index = [slice(None)] * x.dim()
+    index[dim] = slice(start, end, step)
+    return x[tuple(index)]
+
+
+def _resize(mode: str) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """``aten.upsample_<mode>.vec(input, output_size, scale_factors)`` (nearest) or
+    ``(input, output_size, align_corners, scale_factors)`` (the others) as ``F.interpolate(input,
+    size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)``: the scale
+    factors are those F.interpolate passed on, so that its output size is the recorded one."""
+    antialias = mode.endswith("-antialias")
+    mode = mode.removesuffix("-antialias")
+
+    def arguments(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if mode.startswith("nearest"):
+            x, size, scale_factors = args
+            return (x, size, scale_factors, mode)
+        x, size, align_corners, scale_factors = args
+        return (x, size, scale_factors, mode, align_corners, None, antialias)
+    return arguments
+
+
+# Each ATen operation torch.export records for a supported layer (any overload of a packet, or
+# one overload): the torch function the fx import translates, and how its positional arguments
+# map onto that function's.
+_Equivalent = tuple[Callable[..., Any], Callable[[tuple[Any, ...]], tuple[Any, ...]]]
+_EQUIVALENTS: dict[Any, _Equivalent] = {
     **{packet: (function, _unchanged) for packet, function in (
         (aten.conv1d, torch.conv1d), (aten.conv2d, torch.conv2d), (aten.conv3d, torch.conv3d),
+        (aten.conv_transpose1d, torch.conv_transpose1d), (aten.conv_transpose2d, torch.conv_transpose2d),
+        (aten.conv_transpose3d, torch.conv_transpose3d),
         (aten.linear, F.linear), (aten.relu, torch.relu), (aten.relu_, torch.relu_),
         (aten.leaky_relu, F.leaky_relu), (aten.dropout, F.dropout),
         (aten.max_pool1d, F.max_pool1d), (aten.max_pool2d, F.max_pool2d), (aten.max_pool3d, F.max_pool3d),
@@ -48,10 +77,24 @@ _EQUIVALENTS: dict[Any, tuple[Callable[..., Any], Callable[[tuple[Any, ...]], tu
         (aten.mean, torch.mean), (aten.cat, torch.cat),
         (aten.flatten, torch.flatten), (aten.view, torch.reshape), (aten.reshape, torch.reshape),
         (aten.transpose, torch.transpose), (aten.permute, torch.permute), (aten.squeeze, torch.squeeze),
-        (aten.unsqueeze, torch.unsqueeze), (aten.split, torch.split), (aten.chunk, torch.chunk),
+        (aten.unsqueeze, torch.unsqueeze), (aten.split, torch.split), (aten.split_with_sizes, torch.split),
+        (aten.tensor_split, torch.tensor_split), (aten.chunk, torch.chunk), (aten.unbind, torch.unbind),
         (aten.narrow, torch.narrow), (aten.channel_shuffle, torch.channel_shuffle),
     )},
+    aten.slice.Tensor: (slice_along, _unchanged),
+    aten.alias.default: (slice_along, _unchanged),  # a slice that keeps every element: x[:]
+    aten.select.int: (torch.select, _unchanged),
     aten.batch_norm: (F.batch_norm, _batch_norm_arguments),
+    # Every mode F.interpolate has: the unsupported ones are refused with its reason.
+    **{overload: (F.interpolate, _resize(mode)) for overload, mode in (
+        (aten.upsample_nearest1d.vec, "nearest"), (aten.upsample_nearest2d.vec, "nearest"),
+        (aten.upsample_nearest3d.vec, "nearest"), (aten._upsample_nearest_exact1d.vec, "nearest-exact"),
+        (aten._upsample_nearest_exact2d.vec, "nearest-exact"), (aten._upsample_nearest_exact3d.vec, "nearest-exact"),
+        (aten.upsample_linear1d.vec, "linear"), (aten.upsample_bilinear2d.vec, "bilinear"),
+        (aten.upsample_trilinear3d.vec, "trilinear"), (aten.upsample_bicubic2d.vec, "bicubic"),
+        (aten._upsample_bilinear2d_aa.vec, "bilinear-antialias"),
+        (aten._upsample_bicubic2d_aa.vec, "bicubic-antialias"),
+    )},
 }
 
 # Checks torch.export inserts (its guards on the input, asserts on symbolic sizes): no value.
@@ -75,13 +118,19 @@ def exported_graph(module: nn.Module, example: torch.Tensor) -> torch.fx.GraphMo
         if _is_check(node):
             graph.erase_node(node)
             continue
-        packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
-        if packet in _EQUIVALENTS:
-            function, arguments = _EQUIVALENTS[packet]
+        equivalent = _equivalent(node)
+        if equivalent is not None:
+            function, arguments = equivalent
             node.target, node.args = function, arguments(tuple(node.args))
     graph.lint()
     graph_module.recompile()
     return graph_module
+
+
+def _equivalent(node: torch.fx.Node) -> _Equivalent | None:
+    if node.op != "call_function":
+        return None
+    return _EQUIVALENTS.get(node.target) or _EQUIVALENTS.get(getattr(node.target, "overloadpacket", None))
 
 
 def _is_check(node: torch.fx.Node) -> bool:

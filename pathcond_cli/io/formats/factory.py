@@ -8,16 +8,18 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import replace
 from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from ...engine.graph import Graph
-from ...errors import InputError, UsageError
+from ...engine.graph import Graph, all_finite
+from ...errors import InputError, InvalidWeightsError, UsageError
 from .common import InputShape, shapes_by_input
-from .fx_import import module_import
+from .fx_import import ModuleRead, read_module
 
 
 def factory_source_files(spec: str) -> list[Path]:
@@ -91,10 +93,14 @@ def _raised(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def graph_from_factory(arch: str, input_shape: InputShape | None) -> tuple[Graph, list[str]]:
-    """The traced graph of the module ``arch`` returns; ``input_shape`` may name the module's one input
-    (the module is traced with the first shape named: one whose forward takes several is refused
-    before it runs, and a name that is not its input afterwards)."""
+def graph_from_factory(arch: str, input_shape: InputShape | None, checkpoint: Mapping[str, torch.Tensor],
+                       display: str) -> tuple[Graph, list[str], frozenset[str]]:
+    """The traced graph of the module ``arch`` returns, its import notes, and the keys of the
+    ``checkpoint`` tensors it reads as constants: the persistent filter buffers of its fixed
+    filters, whose coefficients are the checkpoint's, not the factory's (as ``load_state_dict``
+    would load them). ``input_shape`` may name the module's one input (the module is traced
+    with the first shape named: one whose forward takes several is refused before it runs, and
+    a name that is not its input afterwards)."""
     named = dict(input_shape) if isinstance(input_shape, Mapping) else {}
     if input_shape is None:
         raise UsageError(
@@ -102,6 +108,34 @@ def graph_from_factory(arch: str, input_shape: InputShape | None) -> tuple[Graph
             "(--input-shape, e.g. 3,32,32)"
         )
     shape = next(iter(named.values())) if named else input_shape
-    graph, _, notes = module_import(load_factory(arch), shape, source=arch)
-    shapes_by_input(named or None, [node.name for node in graph.inputs], f"--arch '{arch}'")
-    return graph, notes
+    read = read_module(load_factory(arch), shape, source=arch)
+    shapes_by_input(named or None, [node.name for node in read.graph.inputs], f"--arch '{arch}'")
+    graph = _checkpoint_filters(read, checkpoint, display) if read.filter_buffers else read.graph
+    return graph, read.notes, frozenset(read.filter_buffers.values())
+
+
+def _checkpoint_filters(read: ModuleRead, checkpoint: Mapping[str, torch.Tensor], display: str) -> Graph:
+    """``read.graph`` with each fixed filter's coefficients taken from the checkpoint tensor of its buffer."""
+    coefficients: dict[str, tuple[float, ...]] = {}
+    problems = []
+    for layer, key in read.filter_buffers.items():
+        expected = tuple(read.params[key].shape)
+        if key not in checkpoint:
+            problems.append(f"node '{layer}' (fixed_filter) needs tensor '{key}' (the filter buffer of the "
+                            f"factory's module, a persistent buffer of shape {expected}), which the checkpoint lacks")
+            continue
+        tensor = checkpoint[key]
+        if tuple(tensor.shape) != expected or not tensor.is_floating_point():
+            problems.append(f"node '{layer}' (fixed_filter): tensor '{key}' has shape {tuple(tensor.shape)} and dtype "
+                            f"{tensor.dtype}, expected the factory's filter buffer's shape {expected}, floating point")
+        elif not all_finite(tensor):
+            raise InvalidWeightsError(f"{display}: tensor '{key}' (the filter of fixed filter '{layer}') holds NaN "
+                                      "or Inf values")
+        else:
+            coefficients[layer] = tuple(tensor.detach().double().flatten().tolist())
+    if problems:
+        raise InputError(f"{display}: the checkpoint does not match the architecture:\n"
+                         + "\n".join(f"  - {problem}" for problem in problems))
+    nodes = [replace(node, coefficients=coefficients[node.name]) if node.name in coefficients else node
+             for node in read.graph.nodes]
+    return Graph(nodes, read.graph.outputs, source=read.graph.source)

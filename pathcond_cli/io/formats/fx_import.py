@@ -13,6 +13,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from ...engine.graph import COPYING_PAD_MODES, Graph
 from ...errors import UnsupportedModelError, UsageError
 from .common import shown
-from .export_graph import exported_graph
+from .export_graph import exported_graph, slice_along
 from .movement import UnsupportedMovement, movement_layer
 from .offenders import NOT_HOMOGENEOUS_TYPES, NotHomogeneous, Unsupported, grouped, offender_note
 from .spec import graph_from_spec
@@ -57,32 +58,47 @@ def module_import(
     module: nn.Module, input_shape: Sequence[int], *, source: str
 ) -> tuple[Graph, dict[str, torch.Tensor], list[str]]:
     """The module's ReLU DAG for batch-free ``input_shape``, its ``state_dict`` tensors, and
-    notes for the user (operations dropped because their result reaches no output).
+    notes for the user (:func:`read_module` without the filter buffers)."""
+    read = read_module(module, input_shape, source=source)
+    return read.graph, read.params, read.notes
+
+
+@dataclass(frozen=True)
+class ModuleRead:
+    """A module read as a ReLU DAG (see :func:`read_module`)."""
+
+    graph: Graph
+    # The module's state_dict tensors, sharing memory with it.
+    params: dict[str, torch.Tensor]
+    # For the user: operations dropped because their result reaches no output.
+    notes: list[str]
+    # Fixed-filter layer name -> the state_dict key of the persistent buffer its coefficients were read from.
+    filter_buffers: dict[str, str]
+
+
+def read_module(module: nn.Module, input_shape: Sequence[int], *, source: str) -> ModuleRead:
+    """The module's ReLU DAG for batch-free ``input_shape``, with its tensors.
 
     The module is traced in eval mode (its mode is restored afterwards), since pathcond
     rescales the inference function, and run once on a zero input so that view, reshape,
-    transpose, split and slicing chains are resolved on concrete shapes. The returned tensors
-    share memory with the module.
+    transpose, split and slicing chains are resolved on concrete shapes.
     """
-    traced = _trace(module, tuple(input_shape), source)
-    _check_one_input(traced, source)
-    values, failure = _run_on_zeros(module, traced, tuple(input_shape))
+    traced, values = _traced_and_run(module, tuple(input_shape), source)
     state = module.state_dict()
     parameters = frozenset(name for name, _ in module.named_parameters(remove_duplicate=False))
     spec, problems, follow_on, dropped, note = _spec_from_trace(traced, values, frozenset(state), parameters)
-    if failure is not None and (problems or follow_on):
-        reason = (str(failure).strip().splitlines() or [type(failure).__name__])[0]  # fx appends its own context
-        raise UsageError(
-            f"{source}: the module raises when run on one example of the batch-free input shape "
-            f"{tuple(input_shape)} (a zero input of shape {(1, *input_shape)}): {shown(reason, 300)}. "
-            "The input shape is batch-free: 3,32,32 for 32x32 RGB images, not 1,3,32,32."
-        )
     if problems or follow_on:
         raise UnsupportedModelError(
             f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on, note=note
         )
+    buffers = {layer["name"]: layer.pop(_FILTER_BUFFER) for layer in spec["layers"] if _FILTER_BUFFER in layer}
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
-    return graph, {key: tensor.detach() for key, tensor in state.items()}, _dropped_note(dropped, source)
+    return ModuleRead(graph, {key: tensor.detach() for key, tensor in state.items()}, _dropped_note(dropped, source),
+                      {name: key for name, key in buffers.items() if key in state})
+
+
+# The field of a fixed filter's spec layer that names its buffer until the graph is built (no spec field).
+_FILTER_BUFFER = "filter_buffer"
 
 
 def _dropped_note(dropped: Sequence[str], source: str) -> list[str]:
@@ -106,50 +122,108 @@ def _check_one_input(traced: torch.fx.GraphModule, source: str) -> None:
         )
 
 
+def _traced_and_run(module: nn.Module, input_shape: tuple[int, ...],
+                    source: str) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]:
+    """The module's graph and the value of each of its nodes on a zero input of batch 1.
+
+    The graph is torch.fx's; where fx cannot trace the module (a forward that branches on its
+    input's shape), or traces a graph that does not run where the module does (a branch on
+    ``torch.jit.isinstance`` or ``is None``, which fx takes as it will), torch.export's, which
+    runs the module and records the branches it takes. Only a module that itself raises on the
+    zero input has its input shape blamed (a usage error).
+    """
+    try:
+        traced = _in_eval_mode(module, lambda: torch.fx.symbolic_trace(module))
+    except Exception as exc:  # fx reports untraceable code with many exception types
+        fx_failure = f"torch.fx cannot trace the module ({_first_line(exc)})"
+    else:
+        _check_one_input(traced, source)
+        values, failure = _run_on_zeros(module, traced, input_shape)
+        if failure is None:
+            return traced, values
+        _check_module_runs(module, input_shape, source)
+        fx_failure = (f"the graph torch.fx traced raises where the module does not ({_failed_node(traced, values)}: "
+                      f"{_first_line(failure)}): fx took another branch than the module's forward")
+    try:
+        exported = exported_graph(module, _zero_input(module, input_shape))
+    except Exception as exc:  # noqa: BLE001 - torch.export runs user code and raises many types
+        _check_module_runs(module, input_shape, source)
+        raise UnsupportedModelError(
+            f"{source}: {fx_failure}, and torch.export, which takes the branches of the input shape "
+            f"{input_shape}, cannot export it either ({_first_line(exc)}); pathcond needs a forward without "
+            "data-dependent control flow. If torch.onnx.export can export it, pathcond may read the .onnx file"
+        ) from None
+    _check_one_input(exported, source)
+    values, failure = _run_on_zeros(module, exported, input_shape)
+    if failure is not None:
+        _check_module_runs(module, input_shape, source)
+        raise UnsupportedModelError(
+            f"{source}: {fx_failure}, and the graph torch.export recorded, as pathcond reads it, raises where the "
+            f"module does not ({_failed_node(exported, values)}: {_first_line(failure)}); this operation cannot be "
+            "read on the module route. If torch.onnx.export can export the module, pathcond may read the .onnx file"
+        )
+    return exported, values
+
+
 def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
                   input_shape: tuple[int, ...]) -> tuple[dict[torch.fx.Node, Any], Exception | None]:
     """The value of every fx node on a zero input of batch 1, in eval mode (as far as it runs),
     and the exception that stopped the run, if one did."""
     values: dict[torch.fx.Node, Any] = {}
-    failure = None
 
     class Recorder(torch.fx.Interpreter):
         def run_node(self, node: torch.fx.Node) -> Any:
             values[node] = super().run_node(node)
             return values[node]
 
+    try:
+        _in_eval_mode(module, lambda: Recorder(traced).run(_zero_input(module, input_shape)))
+    except Exception as exc:  # noqa: BLE001 - user code, run by the caller's judgement of the failure
+        return values, exc
+    return values, None
+
+
+def _check_module_runs(module: nn.Module, input_shape: tuple[int, ...], source: str) -> None:
+    """Blame the input shape (a usage error quoting torch's reason) if the module itself raises
+    on the zero input its graph ran on."""
+    try:
+        _in_eval_mode(module, lambda: module(_zero_input(module, input_shape)))
+    except Exception as exc:  # noqa: BLE001 - the user's forward, which may raise anything
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(
+            f"{source}: the module raises when run on one example of the batch-free input shape "
+            f"{input_shape} (a zero input of shape {(1, *input_shape)}): {shown(reason, 300)}. "
+            "The input shape is batch-free: 3,32,32 for 32x32 RGB images, not 1,3,32,32."
+        ) from None
+
+
+def _failed_node(graph_module: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any]) -> str:
+    """The first node of a graph run that did not finish (the one that raised), described."""
+    node = next((node for node in graph_module.graph.nodes if node not in values), None)
+    if node is None:
+        return "after its last node"
+    return f"fx node '{node.name}' ({_describe(node, dict(graph_module.named_modules()))})"
+
+
+def _in_eval_mode(module: nn.Module, run: Callable[[], Any]) -> Any:
+    """``run()`` with the module in eval mode and without autograd, its mode restored after:
+    pathcond reads the inference function, and training-only branches and dropout flags are
+    resolved for it."""
     was_training = module.training
     module.eval()
     try:
         with torch.no_grad():
-            Recorder(traced).run(torch.zeros((1, *input_shape), dtype=_input_dtype(module)))
-    except Exception as exc:  # noqa: BLE001 - user code; the nodes it did not reach are reported where used
-        failure = exc
+            return run()
     finally:
         module.train(was_training)
-    return values, failure
 
 
-def _trace(module: nn.Module, input_shape: tuple[int, ...], source: str) -> torch.fx.GraphModule:
-    """The module's graph from torch.fx; where fx cannot trace it (a forward that branches on
-    its input's shape), from torch.export, which takes the branches the given shape takes."""
-    was_training = module.training
-    module.eval()  # training-only branches and dropout flags are resolved for inference
-    try:
-        return torch.fx.symbolic_trace(module)
-    except Exception as exc:  # fx reports untraceable code with many exception types
-        fx_failure = exc
-    finally:
-        module.train(was_training)
-    try:
-        return exported_graph(module, torch.zeros((1, *input_shape), dtype=_input_dtype(module)))
-    except Exception as exc:  # noqa: BLE001 - torch.export runs user code and raises many types
-        raise UnsupportedModelError(
-            f"{source}: torch.fx cannot trace the module ({_first_line(fx_failure)}), and torch.export, which "
-            f"takes the branches of the input shape {tuple(input_shape)}, cannot export it either "
-            f"({_first_line(exc)}); pathcond needs a forward without data-dependent control flow. If "
-            "torch.onnx.export can export it, pathcond may read the .onnx file"
-        ) from None
+def _zero_input(module: nn.Module, input_shape: tuple[int, ...]) -> torch.Tensor:
+    """A zero example on the module's own device (its first parameter's or buffer's; the CPU without either)."""
+    held = next(module.parameters(), None)
+    held = held if held is not None else next(module.buffers(), None)
+    device = held.device if held is not None else torch.device("cpu")
+    return torch.zeros((1, *input_shape), dtype=_input_dtype(module), device=device)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -176,14 +250,14 @@ def _spec_from_trace(
     modules = dict(traced.named_modules())
     names = _layer_names(traced.graph)
     problems = _reused_modules(traced.graph, modules)
-    moves = _Movements(values, names)
+    dead = _reaching_no_output(traced.graph, modules)
+    moves = _Movements(values, names, dead)
     offenders: list[tuple[str, str]] = []
     refused: list[tuple[torch.fx.Node, str]] = []
     follow_on: list[str] = []
     after_refusal: set[torch.fx.Node] = set()
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
-    dead = _reaching_no_output(traced.graph, modules)
     stored = _StoredTensors(values, state_keys, parameter_keys)
     dropped: list[str] = []
     for node in traced.graph.nodes:
@@ -194,12 +268,13 @@ def _spec_from_trace(
             outputs, output_problems = _outputs(node, names, moves, layers)
             problems += output_problems
             continue
-        if _is_shape_check(node) or _is_shape_query(node) or isinstance(values.get(node), (int, float, torch.Size)):
-            continue  # size arithmetic for view/reshape and asserts on it: checked where consumed, or no value
+        if _is_shape_check(node) or _is_shape_query(node) or isinstance(values.get(node), _NOT_TENSORS):
+            continue  # size arithmetic for view/reshape, asserts on it, dtypes: checked where consumed, or no value
         if node.op == "get_attr":
             continue  # a stored tensor, read by the layer that uses it (refused there if used otherwise)
         if node in dead:
-            dropped.append(names[node])
+            if not _is_movement(node):  # an unread piece of a split computes nothing: no note
+                dropped.append(names[node])
             continue
         try:
             if _is_movement(node):
@@ -233,6 +308,10 @@ def _spec_from_trace(
                 refused.append((node, str(exc)))
     problems += _once_per_module_type(refused, modules)
     return {"layers": layers, "outputs": outputs}, problems, follow_on, dropped, offender_note(offenders)
+
+
+# Values of fx nodes that are no activations: sizes, numbers, a tensor's dtype or device.
+_NOT_TENSORS = (int, float, torch.Size, torch.dtype, torch.device)
 
 
 def _reaching_no_output(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> set[torch.fx.Node]:
@@ -312,9 +391,11 @@ class _Movements:
     the index map must be the identity, a flatten, a channel slice or a channel shuffle.
     """
 
-    def __init__(self, values: Mapping[torch.fx.Node, Any], names: Mapping[torch.fx.Node, str]):
+    def __init__(self, values: Mapping[torch.fx.Node, Any], names: Mapping[torch.fx.Node, str],
+                 dead: set[torch.fx.Node]):
         self.values = values
         self.names = names
+        self.dead = dead
         self.origin: dict[torch.fx.Node, torch.fx.Node] = {}
         self.index: dict[torch.fx.Node, Any] = {}
         self.emitted: dict[torch.fx.Node, str] = {}
@@ -353,10 +434,12 @@ class _Movements:
         """Movements that a translatable layer reads but none took (its reader failed otherwise).
 
         Movements feeding only non-homogeneous operations (attention's head reshapes) are not
-        reported again: the operation already is.
+        reported again: the operation already is. Users whose result reaches no output (the
+        pieces of a split that nothing reads) read nothing.
         """
         return [node for node in self.index if node not in self.emitted
-                and any(user not in self.index and user not in self.offenders for user in node.users)]
+                and any(user not in self.index and user not in self.offenders and user not in self.dead
+                        for user in node.users)]
 
     def layer_input(self, arg: torch.fx.Node, layers: list[dict[str, Any]]) -> str:
         """The spec layer standing for ``arg``: its own, or one made for a data movement."""
@@ -460,7 +543,7 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
     if node.op == "call_function":
         translate_call = CALLS.get(node.target)
         if translate_call is not None:
-            return translate_call(node, values)
+            return _held_in_state(translate_call(node, values), stored)
         translate_reader = STORED_READERS.get(node.target)
         if translate_reader is not None:
             kwargs = _keyword_arguments(node, root)
@@ -473,8 +556,18 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
         translate_method = METHODS.get(node.target)
         if translate_method is None:
             raise Unsupported(_not_supported(node.target) + _stored_reads(node))
-        return translate_method(node, values)
+        return _held_in_state(translate_method(node, values), stored)
     raise Unsupported(f"fx operation '{node.op}' is not supported")
+
+
+def _held_in_state(steps: list[dict[str, Any]], stored: _StoredTensors) -> list[dict[str, Any]]:
+    """``steps``, once every stored tensor they read as a per-channel scale or shift is checked
+    to be in the module's state_dict."""
+    for step in steps:
+        for role in ("weight", "bias"):
+            if isinstance(step.get(role), str):
+                stored.in_state(step[role], role)
+    return steps
 
 
 def _stored_reads(node: torch.fx.Node) -> str:
@@ -516,11 +609,19 @@ def _operation(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> str:
     if node.op == "call_module":
         return type(modules[node.target]).__name__
     if node.op == "call_function":
-        return _qualified_name(node.target)
+        return _qualified_name(node.target) + _module_of_aten(node)
     return f"Tensor.{node.target}"
 
 
-_PUBLIC_MODULE_NAMES = {"torch._C._nn": "torch.nn.functional", "_operator": "operator"}
+def _module_of_aten(node: torch.fx.Node) -> str:
+    """`` in InstanceNorm2d`` for an ATen operation torch.export recorded inside a module's
+    forward: the module the user wrote, for an operation named as torch.export names it."""
+    owner = _owner(node) if isinstance(node.target, torch._ops.OpOverload) else None
+    return f" in {owner[1]}" if owner else ""
+
+
+_PUBLIC_MODULE_NAMES = {"torch._C._nn": "torch.nn.functional", "_operator": "operator",
+                        "torch._ops.aten": "torch.ops.aten"}
 
 
 def _qualified_name(function: Callable[..., Any]) -> str:
@@ -590,10 +691,17 @@ class _StoredTensors:
 
     def statistic(self, arg: Any, role: str) -> str:
         """The ``state_dict`` key of a BatchNorm statistic (a buffer: read, never rescaled)."""
-        target = self._target(arg, role)
+        return self.in_state(self._target(arg, role), role)
+
+    def in_state(self, target: str, role: str) -> str:
+        """``target``, a stored tensor the layer reads by name, which must be a ``state_dict`` key."""
         if target not in self.state_keys:
-            raise Unsupported(f"its {role} '{target}' is a buffer registered with persistent=False, which the "
-                               "module's state_dict, where pathcond reads the network's tensors, does not hold")
+            raise Unsupported(
+                f"its {role} '{target}' is not in the module's state_dict, where pathcond reads and writes the "
+                "network's tensors: a buffer registered with persistent=False, or a tensor the forward computes "
+                "from a stored one (self.scale.float(), which torch.fx keeps as a constant of its own). Register it "
+                "as a parameter or a persistent buffer, and use it as stored"
+            )
         return target
 
     def is_buffer(self, arg: Any) -> bool:
@@ -637,7 +745,7 @@ def _fixed_filter(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str
     if kwargs.get("groups", 1) != channels or tuple(filters.shape[:2]) != (channels, 1) or kwargs.get("bias") is not None:
         raise Unsupported(_constant_outside_filter(weight.target, "weight"))
     dilation = kwargs.get("dilation", 1)
-    return {"type": "fixed_filter", "kernel": list(filters.shape[2:]),
+    return {"type": "fixed_filter", _FILTER_BUFFER: weight.target, "kernel": list(filters.shape[2:]),
             "coefficients": filters.detach().double().flatten().tolist(), "stride": kwargs.get("stride", 1),
             "padding": _conv_padding(kwargs.get("padding", 0), dilation, filters.shape[2:]), "dilation": dilation}
 
@@ -663,11 +771,19 @@ def _batch_norm_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> d
 def _conv_transpose(module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, target: str) -> dict[str, Any]:
     if module.padding_mode != "zeros":
         raise Unsupported(f"padding_mode='{module.padding_mode}' is not supported (only zero padding)")
-    return {
-        "type": "conv_transpose", "weight": f"{target}.weight", "bias": _bias_key(module, target),
-        "stride": module.stride, "padding": module.padding, "output_padding": module.output_padding,
-        "dilation": module.dilation, "groups": module.groups,
-    }
+    return _conv_transpose_layer(f"{target}.weight", _bias_key(module, target), vars(module))
+
+
+def _conv_transpose_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
+    """``F.conv_transpose1d/2d/3d`` on a stored weight (torch.export records nn.ConvTranspose2d so)."""
+    return _conv_transpose_layer(stored.key(kwargs["weight"], "weight"),
+                                 stored.optional_key(kwargs.get("bias"), "bias"), kwargs)
+
+
+def _conv_transpose_layer(weight: str, bias: str | None, args: Mapping[str, Any]) -> dict[str, Any]:
+    """A transposed convolution from a module's attributes or the function's kwargs (named alike)."""
+    return {"type": "conv_transpose", "weight": weight, "bias": bias,
+            **{field: args[field] for field in ("stride", "padding", "output_padding", "dilation", "groups")}}
 
 
 def _prelu(module: nn.PReLU, target: str) -> dict[str, Any]:
@@ -779,6 +895,10 @@ _BUILTIN_SIGNATURES = {
         *((conv, (("input", {}), ("weight", {}), ("bias", {"default": None}), ("stride", {"default": 1}),
                   ("padding", {"default": 0}), ("dilation", {"default": 1}), ("groups", {"default": 1})))
           for conv in (torch.conv1d, torch.conv2d, torch.conv3d)),
+        *((conv, (("input", {}), ("weight", {}), ("bias", {"default": None}), ("stride", {"default": 1}),
+                  ("padding", {"default": 0}), ("output_padding", {"default": 0}), ("groups", {"default": 1}),
+                  ("dilation", {"default": 1})))
+          for conv in (torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)),
     )
 }
 
@@ -1091,6 +1211,7 @@ STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTen
     F.batch_norm: _batch_norm_function,
     F.linear: _linear_function,
     **dict.fromkeys((torch.conv1d, torch.conv2d, torch.conv3d), _conv_function),
+    **dict.fromkeys((torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d), _conv_transpose_function),
 }
 
 # Functions read from their raw arguments: overloaded (torch.add's and torch.cat's schemas are
@@ -1106,12 +1227,13 @@ CALLS: dict[Callable[..., Any], _CallTranslator] = {
 
 # Pure data movement, replayed on index tensors (see _Movements).
 MOVEMENT_FUNCTIONS = (
-    torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.squeeze,
-    torch.unsqueeze, torch.narrow, torch.channel_shuffle, F.channel_shuffle, operator.getitem,
+    torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.tensor_split,
+    torch.unbind, torch.select, torch.squeeze, torch.unsqueeze, torch.narrow, torch.channel_shuffle,
+    F.channel_shuffle, operator.getitem, slice_along,
 )
 MOVEMENT_METHODS = (
-    "view", "reshape", "flatten", "transpose", "permute", "contiguous", "chunk", "split", "squeeze", "unsqueeze",
-    "narrow", "__getitem__",
+    "view", "reshape", "flatten", "transpose", "permute", "contiguous", "chunk", "split", "tensor_split", "unbind",
+    "select", "squeeze", "unsqueeze", "narrow", "__getitem__",
 )
 
 

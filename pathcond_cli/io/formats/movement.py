@@ -3,9 +3,9 @@
 Importers replay a chain of such operations on an index tensor (each element holds its own
 flat position in the source) and ask :func:`movement_layer` what the chain amounts to: the
 identity, a flatten, a channel slice, a channel shuffle, any other selection of whole
-channels (a gather), a crop of the spatial axes (a pad of negative widths), or a reflect,
-replicate or circular padding. Anything else mixes neurons of different channels or of the
-batch and is refused with the reason.
+channels (a gather), a crop of the spatial axes (a pad of negative widths), a reflect,
+replicate or circular padding, or else the element-wise copy it is (a rearrange: an NHWC
+layout, an unflatten to channels). Only a movement across the batch is refused.
 """
 
 from __future__ import annotations
@@ -49,11 +49,10 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
     pad = _crop(shape, index) or _copying_pad(shape, index)
     if pad is not None:
         return pad
-    raise UnsupportedMovement(
-        f"it reshapes {shape} to {tuple(index.shape)} (batch excluded): only a flatten to (batch, features), "
-        "a selection of whole channels (slice, split, shuffle, gather), a crop of the spatial axes (x[:, :, a:b]), "
-        f"or a {', '.join(COPYING_PAD_MODES[:-1])} or {COPYING_PAD_MODES[-1]} padding is supported"
-    )
+    if index.dim() == 0:
+        raise UnsupportedMovement(f"it reduces {shape} (batch excluded) to a single value per example: a value "
+                                  "of the graph keeps a channel axis")
+    return {"type": "rearrange", "shape": tuple(index.shape), "elements": tuple(index.reshape(-1).tolist())}
 
 
 def _crop(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:

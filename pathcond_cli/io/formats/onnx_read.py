@@ -1,12 +1,15 @@
-"""Reading ONNX files: parsing (external data inside the model's folder only), checks, input
-shapes, shape inference with the shape arithmetic folded, the memory estimate, the stored
-tensors, the companions a model names and owns, and ONNX's reference evaluator."""
+"""Reading ONNX files: parsing (external data inside the model's folder only), nodes put in
+dependency order, checks, older opsets converted in memory, input shapes, shape inference with
+the shape arithmetic folded, the memory estimate, the stored tensors, the companions a model
+names and owns, and ONNX's reference evaluator."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from math import prod
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import numpy as np
 import onnx
 import torch
 from google.protobuf.message import DecodeError
-from onnx import external_data_helper, numpy_helper
+from onnx import external_data_helper, numpy_helper, version_converter
 from onnx.reference import ReferenceEvaluator
 
 from ...errors import InputError, UnsupportedModelError, UsageError
@@ -22,7 +25,12 @@ from ..companions import external_data_name, is_companion_name, named_by_another
 from .common import InputShape, contained_file, refuse_beyond_memory, shapes_by_input
 from .onnx_fold import fold_shape_arithmetic
 
-MIN_OPSET = 13
+# The opset the translator reads: an older model is converted to it in memory (the file written
+# back keeps the model's own opset).
+READ_OPSET = 13
+# onnx.reference's BatchNormalization before opset 14 uses batch statistics whenever momentum is
+# set, and before opset 9 returns a tuple: an older model is evaluated converted to this opset.
+REFERENCE_OPSET = 14
 # Initializers larger than this are weights to shape inference: it reads their dims, never their values.
 SHAPE_DATA_MAX_ELEMENTS = 1024
 TENSOR_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
@@ -40,22 +48,29 @@ _REWRITE_RULE_KEY = "pkg.onnxscript.rewriter.rule_name"
 _BATCHNORM_FOLDS = ("FuseBatchNormIntoConv", "FuseBatchNormIntoConvTranspose", "FuseBatchNormIntoGemm")
 
 
-def read_onnx(source: str | Path | bytes, input_shape: InputShape | None,
-              label: str) -> tuple[onnx.ModelProto, list[Path], dict[str, tuple[int, ...]], onnx.ModelProto]:
-    """The model at ``source`` checked, with its external data loaded; the external data files it
-    was read from; each input's batch-free shape (``input_shape`` over what the model declares);
-    and the model with its shapes inferred and its shape arithmetic folded, the memory the passes
-    will need checked."""
+def read_onnx(
+    source: str | Path | bytes, input_shape: InputShape | None, label: str
+) -> tuple[onnx.ModelProto, list[Path], dict[str, tuple[int, ...]], onnx.ModelProto, Sequence[onnx.NodeProto]]:
+    """The model at ``source`` checked, with its external data loaded, as the file holds it; the
+    external data files it was read from; each input's batch-free shape (``input_shape`` over
+    what the model declares); the model as read, its shapes inferred and its shape arithmetic
+    folded, the memory the passes will need checked; and the nodes of the model as read before
+    folding, position by position (see :func:`readable_model`)."""
     model, external, serialized = _parse(source, label)
-    _check(model, serialized, label)
+    order = dependency_order(model.graph, label)
+    _check(model, order, serialized, label)
     del serialized  # the whole file (97 MB for ResNet-50): not held through the rest of the load
     graph_inputs = fed_inputs(model, label)
     given = shapes_by_input(input_shape, [i.name for i in graph_inputs], label)
     several = len(graph_inputs) > 1
     shapes = {i.name: _input_shape(i, given.get(i.name), label, several=several) for i in graph_inputs}
-    inferred = _folded(infer_shapes(model, shapes, label), shapes, label)
+    readable = readable_model(model, order, label)
+    inferred = infer_shapes(readable, shapes, label)
+    if readable is not model:
+        _put_back_weights(inferred, model, label)
+    inferred = _folded(inferred, shapes, label)
     check_memory(value_shapes(inferred), inferred, label)
-    return model, external, shapes, inferred
+    return model, external, shapes, inferred, readable.graph.node
 
 
 def batchnorm_folded_tensors(model: onnx.ModelProto) -> list[str]:
@@ -213,24 +228,196 @@ def _exactly_covered(file: Path, spans: list[tuple[int, int | None]]) -> bool:
     return end == size
 
 
-def _check(model: onnx.ModelProto, serialized: bytes | None, label: str) -> None:
-    """onnx's checker on ``model``, given as ``serialized`` when those are its bytes (serialising
-    a large model again costs more than checking it)."""
+def dependency_order(graph: onnx.GraphProto, label: str) -> list[onnx.NodeProto] | None:
+    """The graph's nodes, each after the nodes whose outputs it reads (those of its subgraphs'
+    nodes included), ties in the file's order; None when the file's order is one already.
+
+    keras2onnx writes nodes out of order: onnxruntime runs such files, onnx's checker refuses
+    them. A value that no node, initializer or graph input gives, and nodes that read each
+    other's outputs in a cycle, are an input error naming them.
+    """
+    nodes = graph.node
+    given = {""} | {v.name for v in graph.input} | {t.name for t in graph.initializer} | \
+        {t.values.name for t in graph.sparse_initializer}
+    producer: dict[str, int] = {}
+    for index, node in enumerate(nodes):
+        for value in node.output:
+            producer.setdefault(value, index)
+    for node in nodes:
+        for value in node.input:
+            if value not in given and value not in producer:
+                raise InputError(
+                    f"'{label}' is not a valid ONNX model: node '{node_label(node)[:120]}' ({node.op_type}) reads "
+                    f"'{value[:120]}', which no node, initializer or graph input of the graph gives."
+                )
+    for output in graph.output:
+        if output.name not in given and output.name not in producer:
+            raise InputError(f"'{label}' is not a valid ONNX model: graph output '{output.name[:120]}' is given by "
+                             "no node, initializer or graph input of the graph.")
+    # reads[i]: (value, producing node) for each value node i reads from another node.
+    reads = [{(value, producer[value]) for value in _values_read(node) if value in producer} for node in nodes]
+    if all(source < index for index, node_reads in enumerate(reads) for _, source in node_reads):
+        return None
+    waiting = [len({source for _, source in node_reads}) for node_reads in reads]
+    readers: list[set[int]] = [set() for _ in nodes]
+    for index, node_reads in enumerate(reads):
+        for _, source in node_reads:
+            readers[source].add(index)
+    ready = [index for index, count in enumerate(waiting) if count == 0]
+    order = []
+    while ready:
+        index = heapq.heappop(ready)
+        order.append(index)
+        for reader in readers[index]:
+            waiting[reader] -= 1
+            if waiting[reader] == 0:
+                heapq.heappush(ready, reader)
+    if len(order) < len(nodes):
+        raise InputError(f"'{label}' is not a valid ONNX model: its nodes form a cycle, "
+                         f"{_cycle(nodes, reads, set(order))}; no order of the nodes computes their values.")
+    return [nodes[index] for index in order]
+
+
+def _values_read(node: onnx.NodeProto) -> set[str]:
+    """The values ``node`` reads: its inputs and every value its subgraphs' nodes read."""
+    values = set(node.input)
+    for attribute in node.attribute:
+        for subgraph in (*([attribute.g] if attribute.HasField("g") else []), *attribute.graphs):
+            for inner in subgraph.node:
+                values |= _values_read(inner)
+    return values
+
+
+def _cycle(nodes: Sequence[onnx.NodeProto], reads: list[set[tuple[str, int]]], placed: set[int]) -> str:
+    """A cycle among the nodes not ``placed``, each of which reads a value of another one not
+    placed, as "node 'a' (Add) reads 'v' of node 'b' (Relu), which reads ... of node 'a'"."""
+    start = next(index for index in range(len(nodes)) if index not in placed)
+    path: list[tuple[int, str]] = []
+    seen: dict[int, int] = {}
+    index = start
+    while index not in seen:
+        seen[index] = len(path)
+        value, source = min((value, source) for value, source in reads[index] if source not in placed)
+        path.append((index, value))
+        index = source
+    loop = path[seen[index]:]
+    shown = [f"node '{node_label(nodes[position])[:120]}' ({nodes[position].op_type})" for position, _ in loop]
+    steps = [f"reads '{value[:120]}' of {shown[(k + 1) % len(loop)]}" for k, (_, value) in enumerate(loop)]
+    return f"{shown[0]} " + ", which ".join(steps)
+
+
+def _check(model: onnx.ModelProto, order: list[onnx.NodeProto] | None, serialized: bytes | None,
+           label: str) -> None:
+    """onnx's checker on ``model``, with its nodes in ``order`` when given (else as they are, and
+    given as ``serialized`` when those are its bytes: serialising a large model again costs more
+    than checking it)."""
+    if order is not None:
+        checked = onnx.ModelProto()
+        checked.CopyFrom(model)
+        del checked.graph.node[:]
+        checked.graph.node.extend(order)
+    else:
+        checked = serialized if serialized is not None else model
     try:
-        onnx.checker.check_model(serialized if serialized is not None else model)
+        onnx.checker.check_model(checked)
     except (onnx.checker.ValidationError, ValueError) as exc:
         raise InputError(f"'{label}' is not a valid ONNX model: {one_line(exc)}") from None
-    opset = _default_opset(model)
-    if opset is not None and opset < MIN_OPSET:
-        raise UnsupportedModelError(
-            f"{label}: the model uses ONNX opset {opset}; pathcond reads opset {MIN_OPSET} and later. "
-            f"Re-export it with opset_version={MIN_OPSET} or newer."
-        )
 
 
-def _default_opset(model: onnx.ModelProto) -> int | None:
+def default_opset(model: onnx.ModelProto) -> int | None:
     versions = [o.version for o in model.opset_import if o.domain in DEFAULT_DOMAINS]
     return versions[0] if versions else None
+
+
+def readable_model(model: onnx.ModelProto, order: list[onnx.NodeProto] | None, label: str) -> onnx.ModelProto:
+    """The model as the translator reads it: ``model`` itself when its nodes are in dependency
+    order and its opset is :data:`READ_OPSET` or later; else a copy whose weights hold no data
+    (:func:`_put_back_weights` restores them by name after shape inference), its nodes in
+    ``order``, converted in memory to :data:`READ_OPSET` by ``onnx.version_converter``.
+
+    The converter keeps the names of values, initializers and nodes; what it adds (the
+    ``Constant`` scales of an ``Upsample`` made a ``Resize``, the ``Flatten`` and ``Reshape``
+    around an opset-9 ``Softmax``) exists in the model as read only.
+    """
+    opset = default_opset(model)
+    convert = opset is not None and opset < READ_OPSET
+    if order is None and not convert:
+        return model
+    readable, _ = _without_weight_data(model)
+    if order is not None:
+        del readable.graph.node[:]
+        readable.graph.node.extend(order)
+    if not convert:
+        return readable
+    try:
+        return version_converter.convert_version(readable, READ_OPSET)
+    except _CONVERTER_ERRORS as exc:
+        raise _unconvertible(readable, opset, label, exc) from None
+
+
+# What onnx.version_converter raises: its C++ assertions and shape inference errors surface as these.
+_CONVERTER_ERRORS = (RuntimeError, ValueError, onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
+
+
+def _unconvertible(model: onnx.ModelProto, opset: int, label: str, error: Exception) -> UnsupportedModelError:
+    """The refusal of a model that the converter cannot take from ``opset`` to :data:`READ_OPSET`,
+    naming the step (converted one opset at a time to find it) and the operator it fails on: the
+    one the converter names, else those whose definition changes at that step."""
+    step = opset
+    for target in range(opset + 1, READ_OPSET + 1):
+        try:
+            model = version_converter.convert_version(model, target)
+        except _CONVERTER_ERRORS as exc:
+            error = exc
+            break
+        step = target
+    message = one_line(error)
+    ops = list(dict.fromkeys(n.op_type for n in model.graph.node if n.domain in DEFAULT_DOMAINS))
+    named = {match.lower() for pattern in _CONVERTER_NAMES for match in re.findall(pattern, message)}
+    culprits = [op for op in ops if op.lower() in named] or [op for op in ops if _changes_at(op, step + 1)]
+    if culprits:
+        nodes = [node_label(n) for n in model.graph.node if n.op_type in culprits and n.domain in DEFAULT_DOMAINS]
+        shown_nodes = ", ".join(f"'{name[:80]}'" for name in nodes[:3]) + (f" and {len(nodes) - 3} more"
+                                                                          if len(nodes) > 3 else "")
+        what = (f"operator {' or '.join(repr(op) for op in culprits)} of opset {opset} "
+                f"(node{'s' if len(nodes) > 1 else ''} {shown_nodes})")
+    else:
+        what = "the model"
+    return UnsupportedModelError(
+        f"{label}: the model uses ONNX opset {opset}; pathcond reads opset {READ_OPSET} and converts older models "
+        f"to it in memory with onnx.version_converter, which cannot carry {what} from opset {step} to {step + 1} "
+        f"(it says: {message}). Exported again with opset {READ_OPSET} or later, the model is read without conversion."
+    )
+
+
+# Where the converter's messages name the operator: "No Adapter From Version $5 for Cast",
+# "(op_type:TopK, node name: n1)", "adapt_scan_8_9: Assertion ...".
+_CONVERTER_NAMES = (r"\bfor (\w+)\s*$", r"op_type:\s*(\w+)", r"adapt_([a-z0-9]+)_\d+_\d+")
+
+
+def _changes_at(op: str, version: int) -> bool:
+    """Whether the definition of ONNX operator ``op`` has a new version at opset ``version``."""
+    try:
+        return onnx.defs.get_schema(op, version, "").since_version == version
+    except onnx.defs.SchemaError:
+        return False
+
+
+def _put_back_weights(inferred: onnx.ModelProto, model: onnx.ModelProto, label: str) -> None:
+    """Give each initializer of ``inferred`` that :func:`readable_model` emptied the data of its
+    namesake in ``model``; one the converter changed (its dims or type) has none to take."""
+    originals = {t.name: t for t in model.graph.initializer}
+    for tensor in inferred.graph.initializer:
+        if prod(tensor.dims) <= SHAPE_DATA_MAX_ELEMENTS:
+            continue
+        original = originals.get(tensor.name)
+        if original is None or original.dims != tensor.dims or original.data_type != tensor.data_type:
+            raise UnsupportedModelError(
+                f"{label}: converting the model from ONNX opset {default_opset(model)} to {READ_OPSET} (which "
+                f"pathcond reads) changes its tensor '{tensor.name[:120]}', so the rescaled file could not keep the "
+                f"model as it is; exported again with opset {READ_OPSET} or later, it is read without conversion."
+            )
+        tensor.CopyFrom(original)
 
 
 def declared_batch(graph_inputs: Iterable[onnx.ValueInfoProto]) -> int | None:
@@ -506,4 +693,12 @@ def reference_outputs(source: Path | bytes, inputs: np.ndarray | dict[str, np.nd
     arrays = inputs if isinstance(inputs, dict) else {graph_inputs[0].name: inputs}
     feeds = {i.name: np.asarray(arrays[i.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
              for i in graph_inputs}
-    return [np.asarray(o) for o in ReferenceEvaluator(model).run(None, feeds)]
+    return [np.asarray(o) for o in reference_evaluator(model).run(None, feeds)]
+
+
+def reference_evaluator(model: onnx.ModelProto) -> ReferenceEvaluator:
+    """ONNX's reference evaluator of ``model``, converted to :data:`REFERENCE_OPSET` first when older."""
+    opset = default_opset(model)
+    if opset is not None and opset < REFERENCE_OPSET:
+        model = version_converter.convert_version(model, REFERENCE_OPSET)
+    return ReferenceEvaluator(model)

@@ -38,6 +38,7 @@ from ...engine.graph import (
     Sub,
     Upsample,
 )
+from ...engine.model import Carried
 from ...errors import UnsupportedModelError
 from .movement import UnsupportedMovement, movement_layer
 from .offenders import NotHomogeneous, Unsupported, grouped, offender_note
@@ -55,8 +56,16 @@ _NOT_HOMOGENEOUS = {
     "Sigmoid", "Tanh", "Gelu", "Erf", "Softmax", "LogSoftmax", "LayerNormalization", "Elu", "Selu",
     "Celu", "Softplus", "Softsign", "HardSigmoid", "HardSwish", "Mish", "Exp", "Log", "Sqrt", "Pow",
     "InstanceNormalization", "GroupNormalization", "LpNormalization", "Clip", "Reciprocal", "Div", "Mul",
-    "MatMul", "Einsum", "Attention", "Cos", "Sin", "Abs", "ReduceMax", "ReduceSum", "ReduceL2", "Tan",
-    "HardSwish", "Swish", "ThresholdedRelu", "Shrink",
+    "MatMul", "Einsum", "Attention", "Cos", "Sin", "Tan", "Swish", "ThresholdedRelu", "Shrink",
+}
+
+
+# Ops that carry weights: the first of them on a path ends the pre-processing, and no
+# post-processing comes before the last.
+_PARAMETER_LAYERS = {
+    "Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "PRelu", "InstanceNormalization",
+    "LayerNormalization", "GroupNormalization", "Einsum", "LSTM", "GRU", "RNN", "ConvInteger", "MatMulInteger",
+    "QLinearConv", "QLinearMatMul",
 }
 
 
@@ -87,6 +96,17 @@ class Translator:
             for value in n.input:
                 self.consumers.setdefault(value, []).append(n)
         self.shapes = value_shapes(model)
+        # Every name the graph (as translated and as written back) already gives a value: a copy
+        # of a parameter is named apart from all of them.
+        self.taken: set[str] = {v.name for graph in (model.graph, written) if graph is not None
+                                for v in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)}
+        self.taken.update(name for n in (*self.onnx_nodes, *self.read_nodes) for name in (*n.input, *n.output))
+        self.index_of = {id(n): i for i, n in enumerate(self.onnx_nodes)}
+        self.carried = Carried()
+        self._start()
+
+    def _start(self) -> None:
+        """The state of one reading of the graph (a second reading carries pre- and post-processing)."""
         self.nodes: dict[str, Node] = {}
         self.node_shapes: dict[str, tuple[int | None, ...] | None] = {}
         self.node_of_value: dict[str, str] = {}
@@ -95,17 +115,11 @@ class Translator:
         self.moves: dict[str, tuple[str, torch.Tensor, onnx.NodeProto]] = {}
         self.aliases: dict[str, str] = {}
         self.claimed: set[str] = set()
-        # Every name the graph (as translated and as written back) already gives a value: a copy
-        # of a parameter is named apart from all of them.
-        self.taken: set[str] = {v.name for graph in (model.graph, written) if graph is not None
-                                for v in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)}
-        self.taken.update(name for n in (*self.onnx_nodes, *self.read_nodes) for name in (*n.input, *n.output))
         self.splits: list[tuple[str, str, int, int]] = []
         # Where parameters are read: (node index, input position), and the values read that way
         # (the stored tensors and the Identity/Transpose outputs between them and their layer).
         self.parameter_reads: set[tuple[int, int]] = set()
         self.parameter_values: set[str] = set()
-        self.index_of = {id(n): i for i, n in enumerate(self.onnx_nodes)}
         self.current: onnx.NodeProto | None = None
         self.notes: list[str] = []
         self.problems: list[str] = []
@@ -114,34 +128,137 @@ class Translator:
         # already refused: consequences, reported after the root causes and counted.
         self.follow_on: list[str] = []
         self.after_refusal: set[str] = set()
+        self.input_values: list[str] = []
+        # Positions of the nodes refused, root causes and consequences alike.
+        self.refused: set[int] = set()
 
     # ---- driver
 
     def translate(self, shapes: dict[str, tuple[int, ...]]) -> Graph:
-        """The DAG, with an input node for each of ``shapes`` (ONNX input name → batch-free shape)."""
-        for input_name, input_shape in shapes.items():
-            self._emit(self._node(Input.op, self._unique(input_name), (), shape=input_shape), input_name)
-            self.activations.add(input_name)
+        """The DAG, with an input node for each of ``shapes`` (ONNX input name → batch-free shape).
+
+        When the DAG cannot read a node computed from the network's inputs and constants only,
+        before any layer with parameters, that whole region is carried as pre-processing; then,
+        the nodes after which no layer with parameters comes that the DAG cannot read, and every
+        node computed from them, are carried as post-processing. Carried nodes stay in the file
+        unchanged, and the DAG runs between the two (:class:`Carried`).
+        """
         needed = self._needed_values()
-        for node in self.onnx_nodes:
-            if not any(out in needed for out in node.output):
+        pre_region, post_region = self._regions(set(shapes), needed)
+        pre: set[int] = set()
+        post: set[int] = set()
+        while True:
+            graph = self._read(shapes, needed, pre, post)
+            if graph is not None:
+                return graph
+            # Pre-processing first: a node it refuses makes every later node a consequence.
+            if not pre and self.refused & pre_region:
+                pre = pre_region
+            elif not post and self.refused & post_region:
+                post = self._descendants(self.refused & post_region) & post_region
+            else:
+                problems = grouped(self.offenders) + self.problems
+                raise UnsupportedModelError(
+                    f"{self.label}: the network is not a ReLU DAG pathcond can rescale exactly; "
+                    f"{len(problems)} problem(s):",
+                    problems,
+                    self.follow_on,
+                    note=offender_note(self.offenders),
+                )
+            self._start()
+
+    def _descendants(self, positions: set[int]) -> set[int]:
+        """The nodes at ``positions`` and every node computed from their outputs."""
+        found, stack = set(positions), list(positions)
+        while stack:
+            for out in self.onnx_nodes[stack.pop()].output:
+                for reader in self.consumers.get(out, []):
+                    index = self.index_of[id(reader)]
+                    if index not in found:
+                        found.add(index)
+                        stack.append(index)
+        return found
+
+    def _read(self, shapes: dict[str, tuple[int, ...]], needed: set[str], pre: set[int], post: set[int]) -> Graph | None:
+        """One reading of the graph with the ``pre`` and ``post`` nodes (positions) carried: the DAG,
+        or None when some node was refused (the reasons are in this translator's lists)."""
+        carried = pre | post
+        for input_name, input_shape in shapes.items():
+            if not carried or self._read_by_dag(input_name, needed, carried):
+                self._add_input(input_name, input_shape)
+        for index, node in enumerate(self.onnx_nodes):
+            if not any(out in needed for out in node.output) or node.op_type in SHAPE_QUERIES:
                 continue
-            if node.op_type in SHAPE_QUERIES or not any(value in self.activations for value in node.input):
+            if index in carried:
+                for value in node.output if index in pre else ():
+                    if value and self._read_by_dag(value, needed, carried):
+                        self._add_input(value, self._batch_free_shape_or_problem(value))
+                continue
+            if not any(value in self.activations for value in node.input):
                 continue
             self.activations.update(out for out in node.output if out)
             self._translate_node(node)
         self._separate_other_reads(needed)
-        outputs = self._outputs()
-        problems = grouped(self.offenders) + self.problems
-        if problems or self.follow_on:
-            raise UnsupportedModelError(
-                f"{self.label}: the network is not a ReLU DAG pathcond can rescale exactly; "
-                f"{len(problems)} problem(s):",
-                problems,
-                self.follow_on,
-                note=offender_note(self.offenders),
-            )
-        return Graph(list(self.nodes.values()), outputs, source=self.label)
+        outputs = self._outputs(carried, post)
+        if self.offenders or self.problems or self.follow_on:
+            return None
+        self.carried = Carried(
+            pre=tuple(_op_label(self.onnx_nodes[i]) for i in sorted(pre)),
+            post=tuple(_op_label(self.onnx_nodes[i]) for i in sorted(post)),
+            inputs=dict(shapes) if carried else {},
+            dag_inputs={self.node_of_value[value]: value for value in self.input_values} if carried else {},
+            dag_outputs=tuple(value for value, _ in outputs) if carried else (),
+        )
+        return Graph(list(self.nodes.values()), tuple(name for _, name in outputs), source=self.label)
+
+    def _add_input(self, value: str, shape: tuple[int, ...] | None) -> None:
+        if shape is not None:
+            self._emit(self._node(Input.op, self._unique(value), (), shape=shape), value)
+            self.activations.add(value)
+            self.input_values.append(value)
+
+    def _batch_free_shape_or_problem(self, value: str) -> tuple[int, ...] | None:
+        """A pre-processing output's batch-free shape, the DAG's input; None (a problem) when unknown."""
+        try:
+            return self._batch_free_shape(value)
+        except Unsupported as exc:
+            self.problems.append(f"'{value}', an output of the pre-processing the network's layers read: {exc}")
+            return None
+
+    def _read_by_dag(self, value: str, needed: set[str], carried: set[int]) -> bool:
+        """Whether a needed node outside ``carried`` reads ``value`` (not only measures its shape)."""
+        return any(self.index_of[id(reader)] not in carried and reader.op_type not in SHAPE_QUERIES
+                   and any(out in needed for out in reader.output) for reader in self.consumers.get(value, []))
+
+    def _regions(self, inputs: set[str], needed: set[str]) -> tuple[set[int], set[int]]:
+        """The positions of the nodes that can be carried as pre-processing (computed from the
+        network's inputs and constants only, before a layer with parameters) and as
+        post-processing (computed from a layer's values, no layer with parameters after them).
+        A node with no layer before or after it is neither: the network is then no more than it."""
+        computed, before_layers = set(inputs), set(inputs)
+        candidates, pure = [], set()
+        for index, node in enumerate(self.onnx_nodes):
+            if node.op_type in SHAPE_QUERIES or not any(out in needed for out in node.output):
+                continue
+            read = [value for value in node.input if value in computed]
+            if not read:
+                continue
+            computed.update(out for out in node.output if out)
+            candidates.append(index)
+            if not self._is_layer(node, computed) and all(value in before_layers for value in read):
+                pure.add(index)
+                before_layers.update(out for out in node.output if out)
+        reaches_layer: set[int] = set()
+        for index in reversed(candidates):
+            node = self.onnx_nodes[index]
+            if self._is_layer(node, computed) or any(self.index_of[id(reader)] in reaches_layer
+                                                       for out in node.output for reader in self.consumers.get(out, [])):
+                reaches_layer.add(index)
+        return pure & reaches_layer, {index for index in candidates if index not in reaches_layer | pure}
+
+    def _is_layer(self, node: onnx.NodeProto, computed: set[str]) -> bool:
+        """A layer with parameters: an op that carries weights, reading a tensor not computed from the inputs."""
+        return node.op_type in _PARAMETER_LAYERS and any(value and value not in computed for value in node.input)
 
     def _translate_node(self, node: onnx.NodeProto) -> None:
         self.current = node
@@ -158,10 +275,12 @@ class Translator:
         except NotHomogeneous:
             self.offenders.append((_op_label(node), node_label(node)))
             self.after_refusal.update(node.output)
+            self.refused.add(self.index_of[id(node)])
         except Unsupported as exc:
             problem = f"node '{node_label(node)}' ({_op_label(node)}): {exc}"
             (self.follow_on if follows_refusal else self.problems).append(problem)
             self.after_refusal.update(node.output)
+            self.refused.add(self.index_of[id(node)])
 
     def _separate_other_reads(self, needed: set[str]) -> None:
         """Every read of a parameter that is not the read of its layer (a ``Mul`` by the same
@@ -210,19 +329,27 @@ class Translator:
                 needed.update(v for v in node.input if v)
         return needed
 
-    def _outputs(self) -> tuple[str, ...]:
+    def _outputs(self, carried: set[int], post: set[int]) -> list[tuple[str, str]]:
+        """The DAG's outputs as (ONNX value, graph node): the graph outputs it computes, then the
+        values the post-processing (positions ``post``) reads from it; the outputs of ``carried``
+        nodes are the file's own."""
+        carried_values = {out for index in carried for out in self.onnx_nodes[index].output}
+        post_reads = [value for index in sorted(post) for value in self.onnx_nodes[index].input
+                      if value in self.activations and value not in carried_values]
         outputs = []
-        for value in self.graph_outputs:
+        for value in dict.fromkeys([*self.graph_outputs, *post_reads]):
+            if value in carried_values:
+                continue
             if value not in self.activations:
                 self.problems.append(f"graph output '{value}' does not depend on the network input")
             elif value in self.moves:
                 try:
-                    outputs.append(self._source(self._materialised(value)))
+                    outputs.append((value, self._source(self._materialised(value))))
                 except Unsupported as exc:
                     self.problems.append(f"graph output '{value}': {exc}")
             elif value in self.node_of_value:
-                outputs.append(self.node_of_value[value])
-        return tuple(outputs)
+                outputs.append((value, self.node_of_value[value]))
+        return outputs
 
     # ---- graph nodes and activations
 
@@ -607,6 +734,18 @@ class Translator:
                         "more than once; pathcond pads circularly by at most the size of the axis (torch's "
                         "circular padding)"
                     )
+        if mode == "reflect":
+            shape = self.shapes.get(x) or ()
+            for axis in range(2, min(rank, len(shape))):
+                # ONNX crops first and reflects within what is left (onnxruntime refuses a wider
+                # reflection, which torch's F.pad would compute otherwise).
+                left = shape[axis] + min(begin[axis], 0) + min(end[axis], 0) if shape[axis] is not None else None
+                if left is not None and max(begin[axis], end[axis]) > left - 1:
+                    raise Unsupported(
+                        f"reflect padding of {max(begin[axis], end[axis])} on axis {axis}, which keeps {left} of its "
+                        f"{shape[axis]} elements after cropping, reflects beyond the axis: ONNX reflects by at most "
+                        "the elements kept − 1 (onnxruntime refuses this model)"
+                    )
         self._emit_for(node, Pad, x, begin=tuple(begin[2:]), end=tuple(end[2:]), mode=mode)
 
     def _resize(self, node: onnx.NodeProto) -> None:
@@ -720,16 +859,38 @@ class Translator:
         self._emit_for(node, AdaptiveAvgPool, x, output_size=(1,) * self._spatial_rank(x))
 
     def _reduce_mean(self, node: onnx.NodeProto) -> None:
-        """A mean over every spatial axis is global average pooling (torch.export's form of it).
+        """A mean over every spatial axis is global average pooling (torch.export's form of it)."""
+        self._global_pooling(node, "mean", lambda name, source, spatial: [
+            self._node(AdaptiveAvgPool.op, name, [source], output_size=(1,) * len(spatial))])
+
+    def _reduce_max(self, node: onnx.NodeProto) -> None:
+        """A max over every spatial axis is global max pooling: one window, the whole map."""
+        self._global_pooling(node, "max", lambda name, source, spatial: [
+            self._node(MaxPool.op, name, [source], kernel=tuple(spatial), stride=tuple(spatial),
+                       padding=(0,) * len(spatial), dilation=(1,) * len(spatial))])
+
+    def _reduce_sum(self, node: onnx.NodeProto) -> None:
+        """A sum over every spatial axis is global sum pooling: the mean times the window's size
+        (each pixel's edge to the sum has weight 1/k·k = 1)."""
+        self._global_pooling(node, "sum", lambda name, source, spatial: [
+            self._node(AdaptiveAvgPool.op, f"{name}/mean", [source], output_size=(1,) * len(spatial)),
+            self._node(Scale.op, name, [f"{name}/mean"], factor=float(prod(spatial)))])
+
+    def _global_pooling(self, node: onnx.NodeProto, reduction: str,
+                        pooling: Callable[[str, str, tuple[int, ...]], list[Node]]) -> None:
+        """A reduction over every spatial axis as the chain of graph nodes ``pooling(name, source,
+        spatial size)`` builds, each reading the one before.
 
         Its input may be a data movement of a graph node (torch.export pools 1-d maps as
-        (C, 1, L)): as long as each channel keeps exactly its own elements, the mean is over
-        the same elements.
+        (C, 1, L)): as long as each channel keeps exactly its own elements, the reduction is
+        over the same elements.
         """
         x = self._viewed_activation(node)
         rank, axes = self._rank(x), self._axes(node)
         if axes is None or rank < 3 or sorted(a % rank for a in axes) != list(range(2, rank)):
-            raise Unsupported(f"only a mean over all spatial axes is supported (axes {axes} of a rank-{rank} input)")
+            raise Unsupported(f"only a {reduction} over all spatial axes (global pooling) is supported: a {reduction} "
+                              f"over the batch or channel axis combines neurons of different channels "
+                              f"(axes {axes} of a rank-{rank} input)")
         if x in self.moves and x not in self.node_of_value:
             with contextlib.suppress(Unsupported):
                 self._materialised(x)  # a channel slice or shuffle becomes a node of its own
@@ -747,11 +908,10 @@ class Translator:
         if len(spatial) not in (1, 2, 3):
             raise Unsupported(f"its input '{x}' is not a 1-d, 2-d or 3-d feature map of the graph")
         pooled_shape = (channels,) + (1,) * len(spatial)
-        pool = self._add_node(
-            self._node(AdaptiveAvgPool.op, self._unique(node_label(node)), [self._source(source)],
-                       output_size=(1,) * len(spatial)),
-            pooled_shape,
-        )
+        chain = pooling(self._unique(node_label(node)), self._source(source), tuple(spatial))
+        for pool in chain:
+            self._add_node(pool, pooled_shape)
+        pool = chain[-1]
         if not _int(node, "keepdims", 1):
             self._emit(self._node(Flatten.op, self._unique(f"{pool.name}/flatten"), [pool.name]), node.output[0])
             return
@@ -761,6 +921,29 @@ class Translator:
         out_shape = self._batch_free_shape(node.output[0])
         batch = self.shapes[x][0]
         self.moves[node.output[0]] = (pooled_value, torch.arange(batch * channels).reshape(batch, *out_shape), node)
+
+    def _abs(self, node: onnx.NodeProto) -> None:
+        """|x| is a LeakyReLU of slope −1: positively homogeneous, piecewise linear, not a ReLU."""
+        self._emit_for(node, LeakyReLU, self._activation(node), negative_slope=-1.0)
+
+    def _gather(self, node: onnx.NodeProto) -> None:
+        """Gather by stored indices: data movement (each output element copies one input element)."""
+        x = self._viewed_activation(node)
+        indices = self._static_ints(node.input[1])
+        if indices is None:
+            raise Unsupported(f"its indices '{node.input[1]}' are not a stored tensor")
+        rank = self._rank(x)
+        axis = _int(node, "axis", 0) % rank
+        indices_shape = self.shapes.get(node.input[1])
+        if indices_shape is None or None in indices_shape:
+            raise Unsupported(f"the shape of its indices '{node.input[1]}' is unknown after shape inference")
+
+        def transform(index: torch.Tensor) -> torch.Tensor:
+            picked = torch.tensor(indices, dtype=torch.long) % index.shape[axis]
+            gathered = index.index_select(axis, picked)
+            return gathered.reshape(*index.shape[:axis], *indices_shape, *index.shape[axis + 1:])
+
+        self._move(node, transform)
 
     def _reshape(self, node: onnx.NodeProto) -> None:
         """Reshape, Flatten, Squeeze, Unsqueeze: data movement to the inferred output shape."""
@@ -920,6 +1103,10 @@ HANDLERS: dict[str, Callable[[Translator, onnx.NodeProto], None]] = {
     "AveragePool": Translator._average_pool,
     "GlobalAveragePool": Translator._global_average_pool,
     "ReduceMean": Translator._reduce_mean,
+    "ReduceMax": Translator._reduce_max,
+    "ReduceSum": Translator._reduce_sum,
+    "Abs": Translator._abs,
+    "Gather": Translator._gather,
     "Flatten": Translator._reshape,
     "Reshape": Translator._reshape,
     "Squeeze": Translator._reshape,

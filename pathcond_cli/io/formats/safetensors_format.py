@@ -90,14 +90,15 @@ def load_safetensors(
     else:
         params, payload = _read_file(path, display)
         files = [path]
-    graph, arch_source, spec_file, notes = resolve_architecture(arch, path, payload.metadata, input_shape, display)
+    graph, arch_source, spec_file, notes, constants = resolve_architecture(arch, path, payload.metadata, input_shape,
+                                                                           display, params)
     if spec_file is not None:
         files.append(spec_file)
     # The finiteness check's read is the analysis's too: held until the analysis ends.
     params = held_within_budget(params)
     check_weight_types(graph, params, display)
     check_parameters(graph, params, display)
-    unused = unused_tensors(graph, params, display)
+    unused = unused_tensors(graph, params, display, constants)
     if unused and not allow_unused:
         # A factory's operations whose result reaches no output were dropped: their tensors are unused.
         dropped = "".join(f"\n{note}. Their tensors are unused; --allow-unused carries them through unchanged."
