@@ -111,7 +111,8 @@ def measured_output_change(graph_a: Graph, params_a: Mapping[str, torch.Tensor],
                            params_b: Mapping[str, torch.Tensor], input_bound: float, *, names: tuple[str, str],
                            outcome: str, seed: int = 0) -> float:
     """The largest ℓ1 change of the outputs (all concatenated) between two networks, over inputs
-    in the box ‖x‖∞ ≤ R (:func:`sampled_output_changes`)."""
+    in the box ‖x‖∞ ≤ R (:func:`sampled_output_changes`): the DAGs' own inputs and outputs, after
+    and before an ONNX file's pre- and post-processing (:func:`bound_scope`)."""
     changes, _ = sampled_output_changes(graph_a, params_a, graph_b, params_b, input_bound, names=names,
                                         outcome=outcome, seed=seed)
     return float(changes.max())
@@ -122,7 +123,9 @@ def sampled_output_changes(graph_a: Graph, params_a: Mapping[str, torch.Tensor],
                            outcome: str, seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The ℓ1 change of the outputs (all concatenated) between two networks at each of a few
     inputs in the box ‖x‖∞ ≤ R, half drawn uniformly, half at random corners (±R), and those
-    inputs (by ``graph_a``'s input names). float64 throughout, so every input lies in the box.
+    inputs (by ``graph_a``'s input names). The inputs are the graphs' Input nodes, the values an
+    ONNX file's pre-processing computes, as the bound's are. float64 throughout, so every input
+    lies in the box.
     Outputs that are not finite are refused (:class:`VerificationError`, naming the network by
     ``names`` and ending with ``outcome``)."""
     inputs_a = [node for node in graph_a.nodes if isinstance(node, Input)]
@@ -225,7 +228,9 @@ class Comparison:
     on ‖R_θ(x) − R_θ'(x)‖₁ for every ‖x‖∞ ≤ R, rounded up by ρ (``metric.rounding``, what float64
     can have taken off the metric); None when the theorem does not apply (``bound_note`` says
     why: a sign flip, or an activation other than ReLU). ``measured_output_change`` is the
-    largest change found on a few inputs in the box: never above the bound.
+    largest change found on a few inputs in the box: never above the bound. Both are of the DAGs:
+    with an ONNX file's pre- or post-processing, x is the DAG's input and the outputs are the
+    DAG's (``bound_scope`` says so).
     """
 
     a: LoadedModel
@@ -252,6 +257,25 @@ class Comparison:
     def output_change_bound(self) -> float | None:
         ln = self.ln_output_change_bound
         return None if ln is None else exp_or_none(ln)
+
+    @property
+    def bound_scope(self) -> str | None:
+        return bound_scope(self.a) or bound_scope(self.b)
+
+
+def bound_scope(model: LoadedModel) -> str | None:
+    """What the output-change bound and the measured change are of when ``model`` is an ONNX
+    file with pre- or post-processing: the ReLU DAG between them, not the file end to end (the
+    pre-processing can stretch the file's box of inputs by any factor, and the post-processing
+    maps the outputs on); None when the DAG is the whole file."""
+    carried = model.carried
+    if not carried:
+        return None
+    inputs = ("for DAG inputs z with ‖z‖∞ ≤ R, the values after the file's pre-processing, not the file's own "
+              "inputs" if carried.pre else "for inputs with ‖x‖∞ ≤ R (the file's own, which the DAG reads)")
+    outputs = ("on the DAG's outputs, before the file's post-processing" if carried.post else
+               "on the file's outputs (the DAG's)")
+    return f"the bound and the measured change are of the ReLU DAG alone: {inputs}, {outputs}"
 
 
 def _ln_bound(ln_metric: float, input_bound: float, note: str | None) -> float | None:
@@ -343,7 +367,8 @@ class PruneResult:
     ``score_bound`` = max(R, 1) · Σ Δ_i · (1 + ρ), the a-priori bound of seed 004 (eq. 13),
     never below it (d ≤ Σ Δ_i in exact arithmetic; where rounding would say otherwise the
     score bound takes d's). Both are None where the theorem does not apply (``bound_note``:
-    LeakyReLU, PReLU). ``measured_output_change`` never exceeds the bound.
+    LeakyReLU, PReLU). ``measured_output_change`` never exceeds the bound. Both are of the DAG
+    (``bound_scope``: an ONNX file's pre- and post-processing are outside it).
     """
 
     model: LoadedModel
@@ -387,6 +412,10 @@ class PruneResult:
     def output_change_bound(self) -> float | None:
         ln = self.ln_output_change_bound
         return None if ln is None else exp_or_none(ln)
+
+    @property
+    def bound_scope(self) -> str | None:
+        return bound_scope(self.model)
 
 
 def prune(model: LoadedModel, sparsity: float, *, criterion: str = "path-magnitude", per_layer: bool = False,

@@ -124,7 +124,7 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
         elif isinstance(node, Flatten):
             y = xs[0].flatten(1)
         elif isinstance(node, Rearrange):
-            y = xs[0].reshape(xs[0].shape[0], -1)[:, list(node.elements)].reshape(xs[0].shape[0], *node.shape)
+            y = xs[0].reshape(xs[0].shape[0], -1)[:, copied_elements(node)].reshape(xs[0].shape[0], *node.shape)
         elif isinstance(node, Add):
             y = xs[0]
             for other in xs[1:]:
@@ -175,6 +175,15 @@ def pool_out_size(n: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> in
 def _tup(v, r: int) -> tuple[int, ...]:
     v = tuple(v)
     return v if len(v) == r else (v[0],) * r
+
+
+def copied_elements(node: Rearrange) -> list[int]:
+    """The flat input index each output element of a rearrange copies, read off its fields
+    directly: the listed elements, or the strided view enumerated index by index."""
+    if node.elements:
+        return list(node.elements)
+    return [node.offset + sum(i * s for i, s in zip(position, node.strides))
+            for position in itertools.product(*(range(n) for n in node.sizes))]
 
 
 def _flat(idx: tuple[int, ...], shape: tuple[int, ...]) -> int:
@@ -398,8 +407,9 @@ class NeuronDAG:
             eng = engine_groups.node_groups[node.name]
             shape = self.shapes[node.name]
             per = math.prod(shape[1:])
+            per_element = eng.dim() > 1  # held per element where they need not share a scale
             for f, n in enumerate(self.elements[node.name]):
-                col = int(eng[f // per])
+                col = int(eng.reshape(-1)[f] if per_element else eng[f // per])
                 r = roots[n]
                 want = None if r in fixed else r
                 if want is None:
@@ -663,9 +673,9 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                         edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))],
                              const=float(response[tuple(opos)]))
         elif isinstance(node, Rearrange):
-            # output element j copies input element elements[j]: a fixed edge of 1
+            # output element j copies input element copied_elements(node)[j]: a fixed edge of 1
             out = new_neurons(node.name, tuple(node.shape), "sum")
-            for j, i in enumerate(node.elements):
+            for j, i in enumerate(copied_elements(node)):
                 edge(src[i], out[j], const=1.0)
         elif isinstance(node, Flatten):
             out = new_neurons(node.name, (math.prod(ishape),), "sum")

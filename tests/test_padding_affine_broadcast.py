@@ -23,7 +23,7 @@ from pathcond_cli.api import module_model, rescale
 from pathcond_cli.errors import InputError, UnsupportedModelError
 from pathcond_cli.io.formats.onnx_format import load_onnx, write_onnx
 from pathcond_cli.io.formats.spec import graph_from_spec
-from pathcond_cli.engine.graph import ChannelAffine, ChannelBias, Pad
+from pathcond_cli.engine.graph import ChannelAffine, ChannelBias, Pad, Rearrange
 from pathcond_cli.engine.groups import build_groups
 from test_onnx_format import TOLERANCE, only_output, random_rescaling, relative_error
 
@@ -196,8 +196,10 @@ def test_an_index_map_no_torch_pad_computes_is_the_copy_it_is():
 
     index = torch.arange(2 * 4 * 4).reshape(1, 2, 4, 4)
     wrapped = torch.cat([index] * 4, dim=2)  # a wrap longer than the axis: no pad torch computes
-    assert movement_layer((2, 4, 4), wrapped) == {"type": "rearrange", "shape": (2, 16, 4),
-                                                  "elements": tuple(wrapped.reshape(-1).tolist())}
+    layer = movement_layer((2, 4, 4), wrapped)
+    # A wrap is a strided view (stride 0 across the copies): a few numbers, not one per element.
+    assert layer == {"type": "rearrange", "shape": (2, 16, 4), "sizes": (2, 4, 16), "strides": (16, 0, 1), "offset": 0}
+    assert torch.equal(Rearrange("r", ("x",), **{k: v for k, v in layer.items() if k != "type"}).index, wrapped[0])
 
 
 # -- one tensor in two roles of a node is named once; circular padding beyond an axis is unsupported

@@ -469,9 +469,9 @@ def _long_name_cases(d: Path) -> dict[str, tuple[list, int]]:
     bad_layer = d / "layer.yaml"
     bad_layer.write_text(yaml.safe_dump({"layers": [*layers, {"name": long, "type": "nonsense"}]}))
     unused, _ = write_mlp(d, "unused", tensors={**mlp_tensors(), long: torch.zeros(1)})
-    softmax = onnx_mlp_model()
-    softmax.graph.node.append(onnx.helper.make_node("Softmax", ["y"], ["s"], name=long))
-    softmax.graph.output[0].name = "s"
+    softmax = onnx_mlp_model()  # a Softmax between two layers (after the last one it would be post-processing)
+    (relu,) = [node for node in softmax.graph.node if node.name == "relu1"]
+    relu.op_type, relu.name = "Softmax", long
     onnx.save_model(softmax, str(d / "softmax.onnx"))
     bias = onnx_mlp_model()
     bias.graph.initializer[1].CopyFrom(onnx.numpy_helper.from_array(np.zeros(1, np.float32), long))  # a [1] bias

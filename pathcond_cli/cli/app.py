@@ -567,7 +567,8 @@ def _inspect_one(model, arch, shape, device, allow_unused, quiet, plot=None, rep
 
 InputBoundOpt = Annotated[float, typer.Option(
     "--input-bound", metavar="R", help="The bound is for inputs with ‖x‖∞ ≤ R (default 1): the output changes by at "
-    "most max(R, 1) times the ℓ1 path-metric (seed 004, Theorem 4.1).",
+    "most max(R, 1) times the ℓ1 path-metric (seed 004, Theorem 4.1). With an ONNX file's pre- or post-processing, "
+    "x and the output are the ReLU DAG's, between them.",
 )]
 
 
@@ -743,7 +744,7 @@ def spec_command(
         from ..io.formats import files_read, load_model
         from ..io.formats.onnx_format import batchnorm_folded_tensors
         from ..io.formats.spec import spec_from_graph, spec_text, spec_warnings
-        from ..report.render import print_warnings
+        from ..report.render import print_warnings, spec_processing_warnings
 
         source, source_path, name = _read_source(model)
         destination, = check_destinations([written("-o", output, devices=True)], files_read(source_path, arch),
@@ -751,7 +752,8 @@ def spec_command(
         loaded = load_model(source, arch=arch, input_shape=shape, name=name, allow_unused=allow_unused)
         text = spec_text(spec_from_graph(loaded.graph), as_json=output is not None and output.lower().endswith(".json"))
         folded = batchnorm_folded_tensors(loaded.payload) if loaded.format == "onnx" else []
-        print_warnings([*loaded.warnings, *spec_warnings(loaded.graph, loaded.format, name, folded)], stderr)
+        print_warnings([*loaded.warnings, *spec_processing_warnings(loaded, name),
+                        *spec_warnings(loaded.graph, loaded.format, name, folded)], stderr)
         if destination is None:
             with guard.writing_stdout("the spec"):
                 sys.stdout.write(text)

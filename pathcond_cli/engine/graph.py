@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from functools import cached_property
+from math import prod
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +19,8 @@ import torch
 from ..errors import InputError, InvalidWeightsError, UnsupportedModelError
 from .layouts import stand_ins
 from .schema import (
-    REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_sizes, positive_floats,
+    REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_ints, optional_sizes,
+    positive_floats,
 )
 
 
@@ -313,18 +316,52 @@ class Rearrange(Node):
     NHWC layout, a Reshape from features to ``(C, H, W)``, any chain of Transpose, Reshape,
     Flatten, Squeeze, Unsqueeze, Slice and Gather that no simpler node expresses).
 
-    ``shape`` is the output's batch-free shape and ``elements`` the flat batch-free index of the
-    input element each output element copies, in row-major order. Each copy is a fixed edge of
-    weight 1; every neuron that lands in one output channel takes that channel's one scale, so
-    the input channels it copies from are tied together (ties only remove freedom).
+    ``shape`` is the output's batch-free shape. The output element at row-major position j copies
+    the input element at flat batch-free index ``index[j]``, given in one of two forms:
+
+    * a strided view of the flattened input, as every chain of Transpose, Reshape, Flatten,
+      Squeeze, Unsqueeze and stepped Slice is: ``index`` is ``offset + Σ_k i_k·strides[k]`` over
+      the row-major multi-indices ``i`` of ``sizes`` (a few numbers for any tensor size);
+    * ``elements``, the indices one by one (a Gather), with ``sizes`` and ``strides`` empty.
+
+    Each copy is a fixed edge of weight 1, so each output element keeps the scale of the input
+    element it copies (ties are made only where a reader needs one scale per channel).
     """
 
     shape: tuple[int, ...] = hyper((1,), ints(1), spec_default=REQUIRED)
-    elements: tuple[int, ...] = hyper((0,), ints(0), spec_default=REQUIRED)
+    sizes: tuple[int, ...] = hyper((), optional_ints(1))
+    strides: tuple[int, ...] = hyper((), optional_ints(None))
+    offset: int = hyper(0, integer(0))
+    elements: tuple[int, ...] = hyper((), optional_ints(0))
     op: ClassVar[str] = "rearrange"
 
     def output_spatial_rank(self, input_rank: int) -> int:
         return len(self.shape) - 1
+
+    @cached_property
+    def index(self) -> torch.Tensor:
+        """The flat input index of every output element, shaped like the output (batch-free),
+        built once; ValueError when the fields do not describe one index per output element."""
+        count = prod(self.shape)
+        if self.elements:
+            if self.sizes or self.strides or self.offset:
+                raise ValueError("'elements' and a strided view ('sizes', 'strides', 'offset') are two forms of "
+                                 "one map: give one of them")
+            if len(self.elements) != count:
+                raise ValueError(f"{len(self.elements)} element indices are not one per element of {self.shape}")
+            return torch.tensor(self.elements, dtype=torch.long).reshape(self.shape)
+        if len(self.sizes) != len(self.strides) or prod(self.sizes) != count:
+            raise ValueError(f"a view of sizes {list(self.sizes)} and strides {list(self.strides)} does not give one "
+                             f"index per element of {self.shape} (one stride per size, as many elements)")
+        index = torch.full((), self.offset, dtype=torch.long)
+        for size, stride in zip(self.sizes, self.strides):
+            index = index.unsqueeze(-1) + torch.arange(size) * stride
+        return index.reshape(self.shape)
+
+    @cached_property
+    def index_bounds(self) -> tuple[int, int]:
+        """The smallest and largest input index copied."""
+        return (int(self.index.min()), int(self.index.max())) if self.index.numel() else (0, -1)
 
 
 @dataclass(frozen=True)

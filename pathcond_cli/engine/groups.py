@@ -23,7 +23,7 @@ import torch
 from .evaluate import infer_shapes
 from .graph import Graph
 from .layouts import HeaderTensors, stand_ins
-from .rules import Affine, AffineLayer, Ties, rule_for
+from .rules import Affine, AffineLayer, Fold, Ties, rule_for
 
 
 # Elements per block when a layer-sized pass runs block by block: bounded float64 transients.
@@ -60,7 +60,8 @@ class DagParam:
     access reads it again: read it once per pass). ``view`` is the shape ``(G, O/G, I/G, K)``
     every reduction uses; ``dst`` is ``[G, O/G]`` and ``src`` ``[G, I/G]`` group indices
     (``src`` of a bias is a single fixed entry). ``is_bias``: the layer's bias, not its weight
-    (a layer has at most one of each, and may have a bias alone).
+    (a layer has at most one of each, and may have a bias alone). ``fold`` reads how a value
+    with a BatchNorm folded in was computed (:class:`~.rules.Fold`); None for a stored tensor.
     """
 
     name: str
@@ -71,6 +72,7 @@ class DagParam:
     view: tuple[int, int, int, int]
     self_loops: torch.Tensor | None = None
     is_bias: bool = False
+    fold: Callable[[], Fold] | None = None
 
     @property
     def value(self) -> torch.Tensor:
@@ -208,7 +210,11 @@ class WriteBack:
 
 @dataclass
 class RescalingGroups:
-    """The group structure of a network and everything the solvers and writers need."""
+    """The group structure of a network and everything the solvers and writers need.
+
+    ``node_groups`` gives each node's output its group per channel, or per element (shaped like
+    the output, batch-free) where its elements need not share one scale (Ties).
+    """
 
     graph: Graph
     num_free: int
@@ -261,7 +267,7 @@ class RescalingGroups:
         """A copy whose maps, parameter values and write-back maps all live on ``device``."""
         moved = [
             DagParam(dp.name, dp.layer, dp.source.to(device), dp.dst.to(device), dp.src.to(device), dp.view,
-                     None if dp.self_loops is None else dp.self_loops.to(device), dp.is_bias)
+                     None if dp.self_loops is None else dp.self_loops.to(device), dp.is_bias, dp.fold)
             for dp in self.dag_params
         ]
         writebacks = [
@@ -353,7 +359,7 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     shapes = infer_shapes(graph, params)
     ties = Ties(graph, shapes)
     for node in graph.nodes:
-        ties.channel_ids[node.name] = rule_for(node).ties(node, ties)
+        ties.record(node)
     for name in graph.outputs:
         ties.fix(ties.ids(name))
 
@@ -380,7 +386,8 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
         affine = rule_for(node).affine(node, graph, _weight_unread(node, params))
         if affine is not None:
             weight = None if affine.weight is None else _reread_weight(node, graph, params, affine)
-            _add_layer(node, affine, weight, node_groups, num_free, dag_params, writebacks)
+            weight_fold = None if affine.weight_fold is None else _reread_fold(node, graph, params)
+            _add_layer(node, affine, weight, weight_fold, node_groups, num_free, dag_params, writebacks)
         del affine  # the layer's weights, read to lay it out: let go before the next layer's
 
     partial = RescalingGroups(graph, num_free, len(fixed_roots), dag_params, writebacks, labels,
@@ -406,8 +413,15 @@ def _reread_weight(node, graph: Graph, params: Mapping[str, torch.Tensor], affin
     return Reread(lambda: rule.affine(node, graph, params).weight, tuple(affine.weight.shape))
 
 
-def _add_layer(node, affine: Affine, weight: Reread | None, node_groups: dict[str, torch.Tensor],
-               num_free: int, dag_params: list[DagParam], writebacks: list[WriteBack]) -> None:
+def _reread_fold(node, graph: Graph, params: Mapping[str, torch.Tensor]) -> Callable[[], Fold]:
+    """The layer's weight :class:`~.rules.Fold`, computed from ``params`` again at each call."""
+    rule = rule_for(node)
+    return lambda: rule.affine(node, graph, params).weight_fold
+
+
+def _add_layer(node, affine: Affine, weight: Reread | None, weight_fold: Callable[[], Fold] | None,
+               node_groups: dict[str, torch.Tensor], num_free: int, dag_params: list[DagParam],
+               writebacks: list[WriteBack]) -> None:
     """The layer's DAG parameters with their group maps, and the write-back of its stored tensors."""
     dst, src = node_groups[affine.output], node_groups[node.inputs[0]]
     bias, groups = affine.bias, affine.groups
@@ -416,10 +430,11 @@ def _add_layer(node, affine: Affine, weight: Reread | None, node_groups: dict[st
         view = (groups, out_ch // groups, weight.shape[1], prod(weight.shape[2:]))
         dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
         dag_params.append(DagParam(affine.weight_label, node.name, weight, dst2, src2, view,
-                                   _self_loops(dst2, src2, num_free)))
+                                   _self_loops(dst2, src2, num_free), fold=weight_fold))
     if bias is not None:
         dag_params.append(DagParam(affine.bias_label, node.name, bias, dst.reshape(1, -1),
-                                   torch.tensor([[num_free]]), (1, out_ch, 1, 1), is_bias=True))
+                                   torch.tensor([[num_free]]), (1, out_ch, 1, 1), is_bias=True,
+                                   fold=None if affine.bias_fold is None else lambda fold=affine.bias_fold: fold))
     for stored in affine.stored:
         writebacks.append(WriteBack(stored.key, stored.layout, dst if stored.output_side else None,
                                     src if stored.input_side else None, out_ch, groups))

@@ -70,10 +70,13 @@ class LoadedModel:
 
     @property
     def parameter_count(self) -> int:
-        """Learnable elements as torch counts them (BatchNorm γ, β included, statistics not), a
-        stored tensor once however many layers read it (its :attr:`copies` included)."""
+        """Learnable elements as torch counts them (BatchNorm γ, β included, statistics not). A
+        weight that several layers read from one stored tensor (:attr:`copies`) is tied and
+        counts once; any other shared tensor counts per reader, because exporters store equal
+        tensors once (a fresh model's BatchNorm γ of ones, its zero biases) that torch counts
+        per layer."""
         stored = {
-            self.copies.get(key, key): key
+            self.copies.get(key, key) if role == "weight" and node.creates_channels else key: key
             for node in self.graph.nodes
             for role, key in node.parameter_keys().items()
             if role not in NON_LEARNABLE_ROLES

@@ -21,7 +21,7 @@ from .diag import (
 )
 from .graph import Graph, Input, LeakyReLU, PReLU, WeightedNode
 from .groups import DagParam, RescalingGroups
-from .rules import per_channel, rule_for, swap_group_axes
+from .rules import FOLD_ROUNDINGS, per_channel, rule_for, swap_group_axes
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,16 @@ def rounding_bound(groups: RescalingGroups, ln_magnitude: float) -> float:
     cancels and each rounding moves a term by a relative u at most: the result is within
     (1 ± u)^K of the truth, K the roundings that can reach one term (Higham, Lemma 3.1). K
     counts, at every node, one rounding per term summed into an entry (at most the entries its
-    inputs hold, plus a bias, forward; at most the entries it holds, backward) and eight for the product by a weight, the renormalisation and the
-    exponentials of scale differences; and the balancing's factors e^a, whose arguments carry an
+    inputs hold, plus a bias, forward; at most the entries it holds, backward), eight for the
+    product by a weight, the renormalisation and the exponentials of scale differences, and
+    those of a folded BatchNorm's scale and of a difference taken before it (FOLD_ROUNDINGS); and the balancing's factors e^a, whose arguments carry an
     absolute error of about |a|·u, a relative one in the value: ``ln_magnitude`` bounds those
     logarithms (the balancing's |u|, the log scales and offsets), four of them per node.
     """
     shapes = groups.shapes
     nodes = groups.graph.nodes
     summed = sum(sum(math.prod(shapes[i]) for i in node.inputs) + math.prod(shapes[node.name]) + 1 for node in nodes)
-    count = (summed + len(nodes) * (8 + 4 * ln_magnitude)) * UNIT_ROUNDOFF
+    count = (summed + len(nodes) * (8 + FOLD_ROUNDINGS + 4 * ln_magnitude)) * UNIT_ROUNDOFF
     return count / (1 - count) if count < 0.5 else math.inf
 
 
@@ -145,36 +146,71 @@ def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: Path
     one balancing, the dominating vector's, for both: one D keeps |b_e| ≤ |a_e| with equal signs,
     so along each path |Π a_e| − |Π b_e| = Σ_k |b_1 … b_{k−1}| (|a_k| − |b_k|) |a_{k+1} … a_L| is
     a sum of non-negative terms and the pass returns d itself, each term from |θ − θ'| taken
-    before any scaling: nothing cancels (‖Φ(θ)‖₁ − ‖Φ(θ')‖₁ loses every digit once d is below
-    1e-13 of the norms), and ``lower`` = ``upper`` = d.
+    before any scaling (and before a BatchNorm's fold, when both fold the same statistics):
+    nothing cancels (‖Φ(θ)‖₁ − ‖Φ(θ')‖₁ loses every digit once d is below 1e-13 of the norms),
+    and ``lower`` = ``upper`` = d. Where two folds differ, their folded values' difference
+    carries both folds' rounding (:meth:`~.rules.Fold.difference`): the sum is an upper bound
+    only, and the lower one is the norms', as below.
 
     Otherwise ``lower`` = |‖Φ(θ)‖₁ − ‖Φ(θ')‖₁| less what rounding the two norms can have added,
-    and ``upper`` sums the telescoped bound |Π a_e − Π b_e| ≤ Σ_k |b_1 … b_{k−1}| |a_k − b_k|
-    |a_{k+1} … a_L| over every path on the balanced representatives of each vector: the balancing
-    depends only on the rescaling orbit, so the bound is rescaling-invariant, and 0 up to
-    rounding for equivalent vectors. It is never reported below ``lower``.
-    ``u_a``, ``u_b``: the balancings (extended), when the caller has them.
+    the folds' included (:func:`_ln_fold_error_mass`), and ``upper`` sums the telescoped bound
+    |Π a_e − Π b_e| ≤ Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over every path on the
+    balanced representatives of each vector: the balancing depends only on the rescaling orbit,
+    so the bound is rescaling-invariant, and 0 up to rounding for equivalent vectors. It is
+    never reported below ``lower``. ``u_a``, ``u_b``: the balancings (extended), when the
+    caller has them.
     """
     if signs.a_dominates or signs.b_dominates:
         larger, smaller, u_larger = (groups_a, groups_b, u_a) if signs.a_dominates else (groups_b, groups_a, u_b)
         if u_larger is None:
             u_larger = larger.extend(balancing_exponents(larger.to(device)))
-        ln_d, rounding = telescoped_sum(larger, smaller, device=device, u_a=u_larger, u_b=u_larger)
-        return PathMetric(ln_d, ln_d, True, rounding)
-    ln_upper, rounding = telescoped_sum(groups_a, groups_b, device=device, u_a=u_a, u_b=u_b)
+        ln_d, rounding, exact = _telescoped(larger, smaller, device=device, u_a=u_larger, u_b=u_larger)
+        if exact:
+            return PathMetric(ln_d, ln_d, True, rounding)
+        ln_upper = ln_d
+    else:
+        ln_upper, rounding, _ = _telescoped(groups_a, groups_b, device=device, u_a=u_a, u_b=u_b)
     # The B stream is the ℓ1 pass of θ', so its rounding bound serves the two norms as well.
-    ln_a, ln_b = (norm.log10 * math.log(10) for norm in (l1_a, l1_b))
-    high = max(ln_a, ln_b) + (math.log1p(-rounding) if rounding < 1 else -math.inf)
-    low = min(ln_a, ln_b) + math.log1p(rounding)
+    (ln_high, high_groups, u_high), (ln_low, low_groups, u_low) = sorted(
+        ((norm.log10 * math.log(10), groups, u) for norm, groups, u in ((l1_a, groups_a, u_a), (l1_b, groups_b, u_b))),
+        key=lambda entry: entry[0], reverse=True)
+    high = ln_high + (math.log1p(-rounding) if rounding < 1 else -math.inf)
+    high_error = _ln_fold_error_mass(high_groups, u_high, device) + 2 * math.log1p(rounding)
+    high = ln_difference(high, high_error) if high > high_error else -math.inf
+    low = float(torch.logaddexp(torch.tensor(ln_low + math.log1p(rounding)),
+                                torch.tensor(_ln_fold_error_mass(low_groups, u_low, device) + 2 * math.log1p(rounding))))
     lower = ln_difference(high, low) if high > low else -math.inf
     return PathMetric(lower, max(lower, ln_upper), False, rounding)
+
+
+def _ln_fold_error_mass(groups: RescalingGroups, u_ext: torch.Tensor | None, device) -> float:
+    """ln of what the folded BatchNorm shifts' rounding can move ‖Φ‖₁ by: Σ_v err_v · (the ℓ1
+    norm of the paths leaving v), the ℓ1 network with every input 0 and each bias its fold's
+    error bound (:attr:`~.rules.Fold.error`; 0 unfolded). A folded weight is within a relative
+    rounding of its fold, which :func:`rounding_bound` counts."""
+    if not any(dp.fold is not None and dp.is_bias for dp in groups.dag_params):
+        return -math.inf
+    groups = groups.to(device)
+    u_ext = groups.extend(balancing_exponents(groups)) if u_ext is None else u_ext
+
+    def layer_value(dp: DagParam) -> ScaledTensor:
+        if not dp.is_bias:
+            return balanced_power(dp, u_ext, device, 1)
+        error = dp.fold().error if dp.fold is not None else torch.zeros(dp.shape, dtype=torch.float64)
+        return balanced_value(dataclasses.replace(dp, source=error.to(device)), u_ext, device)
+
+    zeros = {node.name: torch.zeros((1, *node.shape), dtype=torch.float64, device=device) for node in groups.graph.inputs}
+    sweep = squared_network(groups.graph, LayerValues(groups, layer_value), power=1, device=device, inputs=zeros)
+    total, ln_offset = sweep.total(groups.graph)
+    return math.log(total) + ln_offset if total > 0 else -math.inf
 
 
 def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str = "cpu",
                    u_a: torch.Tensor | None = None, u_b: torch.Tensor | None = None) -> tuple[float, float]:
     """ln Σ_P Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over every path P, on balanced
     representatives a = D_a θ, b = D_b θ' (an upper bound on ‖Φ(θ) − Φ(θ')‖₁, and d itself when
-    θ dominates θ' and ``u_b`` is ``u_a``), and ρ, the pass's :func:`rounding_bound`.
+    θ dominates θ', ``u_b`` is ``u_a`` and no BatchNorm folds differ), and ρ, the pass's
+    :func:`rounding_bound`.
 
     Stream B(v) = Σ_u |b_uv| B(u) + |b_v| is the ℓ1 network of b; stream
     T(v) = Σ_u (|a_uv| T(u) + |a_uv − b_uv| B(u)) + |a_v − b_v| carries the telescoped sums.
@@ -182,9 +218,17 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
     they enter B. Both streams keep a log offset per node, as the squared network does.
     With one balancing for both, |a − b| is D|θ − θ'|, the difference taken on the stored
     values, where it is exact for a pruned or a kept weight; with two, the difference of the
-    two balanced copies. ``u_a``, ``u_b``: the two balancings (extended), computed here when
-    not given.
+    two balanced copies, plus what their rounding can have hidden. ``u_a``, ``u_b``: the two
+    balancings (extended), computed here when not given.
     """
+    ln_sum, rounding, _ = _telescoped(groups_a, groups_b, device=device, u_a=u_a, u_b=u_b)
+    return ln_sum, rounding
+
+
+def _telescoped(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str,
+                u_a: torch.Tensor | None, u_b: torch.Tensor | None) -> tuple[float, float, bool]:
+    """:func:`telescoped_sum`, and whether every |a − b| is the exact difference within a
+    relative rounding (one balancing, no two folds of different statistics)."""
     groups_a, groups_b = groups_a.to(device), groups_b.to(device)
     u_a = groups_a.extend(balancing_exponents(groups_a)) if u_a is None else u_a
     u_b = groups_b.extend(balancing_exponents(groups_b)) if u_b is None else u_b
@@ -198,6 +242,7 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
     values: dict[str, torch.Tensor] = {}
     offsets: dict[str, float] = {}
     ln_magnitude = 1 + max(float(u.abs().max()) for u in (u_a, u_b))
+    exact = one_balancing
     with torch.no_grad():
         for node in graph.sweep(values):
             rule = rule_for(node)
@@ -209,8 +254,12 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
                 terms = [] if not pairs[node.name][0][0].is_bias else [(values[source], offsets[source])]
                 for dp_a, dp_b in pairs[node.name]:
                     a = balanced_value(dp_a, u_a, device)
-                    difference = (_balanced_difference(dp_a, dp_b, u_a, device) if one_balancing
-                                  else _absolute_difference(a, balanced_value(dp_b, u_b, device)))
+                    if one_balancing:
+                        difference, exact_here = _balanced_difference(dp_a, dp_b, u_a, device)
+                        exact = exact and exact_here
+                    else:
+                        difference = _bounded_difference(dp_a, dp_b, a, balanced_value(dp_b, u_b, device),
+                                                         (u_a, u_b), ln_magnitude, device)
                     ln_magnitude = max(ln_magnitude, abs(a.log_scale), abs(difference.log_scale))
                     if not dp_a.is_bias:
                         magnitude = ScaledTensor(a.value.abs_(), a.log_scale)
@@ -226,25 +275,55 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
             values[node.name], offsets[node.name] = renormalise(y, offset)
             ln_magnitude = max(ln_magnitude, abs(offsets[node.name]), abs(stream_b.offsets[node.name]))
     total, ln_offset = SquaredPass(values, offsets).total(graph)
-    return (math.log(total) + ln_offset if total > 0 else -math.inf), rounding_bound(groups_a, ln_magnitude)
+    ln_sum = math.log(total) + ln_offset if total > 0 else -math.inf
+    return ln_sum, rounding_bound(groups_a, ln_magnitude), exact
 
 
-def _balanced_difference(dp_a: DagParam, dp_b: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
-    """D|θ − θ'| for one tensor: the difference of the stored values, then the balancing."""
-    gap = dp_a.value.to(device, torch.float64) - dp_b.value.to(device, torch.float64)
-    return balanced_value(dataclasses.replace(dp_a, source=gap.abs_()), u_ext, device)
+def _balanced_difference(dp_a: DagParam, dp_b: DagParam, u_ext: torch.Tensor, device) -> tuple[ScaledTensor, bool]:
+    """D|θ − θ'| for one tensor: the difference of the stored values, then the balancing; with
+    a BatchNorm folded in, the folds' :meth:`~.rules.Fold.difference` (and whether it is exact)."""
+    if dp_a.fold is None:
+        gap, exact = (dp_a.value.to(device, torch.float64) - dp_b.value.to(device, torch.float64)).abs_(), True
+    else:
+        gap, exact = dp_a.fold().difference(dp_b.fold())
+    return balanced_value(dataclasses.replace(dp_a, source=gap.to(device)), u_ext, device), exact
 
 
-def _absolute_difference(a: ScaledTensor, b: ScaledTensor) -> ScaledTensor:
-    """|a − b| with a log scale; an all-zero tensor (whose log scale means nothing) takes the other's."""
-    scales = [t.log_scale for t in (a, b) if bool(t.value.any())]
+def balancing_rounding(ln_magnitude: float) -> float:
+    """A bound on the relative rounding of one entry of :func:`~.diag.balanced_value` brought to
+    another scale (:func:`_at_common_scale`): the factors e^a, e^b, e^{log scale − scale} have
+    arguments of magnitude at most 2·``ln_magnitude`` each (the balancing's |u| and the log
+    scales), carrying an absolute error of u per unit and so a relative one in the value, and
+    six roundings of their own (three exponentials, two products, the division by the peak)."""
+    count = (16 + 8 * ln_magnitude) * UNIT_ROUNDOFF
+    return count / (1 - count) if count < 0.5 else math.inf
+
+
+def _bounded_difference(dp_a: DagParam, dp_b: DagParam, a: ScaledTensor, b: ScaledTensor,
+                        balancings: tuple[torch.Tensor, torch.Tensor], ln_magnitude: float, device) -> ScaledTensor:
+    """A bound on |D_a θ − D_b θ'| for one tensor, from the balanced copies ``a``, ``b`` (signed):
+    their difference may cancel to far below the rounding each copy carries, so each entry is
+    |a − b| + δ (|a| + |b|) (δ: :func:`balancing_rounding`), plus each fold's error (a
+    BatchNorm's, :attr:`~.rules.Fold.error`) under its balancing: a sum of non-negative terms."""
+    terms = [a, b]
+    for dp, u_ext in zip((dp_a, dp_b), balancings):
+        if dp.fold is not None:
+            terms.append(balanced_value(dataclasses.replace(dp, source=dp.fold().error.to(device)), u_ext, device))
+    magnitude = max([ln_magnitude, *(abs(t.log_scale) for t in terms)])
+    (value_a, value_b, *errors), scale = _at_common_scale(terms)
+    bound = (value_a - value_b).abs_() + balancing_rounding(magnitude) * (value_a.abs() + value_b.abs())
+    return ScaledTensor(sum(errors, bound), scale)
+
+
+def _at_common_scale(tensors: list[ScaledTensor]) -> tuple[list[torch.Tensor], float]:
+    """The tensors' values at the largest scale among those not all zero (a zero tensor's log
+    scale means nothing, and letting it set the scale could flush the others to 0)."""
+    scales = [t.log_scale for t in tensors if bool(t.value.any())]
     if not scales:
-        return ScaledTensor(torch.zeros_like(a.value))
+        return [torch.zeros_like(t.value) for t in tensors], 0.0
     scale = max(scales)
-    difference = (a.value * math.exp(a.log_scale - scale) if a.log_scale in scales else torch.zeros_like(a.value))
-    if b.log_scale in scales:
-        difference = difference - b.value * math.exp(b.log_scale - scale)
-    return ScaledTensor(difference.abs_(), scale)
+    return [t.value * math.exp(t.log_scale - scale) if bool(t.value.any()) else torch.zeros_like(t.value)
+            for t in tensors], scale
 
 
 def _combine(terms: list) -> tuple[torch.Tensor, float]:

@@ -9,7 +9,7 @@ spatial ranks, whether it creates channels or broadcasts its inputs) lives on it
   ``c`` become ``c**power``, homogeneous activations the identity, max-pooling a window sum);
   layers with DAG parameters give ``weighted`` (their parameterised part, on ψ) instead;
 * ``ties``: the channel ties of SPEC §2 (which output channel is which input channel, which
-  channels are new, which are fixed);
+  channels are new, which are fixed), per element through element-wise copies (:class:`Ties`);
 * for layers with DAG parameters ``affine``: their canonical layout ``[O, I/groups, *kernel]``
   and how a rescaling is written back to the stored tensors.
 
@@ -90,7 +90,14 @@ def per_channel(vector: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class Ties:
-    """What a rule may do to the channel union-find while groups are built (SPEC §2)."""
+    """What a rule may do to the channel union-find while groups are built (SPEC §2).
+
+    A node's ids are held per channel (1-d), or per element (its batch-free shape) when only
+    readers that map each element to one element took it (element-wise activations, sums,
+    rearranges): an NHWC activation between two Transposes then keeps every conv channel its
+    own scale. A reader of whole channels (a Conv, a pooling, a per-channel bias) ties each
+    channel's elements into one scale first (:meth:`record`).
+    """
 
     def __init__(self, graph: Graph, shapes: Mapping[str, tuple[int, ...]]):
         self.graph = graph
@@ -100,9 +107,34 @@ class Ties:
         self.fixed: list[torch.Tensor] = []
         self.channel_ids: dict[str, torch.Tensor] = {}
 
-    def ids(self, name: str) -> torch.Tensor:
-        """Channel element ids of node ``name``'s output (one per channel, flattened features for vectors)."""
+    def record(self, node: Node) -> None:
+        """Record ``node``'s ties and hold the ids of its output."""
+        rule = rule_for(node)
+        if not rule.reads_elements:
+            for name in node.inputs:
+                self.ids(name)
+        self.channel_ids[node.name] = rule.ties(node, self)
+
+    def held(self, name: str) -> torch.Tensor:
+        """The ids of node ``name``'s output as held: per channel, or per element."""
         return self.channel_ids[name]
+
+    def ids(self, name: str) -> torch.Tensor:
+        """Channel element ids of node ``name``'s output (one per channel, flattened features for
+        vectors); ids held per element are tied into one per channel first, and held so."""
+        ids = self.channel_ids[name]
+        if ids.dim() > 1:
+            rows = ids.reshape(len(ids), -1)
+            self.union(rows[:, :1].expand_as(rows).reshape(-1), rows.reshape(-1))
+            ids = self.channel_ids[name] = rows[:, 0].clone()
+        return ids
+
+    def elements(self, name: str) -> torch.Tensor:
+        """The ids of every element of node ``name``'s output, shaped like it (batch-free)."""
+        ids, shape = self.channel_ids[name], tuple(self.shapes[name])
+        if ids.dim() == len(shape):
+            return ids
+        return ids.reshape(-1, *[1] * (len(shape) - 1)).expand(shape)
 
     def new(self, node: Node, count: int, *, fixed: bool = False) -> torch.Tensor:
         """``count`` new channels created by ``node`` (labelled ``node:channel`` for reports)."""
@@ -121,9 +153,14 @@ class Ties:
 
     def union(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """Tie channel ``a[i]`` to ``b[i]`` for every i (a fixed edge forces one scale)."""
+        a, b = a.reshape(-1), b.reshape(-1)
         if len(a) != len(b):
             raise ValueError(f"cannot tie {len(a)} channels to {len(b)}")
-        for x, y in zip(a.tolist(), b.tolist()):
+        apart = a != b
+        count = len(self.parent)
+        # Each distinct pair once: the elements of one channel repeat its id thousands of times.
+        pairs = torch.unique(a[apart] * count + b[apart])
+        for x, y in zip((pairs // count).tolist(), (pairs % count).tolist()):
             rx, ry = self._find(x), self._find(y)
             if rx != ry:
                 self.parent[max(rx, ry)] = min(rx, ry)
@@ -180,14 +217,76 @@ class Affine:
     bias_label: str | None
     output: str
     stored: list[Stored]
+    weight_fold: Fold | None = None
+    bias_fold: Fold | None = None
 
 
-def batchnorm_affine(bn: BatchNorm, params: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eval-mode BatchNorm as ``y = scale · x + shift`` per channel, in float64."""
-    gamma = params[bn.weight].to(torch.float64)
-    mean = params[bn.running_mean].to(torch.float64)
-    scale = gamma / torch.sqrt(params[bn.running_var].to(torch.float64) + bn.eps)
-    return scale, params[bn.bias].to(torch.float64) - scale * mean
+# Roundings between a folded entry and its exact value, relative to it: the folded BatchNorm's
+# scale γ/√(σ² + ε) (the sum, the root, the quotient), the product by it, and the difference of
+# two stored entries taken before the fold (:meth:`Fold.difference`).
+FOLD_ROUNDINGS = 5
+# Roundings of a folded shift β − scale·μ (+ scale·b) measured against |β| + |scale·μ| + |scale·b|,
+# with room for the float64 evaluation of that bound itself.
+SHIFT_ROUNDINGS = 8
+
+
+@dataclass(frozen=True)
+class Fold:
+    """How a tensor with a BatchNorm folded in was computed (float64), for differences rounding
+    cannot shrink: ``value`` = ``base`` · ``scale`` per output channel (dim 0), plus the shift
+    β − scale·μ for a bias. ``statistics`` (γ, σ², β, μ) and ``eps`` are what the scale and
+    shift come from; ``error`` bounds |value − the exact fold| per entry. The shift is not
+    within a relative rounding of itself (β and scale·μ may cancel to a few ulps of either), so
+    neither is ``error``.
+    """
+
+    value: torch.Tensor
+    base: torch.Tensor
+    scale: torch.Tensor
+    statistics: tuple[torch.Tensor, ...]
+    eps: float
+    error: torch.Tensor
+
+    def difference(self, other: Fold) -> tuple[torch.Tensor, bool]:
+        """A bound on |exact value − other's exact value| per entry, and whether it is that
+        difference itself within a relative γ_FOLD_ROUNDINGS (a sum of non-negative terms).
+
+        Folds of one BatchNorm's statistics share the scale and the shift: the difference is
+        |base − base'| · scale, taken before the fold. Otherwise the folded values' difference
+        and both folds' errors."""
+        if self.eps == other.eps and all(torch.equal(x, y) for x, y in zip(self.statistics, other.statistics)):
+            return (self.base - other.base.to(self.base.device)).abs_() * _channels(self.scale, self.base), True
+        value = other.value.to(self.value.device)
+        return (self.value - value).abs_() + self.error + other.error.to(self.value.device), False
+
+
+def _channels(per_channel_values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-output-channel vector shaped to broadcast over ``like``'s dim 0."""
+    return per_channel_values.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _gamma(roundings: int) -> float:
+    """γ_n = n·u / (1 − n·u), u = 2^−53: n roundings' relative error (Higham, Lemma 3.1)."""
+    count = roundings * 2.0**-53
+    return count / (1 - count)
+
+
+def fold_batchnorm(bn: BatchNorm, params: Mapping[str, torch.Tensor], weight: torch.Tensor | None,
+                   bias: torch.Tensor | None) -> tuple[Fold, Fold]:
+    """Eval-mode BatchNorm folded into the layer before it (``weight`` ``[O, ...]`` and ``bias``
+    ``[O]``, either None for a standalone BatchNorm: a diagonal weight of ones, a bias of
+    zeros), in float64: ``scale`` · weight, ``scale`` · bias + β − ``scale`` · μ."""
+    gamma, variance, beta, mean = (params[key].to(torch.float64) for key in
+                                   (bn.weight, bn.running_var, bn.bias, bn.running_mean))
+    scale = gamma / torch.sqrt(variance + bn.eps)
+    weight = torch.ones_like(scale).reshape(-1, 1) if weight is None else weight.to(torch.float64)
+    bias = torch.zeros_like(scale) if bias is None else bias.to(torch.float64)
+    statistics = (gamma, variance, beta, mean)
+    folded_weight = weight * _channels(scale, weight)
+    folded_bias = beta - scale * mean + scale * bias
+    shift_error = _gamma(SHIFT_ROUNDINGS) * (beta.abs() + (scale * mean).abs() + (scale * bias).abs())
+    return (Fold(folded_weight, weight, scale, statistics, bn.eps, _gamma(FOLD_ROUNDINGS) * folded_weight.abs()),
+            Fold(folded_bias, bias, scale, statistics, bn.eps, shift_error))
 
 
 # --------------------------------------------------------------------------- rules
@@ -197,6 +296,10 @@ class Rule:
     """Base of every rule; see the module docstring for what each member means."""
 
     node_type: ClassVar[type[Node]]
+    # Whether ties reads its inputs' ids element by element (Ties.held, Ties.elements): each
+    # output element copies, or is a sum of, input elements at their own scales. Otherwise
+    # each input channel is tied into one scale before ties runs.
+    reads_elements: ClassVar[bool] = False
 
     def forward(self, node: Node, xs: list[torch.Tensor], param: Parameters, train: bool) -> torch.Tensor:
         raise self._missing("forward", node)
@@ -237,13 +340,23 @@ class Rule:
 
 
 class PassThrough(Rule):
-    """A node whose output channel c is input channel c (element-wise or spatial-only)."""
+    """A node whose output channel c is input channel c (spatial-only, or element-wise)."""
 
     def ties(self, node: Node, ties: Ties) -> torch.Tensor:
         return ties.ids(node.inputs[0])
 
 
-class HomogeneousActivation(PassThrough):
+class ElementWise(PassThrough):
+    """Output element i is a function of input element i alone: any scale of each element
+    passes through, so the ids pass as held (per channel or per element)."""
+
+    reads_elements = True
+
+    def ties(self, node: Node, ties: Ties) -> torch.Tensor:
+        return ties.held(node.inputs[0])
+
+
+class HomogeneousActivation(ElementWise):
     """Positively homogeneous of degree 1 element-wise: the identity in the squared network."""
 
     def squared(self, node: Node, xs: list[torch.Tensor], power: int) -> torch.Tensor:
@@ -294,14 +407,13 @@ class AffineLayer(Rule):
                 stored.append(Stored(node.bias, "vector", True, False))
             return Affine(weight, bias, self.groups(node), node.weight, node.bias, node.name, stored)
         # The output-side factor goes to γ and β, never to the pre-BatchNorm weight (SPEC §2).
-        scale, shift = batchnorm_affine(bn, params)
-        weight = weight.to(torch.float64) * scale.reshape(-1, *([1] * (weight.dim() - 1)))
-        bias = shift + scale * (bias.to(torch.float64) if bias is not None else 0.0)
+        weight_fold, bias_fold = fold_batchnorm(bn, params, weight, bias)
         suffix = f" (BatchNorm '{bn.name}' folded)"
         bias_label = (node.bias if node.bias is not None else bn.bias) + suffix
         stored = [Stored(node.weight, self.weight_layout(node), False, True),
                   Stored(bn.weight, "vector", True, False), Stored(bn.bias, "vector", True, False)]
-        return Affine(weight, bias, self.groups(node), node.weight + suffix, bias_label, bn.name, stored)
+        return Affine(weight_fold.value, bias_fold.value, self.groups(node), node.weight + suffix, bias_label, bn.name,
+                      stored, weight_fold, bias_fold)
 
 
 class LinearRule(AffineLayer):
@@ -419,10 +531,10 @@ class BatchNormRule(Rule):
     def affine(self, node: BatchNorm, graph, params):
         if graph.folded_into(node) is not None:
             return None
-        scale, shift = batchnorm_affine(node, params)
+        weight_fold, bias_fold = fold_batchnorm(node, params, None, None)
         stored = [Stored(node.weight, "vector", True, False), Stored(node.bias, "vector", True, False)]
-        return Affine(scale.reshape(-1, 1), shift, len(scale), f"{node.weight} (BatchNorm scale γ/σ)",
-                      f"{node.bias} (BatchNorm shift β − γμ/σ)", node.name, stored)
+        return Affine(weight_fold.value, bias_fold.value, len(bias_fold.value), f"{node.weight} (BatchNorm scale γ/σ)",
+                      f"{node.bias} (BatchNorm shift β − γμ/σ)", node.name, stored, weight_fold, bias_fold)
 
     def weighted(self, node, x, weight):
         return x * per_channel(weight.reshape(-1), x)
@@ -507,7 +619,7 @@ class PReLURule(HomogeneousActivation):
         return F.prelu(xs[0], param(node.weight).reshape(-1))
 
 
-class ScaleRule(PassThrough):
+class ScaleRule(ElementWise):
     """A fixed edge of constant weight c: c**power in the squared network (c² for diag(G))."""
 
     node_type = Scale
@@ -573,6 +685,7 @@ class FixedFilterRule(PassThrough):
 
 class ChannelShuffleRule(Rule):
     node_type = ChannelShuffle
+    reads_elements = True
 
     @staticmethod
     def source_channels(node: ChannelShuffle, channels: int) -> torch.Tensor:
@@ -589,7 +702,7 @@ class ChannelShuffleRule(Rule):
         return self.forward(node, xs, None, False)
 
     def ties(self, node, ties):
-        ids = ties.ids(node.inputs[0])
+        ids = ties.held(node.inputs[0])
         return ids[self.source_channels(node, len(ids))]
 
 
@@ -597,6 +710,7 @@ class ChannelSliceRule(Rule):
     """A channel subset: output channel c is input channel start + c (the others are not read)."""
 
     node_type = ChannelSlice
+    reads_elements = True
 
     def forward(self, node: ChannelSlice, xs, param, train):
         x = xs[0]
@@ -608,13 +722,14 @@ class ChannelSliceRule(Rule):
         return self.forward(node, xs, None, False)
 
     def ties(self, node: ChannelSlice, ties):
-        return ties.ids(node.inputs[0])[node.start:node.stop]
+        return ties.held(node.inputs[0])[node.start:node.stop]
 
 
 class ChannelGatherRule(Rule):
     """Whole channels picked by index: fixed edges of weight 1, each output channel tied to its source."""
 
     node_type = ChannelGather
+    reads_elements = True
 
     def forward(self, node: ChannelGather, xs, param, train):
         x = xs[0]
@@ -626,42 +741,36 @@ class ChannelGatherRule(Rule):
         return self.forward(node, xs, None, False)
 
     def ties(self, node: ChannelGather, ties):
-        return ties.ids(node.inputs[0])[list(node.channels)]
+        return ties.held(node.inputs[0])[list(node.channels)]
 
 
 class RearrangeRule(Rule):
     """Each output element copies one input element: fixed edges of weight 1 (1**power in the
-    squared network, so the same copy there). An output channel is one scale, so the input
-    channels its elements copy from are tied together."""
+    squared network, so the same copy there). Each output element keeps its source element's id,
+    so the ids are held per element; a reader of whole channels ties them (Ties.record)."""
 
     node_type = Rearrange
-
-    @staticmethod
-    def elements(node: Rearrange, x: torch.Tensor) -> torch.Tensor:
-        """The flat input index of every output element, checked against batched ``x``."""
-        elements = torch.tensor(node.elements, dtype=torch.long, device=x.device)
-        per_example = prod(x.shape[1:])
-        if len(elements) != prod(node.shape) or (len(elements) and int(elements.max()) >= per_example):
-            raise ValueError(f"{len(elements)} element indices are not one per element of {tuple(node.shape)} "
-                             f"among the input's {per_example}")
-        return elements
+    reads_elements = True
 
     def forward(self, node: Rearrange, xs, param, train):
         x = xs[0]
-        return x.reshape(x.shape[0], -1)[:, self.elements(node, x)].reshape(x.shape[0], *node.shape)
+        flat = x.reshape(x.shape[0], -1)
+        low, high = node.index_bounds
+        if low < 0 or high >= flat.shape[1]:
+            raise ValueError(f"it copies input elements {low} to {high}, not all among the input's {flat.shape[1]}")
+        if node.sizes and min(node.strides) >= 0:
+            # A view of the input on its own device: no index tensor to build or copy there.
+            flat = flat.contiguous()
+            view = flat.as_strided((flat.shape[0], *node.sizes), (flat.shape[1], *node.strides),
+                                   flat.storage_offset() + node.offset)
+            return view.reshape(x.shape[0], *node.shape)
+        return flat[:, node.index.to(x.device).reshape(-1)].reshape(x.shape[0], *node.shape)
 
     def squared(self, node, xs, power):
         return self.forward(node, xs, None, False)
 
     def ties(self, node: Rearrange, ties):
-        source = node.inputs[0]
-        per_channel_in = prod(ties.shapes[source][1:])
-        copied = ties.ids(source)[torch.tensor(node.elements, dtype=torch.long) // per_channel_in]
-        copied = copied.reshape(node.shape[0], -1)
-        first = copied[:, :1].expand_as(copied)
-        pairs = torch.unique(torch.stack([first.reshape(-1), copied.reshape(-1)]), dim=1)
-        ties.union(pairs[0], pairs[1])
-        return copied[:, 0].clone()
+        return ties.elements(node.inputs[0]).reshape(-1)[node.index]
 
 
 class UpsampleRule(PassThrough):
@@ -811,6 +920,7 @@ class FlattenRule(Rule):
     """Channel-major flatten: every feature of channel c is a copy of channel c's neuron group."""
 
     node_type = Flatten
+    reads_elements = True
 
     def forward(self, node, xs, param, train):
         return xs[0].flatten(1)
@@ -819,8 +929,7 @@ class FlattenRule(Rule):
         return xs[0].flatten(1)
 
     def ties(self, node, ties):
-        source = node.inputs[0]
-        return ties.ids(source).repeat_interleave(prod(ties.shapes[source][1:]))
+        return ties.elements(node.inputs[0]).reshape(-1)
 
 
 class AddRule(Rule):
@@ -828,6 +937,7 @@ class AddRule(Rule):
     (an input with one channel) feeds every output channel, so it ties all of them."""
 
     node_type = Add
+    reads_elements = True
 
     def forward(self, node, xs, param, train):
         total = xs[0]
@@ -839,9 +949,13 @@ class AddRule(Rule):
         return self.forward(node, xs, None, False)
 
     def ties(self, node, ties):
-        channels = ties.shapes[node.name][0]
-        ids = [ties.ids(i) for i in node.inputs]
-        ids = [i.repeat(channels) if len(i) == 1 else i for i in ids]
+        shape = tuple(ties.shapes[node.name])
+        if all(ties.held(i).dim() == 1 for i in node.inputs):
+            ids = [ties.held(i) for i in node.inputs]
+            ids = [i.repeat(shape[0]) if len(i) == 1 else i for i in ids]
+        else:
+            # A broadcast axis of size 1 feeds every position of that axis: expanded, it ties them.
+            ids = [ties.elements(i).expand(shape) for i in node.inputs]
         for other in ids[1:]:
             ties.union(ids[0], other)
         return ids[0]
@@ -853,6 +967,7 @@ class SubRule(Rule):
     path counts, the path-metric's streams); the channels are tied as a sum's (AddRule.ties)."""
 
     node_type = Sub
+    reads_elements = True
 
     def forward(self, node, xs, param, train):
         return xs[0] - xs[1]
@@ -866,6 +981,7 @@ class SubRule(Rule):
 
 class ConcatRule(Rule):
     node_type = Concat
+    reads_elements = True
 
     def forward(self, node, xs, param, train):
         return torch.cat(xs, dim=1)
@@ -874,7 +990,9 @@ class ConcatRule(Rule):
         return torch.cat(xs, dim=1)
 
     def ties(self, node, ties):
-        return torch.cat([ties.ids(i) for i in node.inputs])
+        if all(ties.held(i).dim() == 1 for i in node.inputs):
+            return torch.cat([ties.held(i) for i in node.inputs])
+        return torch.cat([ties.elements(i) for i in node.inputs])
 
 
 RULES: dict[type[Node], Rule] = {

@@ -78,6 +78,14 @@ def optional_sizes(value: Any) -> tuple[int, ...]:
     return () if value is None or value == [] else ints(1)(value)
 
 
+def optional_ints(minimum: int | None) -> Callable[[Any], tuple[int, ...]]:
+    """Integers as :func:`ints` reads them, or none (``null`` or ``[]``)."""
+    def convert(value: Any) -> tuple[int, ...]:
+        return () if value is None or value == [] or value == () else ints(minimum)(value)
+
+    return convert
+
+
 def positive_floats(value: Any) -> tuple[float, ...]:
     """Scale factors, or none (``null`` or ``[]``) when an output size is given instead."""
     return _floats([] if value is None else value, number("a number > 0", lambda x: x > 0), "a number > 0")

@@ -6,6 +6,7 @@ parse never disagree.
 
 from __future__ import annotations
 
+import decimal
 import math
 import os
 import textwrap
@@ -140,6 +141,47 @@ def processing_section(model: LoadedModel) -> dict[str, Any] | None:
         return None
     return {"pre": list(carried.pre), "post": list(carried.post),
             "file_inputs": {name: list(shape) for name, shape in carried.inputs.items()}, "note": PROCESSING_NOTE}
+
+
+def spec_processing_warnings(model: LoadedModel, source: str) -> list[str]:
+    """What the user of ``model``'s spec must know when the ONNX file has pre- or post-processing:
+    the spec is the DAG between them, without them."""
+    carried = model.carried
+    if not carried:
+        return []
+    parts = []
+    if carried.pre:
+        inputs = ", ".join(f"'{value}'" for value in carried.dag_inputs.values())
+        parts.append(f"pre-processing ({_by_operation(carried.pre)}), whose outputs ({inputs}) are the spec's inputs")
+    if carried.post:
+        outputs = ", ".join(f"'{value}'" for value in carried.dag_outputs)
+        parts.append(f"post-processing ({_by_operation(carried.post)}), which reads the spec's outputs ({outputs})")
+    return [f"{source}: the spec is the ReLU DAG alone, not the whole network: the file carries "
+            f"{', and '.join(parts)}; the spec has none of it. A checkpoint read with this spec computes the DAG "
+            "only: apply that processing around it yourself, or use the ONNX file."]
+
+
+def _processing_rows(*sections: tuple[str, dict[str, Any] | None]) -> list[tuple[str, str]]:
+    """The table's row of each (name suffix, ``processing`` section) that is not null."""
+    return [(f"pre/post-processing{suffix}", f"pre {_safe(_by_operation(processing['pre']))} · post "
+                                            f"{_safe(_by_operation(processing['post']))}: {processing['note']}")
+            for suffix, processing in sections if processing is not None]
+
+
+def _bound_row(processing: dict[str, Any] | None, radius: float, value: str) -> tuple[str, str]:
+    """The output-change row: with pre- or post-processing, the change is of the DAG, for its
+    inputs (:func:`~.toolkit.bound_scope`)."""
+    if processing is None:
+        return f"output change, ‖x‖∞ ≤ {radius:g}", value
+    if processing["pre"]:
+        return "output change of the DAG", f"for DAG inputs ‖z‖∞ ≤ {radius:g} (after the file's pre-processing): {value}"
+    return "output change of the DAG", f"before the file's post-processing, for ‖x‖∞ ≤ {radius:g}: {value}"
+
+
+def _bound_note(result) -> str | None:
+    """``bound_note``: why no bound applies, then what the bound is of when the DAG is not the
+    whole file; null when the bound applies to the file end to end."""
+    return "; ".join(note for note in (result.bound_note, result.bound_scope) if note) or None
 
 
 def _by_operation(ops: Sequence[str]) -> str:
@@ -291,6 +333,17 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def _bound_fmt(value: float | None, digits: int, *, upper: bool) -> str:
+    """A bound at ``digits`` significant digits, rounded away from what it bounds: an upper bound
+    up, a lower bound down, so that the printed number is a bound too (JSON keeps the float)."""
+    if value is None or not math.isfinite(value) or value == 0:
+        return _fmt(value, digits)
+    exact = decimal.Decimal(value)
+    step = decimal.Decimal(1).scaleb(exact.adjusted() - digits + 1)
+    directed = exact.quantize(step, rounding=decimal.ROUND_CEILING if upper else decimal.ROUND_FLOOR)
+    return f"{float(directed):.{digits}g}"
+
+
 def _safe(text: str, *, keep: str = "") -> str:
     """A string read from a file (a path, a node or tensor name), for rich markup: its control
     characters (ESC, ...) shown as escapes, its brackets not taken as markup."""
@@ -329,10 +382,7 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     rows.append(("architecture from", _safe(report["arch_source"])))
     rows.append(("device", report["device"]))
     rows.append(("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"])))
-    processing = report.get("processing")
-    if processing is not None:
-        rows.append(("pre/post-processing", f"pre {_safe(_by_operation(processing['pre']))} · post "
-                                            f"{_safe(_by_operation(processing['post']))}: {processing['note']}"))
+    rows.extend(_processing_rows(("", report.get("processing"))))
     rows.append(("parameters", _fmt(report["parameters"])))
     rows.append(("DAG parameters", f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
                  "with g > 0: p of F and D)"))
@@ -503,15 +553,15 @@ def summary_line(report: dict[str, Any]) -> str:
         parts[0] += f" · {printable(report['other'])}"
         parts.append(f"{report['sign_flips']['total']:,} sign flips")
         metric = report["path_metric"]
-        parts.append(f"path-metric {_fmt(metric['lower'], 4)}" + ("" if metric["exact"] else f"..{_fmt(metric['upper'], 4)}"))
-        parts.append(f"output change ≤ {_fmt(report['output_change_bound'], 4)}" if report["bound_applies"] else "no bound")
+        parts.append(f"path-metric {_metric_bounds_text(metric, 4, '..')}")
+        parts.append(_summary_bound(report, report["processing"] or report["other_processing"]))
         parts.append(f"{report['seconds']['total']:.2f} s")
         return " · ".join(parts)
     if report["command"] == "prune":
         parts[0] += f" → {printable(report['output'])}"
         parts.append(f"{100 * report['sparsity_achieved']:.1f}% zero")
-        parts.append(f"path-metric {_fmt(report['path_metric']['lower'], 4)}")
-        parts.append(f"output change ≤ {_fmt(report['output_change_bound'], 4)}" if report["bound_applies"] else "no bound")
+        parts.append(f"path-metric {_metric_bounds_text(report['path_metric'], 4, '..')}")
+        parts.append(_summary_bound(report, report["processing"]))
         parts.append(f"{report['seconds']['total']:.2f} s")
         return " · ".join(parts)
     conditioning = report["conditioning"]
@@ -528,6 +578,12 @@ def summary_line(report: dict[str, Any]) -> str:
         parts.append(f"D {_fmt(conditioning['before']['D'], 5)}")
     parts.append(f"{report['seconds']['total']:.2f} s")
     return " · ".join(parts)
+
+
+def _summary_bound(report: dict[str, Any], processing: dict[str, Any] | None) -> str:
+    if not report["bound_applies"]:
+        return "no bound"
+    return f"{'DAG ' if processing else ''}output change ≤ {_bound_fmt(report['output_change_bound'], 4, upper=True)}"
 
 
 def _metric_section(metric) -> dict[str, Any]:
@@ -553,6 +609,8 @@ def compare_report(comparison) -> dict[str, Any]:
         "other_format": b.format,
         "device": comparison.device,
         "input_shape": [list(node.shape) for node in a.graph.inputs],
+        "processing": processing_section(a),
+        "other_processing": processing_section(b),
         "parameters": a.parameter_count,
         "path_norms": path_norms_section(comparison.path_norms_a),
         "other_path_norms": path_norms_section(comparison.path_norms_b),
@@ -564,7 +622,7 @@ def compare_report(comparison) -> dict[str, Any]:
         "path_metric": _metric_section(comparison.metric),
         "input_bound": comparison.input_bound,
         "bound_applies": comparison.bound_applies,
-        "bound_note": comparison.bound_note,
+        "bound_note": _bound_note(comparison),
         "output_change_bound": _finite(comparison.output_change_bound),
         "measured_output_change": _finite(comparison.measured_output_change),
         "warnings": [*a.warnings, *b.warnings],
@@ -584,6 +642,7 @@ def prune_report(result, output: str | None) -> dict[str, Any]:
         "format": model.format,
         "device": result.device,
         "input_shape": [list(node.shape) for node in model.graph.inputs],
+        "processing": processing_section(model),
         "parameters": model.parameter_count,
         "criterion": result.criterion,
         "per_layer": result.per_layer,
@@ -598,7 +657,7 @@ def prune_report(result, output: str | None) -> dict[str, Any]:
         "path_metric": _metric_section(result.metric),
         "input_bound": result.input_bound,
         "bound_applies": result.bound_applies,
-        "bound_note": result.bound_note,
+        "bound_note": _bound_note(result),
         "score_bound": _finite(result.score_bound),
         "output_change_bound": _finite(result.output_change_bound),
         "measured_output_change": _finite(result.measured_output_change),
@@ -609,27 +668,38 @@ def prune_report(result, output: str | None) -> dict[str, Any]:
     }
 
 
+def _metric_bounds_text(metric: dict[str, Any], digits: int, separator: str) -> str:
+    """The path-metric's bounds, the lower one rounded down and the upper one up (an exact
+    metric's, equal, to nearest)."""
+    if metric["exact"]:
+        return _fmt(metric["lower"], digits)
+    return (f"{_bound_fmt(metric['lower'], digits, upper=False)}{separator}"
+            f"{_bound_fmt(metric['upper'], digits, upper=True)}")
+
+
 def _metric_text(metric: dict[str, Any]) -> str:
     if metric["exact"]:
-        return f"{_fmt(metric['lower'], 7)} (exact: one parameter vector dominates the other)"
-    return f"between {_fmt(metric['lower'], 7)} and {_fmt(metric['upper'], 7)}"
+        return f"{_metric_bounds_text(metric, 7, '')} (exact: one parameter vector dominates the other)"
+    return f"between {_metric_bounds_text(metric, 7, ' and ')}"
 
 
 def render_compare(report: dict[str, Any], console: Console) -> None:
     console.print(f"pathcond compare · {printable(report['model'])} · {printable(report['other'])}", style="bold",
                   highlight=False, markup=False, soft_wrap=True)
-    rows: list[tuple[str, str]] = []
+    processing = report["processing"] or report["other_processing"]
+    same = report["processing"] == report["other_processing"]
+    rows: list[tuple[str, str]] = _processing_rows(
+        *([("", processing)] if same else [(" (first)", report["processing"]), (" (second)", report["other_processing"])]))
     rows.append(("path norms (first)", path_norms_text(report["path_norms"])))
     rows.append(("path norms (second)", path_norms_text(report["other_path_norms"])))
     rows.append(("sign flips", _fmt(report["sign_flips"]["total"])))
     rows.append(("ℓ1 path-metric", _metric_text(report["path_metric"])))
-    radius = report["input_bound"]
     if report["bound_applies"]:
-        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} "
-                        f"(ℓ1) · measured {_fmt(report['measured_output_change'], 6)}"))
+        bound = f"at most {_bound_fmt(report['output_change_bound'], 6, upper=True)} (ℓ1)"
     else:
-        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"no bound: {_safe(report['bound_note'])} · measured "
-                        f"{_fmt(report['measured_output_change'], 6)}"))
+        bound = f"no bound: {_safe(report['bound_note'])}"
+    rows.append(_bound_row(processing, report["input_bound"],
+                           f"{bound} · measured {_fmt(report['measured_output_change'], 6)}"))
     rows.append(("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items())))
     _print_summary(console, rows)
     flipped = [row for row in report["sign_flips"]["per_layer"] if row["flips"]]
@@ -646,21 +716,20 @@ def render_compare(report: dict[str, Any], console: Console) -> None:
 def render_prune(report: dict[str, Any], console: Console) -> None:
     console.print(f"pathcond prune · {printable(report['model'])}", style="bold", highlight=False, markup=False,
                   soft_wrap=True)
-    rows: list[tuple[str, str]] = []
+    rows: list[tuple[str, str]] = _processing_rows(("", report["processing"]))
     rows.append(("criterion", report["criterion"] + (" · per layer" if report["per_layer"] else " · global")))
     rows.append(("sparsity", f"{100 * report['sparsity_achieved']:.2f}% of Linear/Conv weights are zero "
                     f"(asked {100 * report['sparsity_requested']:g}%)"))
     rows.append(("path norms before", path_norms_text(report["path_norms"])))
     rows.append(("path norms after", path_norms_text(report["path_norms_after"])))
     rows.append(("ℓ1 path-metric", _metric_text(report["path_metric"])))
-    radius = report["input_bound"]
     if report["bound_applies"]:
-        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"at most {_fmt(report['output_change_bound'], 6)} (ℓ1; "
-                        f"scores' sum {_fmt(report['score_bound'], 6)}) · measured "
-                        f"{_fmt(report['measured_output_change'], 6)}"))
+        bound = (f"at most {_bound_fmt(report['output_change_bound'], 6, upper=True)} "
+                 f"(ℓ1; scores' sum {_bound_fmt(report['score_bound'], 6, upper=True)})")
     else:
-        rows.append((f"output change, ‖x‖∞ ≤ {radius:g}", f"no bound: {_safe(report['bound_note'])} · measured "
-                        f"{_fmt(report['measured_output_change'], 6)}"))
+        bound = f"no bound: {_safe(report['bound_note'])}"
+    rows.append(_bound_row(report["processing"], report["input_bound"],
+                           f"{bound} · measured {_fmt(report['measured_output_change'], 6)}"))
     verification = report["verification"]
     if verification is not None:
         rows.append(("verification", f"reloaded θ ⊙ m {verification['reloaded']} · independent runtime "

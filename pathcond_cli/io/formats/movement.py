@@ -5,7 +5,9 @@ flat position in the source) and ask :func:`movement_layer` what the chain amoun
 identity, a flatten, a channel slice, a channel shuffle, any other selection of whole
 channels (a gather), a crop of the spatial axes (a pad of negative widths), a reflect,
 replicate or circular padding, or else the element-wise copy it is (a rearrange: an NHWC
-layout, an unflatten to channels). Only a movement across the batch is refused.
+layout, an unflatten to channels), described as a strided view of the input when it is one (a
+few numbers for any tensor size) and element by element otherwise. Only a movement across the
+batch is refused.
 """
 
 from __future__ import annotations
@@ -52,7 +54,43 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
     if index.dim() == 0:
         raise UnsupportedMovement(f"it reduces {shape} (batch excluded) to a single value per example: a value "
                                   "of the graph keeps a channel axis")
-    return {"type": "rearrange", "shape": tuple(index.shape), "elements": tuple(index.reshape(-1).tolist())}
+    view = _strided_view(index.reshape(-1))
+    if view is None:
+        return {"type": "rearrange", "shape": tuple(index.shape), "elements": tuple(index.reshape(-1).tolist())}
+    sizes, strides = view
+    return {"type": "rearrange", "shape": tuple(index.shape), "sizes": sizes, "strides": strides,
+            "offset": int(index.reshape(-1)[0]) if index.numel() else 0}
+
+
+def _strided_view(flat: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(sizes, strides)`` such that ``flat`` is ``flat[0] + Σ_k i_k·strides[k]`` over the
+    row-major multi-indices of ``sizes``, or None (a Gather, say).
+
+    Innermost axis first: the longest arithmetic run from the start is one axis. For a strided
+    map a run can only end where an axis does (were the next value on the run, the next block
+    would continue it too), so the run's length divides what is left, and the run's starts
+    form the same problem one level up. The whole map is compared at the end.
+    """
+    if not flat.numel():
+        return None
+    sizes: list[int] = []
+    strides: list[int] = []
+    starts = flat
+    while len(starts) > 1:
+        steps = starts[1:] - starts[:-1]
+        breaks = steps != steps[0]
+        run = int(breaks.to(torch.uint8).argmax()) + 1 if bool(breaks.any()) else len(starts)
+        if len(starts) % run:
+            return None
+        sizes.insert(0, run)
+        strides.insert(0, int(steps[0]))
+        starts = starts[::run]
+    expected = flat[0].clone()
+    for size, stride in zip(sizes, strides):
+        expected = expected.unsqueeze(-1) + torch.arange(size) * stride
+    if not torch.equal(expected.reshape(-1), flat):
+        return None
+    return tuple(sizes), tuple(strides)
 
 
 def _crop(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:

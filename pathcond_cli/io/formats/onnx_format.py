@@ -36,6 +36,7 @@ from .onnx_read import (
     READ_OPSET,
     batchnorm_folded_tensors,
     declared_batch,
+    default_opset,
     external_data_files,
     fed_inputs,
     node_label,
@@ -70,7 +71,8 @@ def load_onnx(
     label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
     model, external, shapes, inferred, read_nodes = read_onnx(source, input_shape, label)
     params = read_tensors(model, label)
-    translation = Translator(inferred, label, read_nodes=read_nodes, written=model.graph)
+    translation = Translator(inferred, label, read_nodes=read_nodes, written=model.graph,
+                             written_opset=default_opset(model))
     graph = translation.translate(shapes)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()

@@ -336,10 +336,18 @@ def readable_model(model: onnx.ModelProto, order: list[onnx.NodeProto] | None, l
     ``order``, converted in memory to :data:`READ_OPSET` by ``onnx.version_converter``.
 
     The converter keeps the names of values, initializers and nodes; what it adds (the
-    ``Constant`` scales of an ``Upsample`` made a ``Resize``, the ``Flatten`` and ``Reshape``
-    around an opset-9 ``Softmax``) exists in the model as read only.
+    ``Flatten`` and ``Reshape`` around an opset-9 ``Softmax``) exists in the model as read only.
+    An ``Upsample`` or ``Resize``-10 is held through it (:func:`_hold_resizes`); an opset
+    the installed onnx does not define is refused.
     """
     opset = default_opset(model)
+    if opset is not None and opset > onnx.defs.onnx_opset_version():
+        raise UnsupportedModelError(
+            f"{label}: the model declares ONNX opset {opset}, which does not exist for the installed onnx "
+            f"{onnx.__version__} (it defines opsets up to {onnx.defs.onnx_opset_version()}): no operator of the "
+            "model has a known meaning. A file exported with a released opset is read (pathcond reads opsets 7 "
+            f"and later, {READ_OPSET} and later without conversion)."
+        )
     convert = opset is not None and opset < READ_OPSET
     if order is None and not convert:
         return model
@@ -350,9 +358,111 @@ def readable_model(model: onnx.ModelProto, order: list[onnx.NodeProto] | None, l
     if not convert:
         return readable
     try:
-        return version_converter.convert_version(readable, READ_OPSET)
+        return _converted(readable, opset, READ_OPSET, label)
     except _CONVERTER_ERRORS as exc:
         raise _unconvertible(readable, opset, label, exc) from None
+
+
+def _converted(model: onnx.ModelProto, opset: int, target: int, label: str) -> onnx.ModelProto:
+    """``model``, of opset ``opset``, converted to opset ``target`` by onnx.version_converter,
+    its Upsample and Resize-10 nodes held through the conversion (``model`` holds them after)."""
+    _hold_resizes(model, opset, label)
+    converted = version_converter.convert_version(model, target)
+    _put_back_resizes(converted)
+    return converted
+
+
+# Upsample (opsets 7 to 9) and Resize-10 compute the source coordinate as asymmetric and, when
+# nearest, round it down (onnxruntime agrees). onnx.version_converter makes them a Resize-11
+# without attributes, whose defaults (half_pixel, round_prefer_floor) mean something else for a
+# scale that is not an integer, under a new output name. They are held through the converter
+# as nodes of a domain of pathcond's own, and put back as the Resize-13 that computes the same.
+_HELD_DOMAIN = "pathcond.held_through_conversion"
+
+
+def _hold_resizes(model: onnx.ModelProto, opset: int, label: str) -> None:
+    """Every Upsample, and every Resize of opset 10, of ``model`` (opset ``opset`` < 13) moved to
+    :data:`_HELD_DOMAIN` with its scales as input 1 (an Upsample-7 holds them as an attribute),
+    which :func:`_put_back_resizes` makes a Resize-13 after conversion."""
+    graph = model.graph
+    if not any(_is_held(node, opset) for node in graph.node):
+        return
+    taken = {name for node in graph.node for name in (*node.input, *node.output)} | \
+        {t.name for t in graph.initializer} | {v.name for v in graph.input}
+    # From the last node back, so that a Constant put in front of a node moves no node still to come.
+    for position in reversed(range(len(graph.node))):
+        node = graph.node[position]
+        if not _is_held(node, opset):
+            continue
+        mode = _string_attribute(node, "mode", "nearest")
+        scales = next((list(a.floats) for a in node.attribute if a.name == "scales"), None)
+        if scales is not None:
+            name = _unused_name(f"{node_label(node)}.scales", taken)
+            node.input.append(name)
+            graph.node.insert(position, onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(
+                name, onnx.TensorProto.FLOAT, [len(scales)], scales)))
+            node = graph.node[position + 1]
+        else:
+            scales = _stored_floats(graph, node.input[1]) if len(node.input) > 1 else None
+        if mode == "nearest" and scales is not None and min(scales) < 1:
+            raise UnsupportedModelError(
+                f"{label}: node '{node_label(node)[:120]}' ({node.op_type} of ONNX opset {opset}) shrinks an axis in "
+                f"nearest mode (scales {[float(s) for s in scales]}): below a scale of 1 how it rounds is its "
+                "runtime's own (onnxruntime rounds a Resize-10 its own way and refuses an Upsample), which no Resize "
+                f"of a later opset computes; exported again with opset {READ_OPSET} or later, the model says how it "
+                "rounds."
+            )
+        del node.attribute[:]
+        node.attribute.append(onnx.helper.make_attribute("mode", mode))
+        node.domain = _HELD_DOMAIN
+    model.opset_import.append(onnx.helper.make_opsetid(_HELD_DOMAIN, 1))
+
+
+def _is_held(node: onnx.NodeProto, opset: int) -> bool:
+    return node.domain in DEFAULT_DOMAINS and (node.op_type == "Upsample" or (node.op_type == "Resize" and opset == 10))
+
+
+def _put_back_resizes(model: onnx.ModelProto) -> None:
+    """Each node :func:`_hold_resizes` held, in the converted ``model``, as the Resize-13 that
+    computes what it computed (asymmetric coordinates, floor rounding when nearest), with the
+    node's own name and output."""
+    held = [node for node in model.graph.node if node.domain == _HELD_DOMAIN]
+    if not held:
+        return
+    for node in held:
+        mode = _string_attribute(node, "mode", "nearest")
+        rounding = {"nearest_mode": "floor"} if mode == "nearest" else {}
+        resize = onnx.helper.make_node("Resize", [node.input[0], "", node.input[1]], list(node.output),
+                                       name=node.name, mode=mode, coordinate_transformation_mode="asymmetric",
+                                       **rounding)
+        node.CopyFrom(resize)
+    kept = [entry for entry in model.opset_import if entry.domain != _HELD_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+
+
+def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
+    return next((a.s.decode() for a in node.attribute if a.name == name), default)
+
+
+def _unused_name(preferred: str, taken: set[str]) -> str:
+    name, suffix = preferred, 1
+    while name in taken:
+        name, suffix = f"{preferred}_{suffix}", suffix + 1
+    taken.add(name)
+    return name
+
+
+def _stored_floats(graph: onnx.GraphProto, value: str) -> list[float] | None:
+    """The values of a small stored tensor (an initializer or a Constant node), or None."""
+    for tensor in graph.initializer:
+        if tensor.name == value:
+            return [float(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+    for node in graph.node:
+        if value in node.output:
+            tensor = constant_tensor(node)
+            return None if tensor is None else [float(v) for v in numpy_helper.to_array(tensor).reshape(-1)]
+    return None
 
 
 # What onnx.version_converter raises: its C++ assertions and shape inference errors surface as these.
@@ -362,7 +472,8 @@ _CONVERTER_ERRORS = (RuntimeError, ValueError, onnx.checker.ValidationError, onn
 def _unconvertible(model: onnx.ModelProto, opset: int, label: str, error: Exception) -> UnsupportedModelError:
     """The refusal of a model that the converter cannot take from ``opset`` to :data:`READ_OPSET`,
     naming the step (converted one opset at a time to find it) and the operator it fails on: the
-    one the converter names, else those whose definition changes at that step."""
+    one the converter names, else those of the nodes it fails on alone, else those whose
+    definition changes at that step."""
     step = opset
     for target in range(opset + 1, READ_OPSET + 1):
         try:
@@ -374,7 +485,8 @@ def _unconvertible(model: onnx.ModelProto, opset: int, label: str, error: Except
     message = one_line(error)
     ops = list(dict.fromkeys(n.op_type for n in model.graph.node if n.domain in DEFAULT_DOMAINS))
     named = {match.lower() for pattern in _CONVERTER_NAMES for match in re.findall(pattern, message)}
-    culprits = [op for op in ops if op.lower() in named] or [op for op in ops if _changes_at(op, step + 1)]
+    changing = [op for op in ops if _changes_at(op, step + 1)]
+    culprits = [op for op in ops if op.lower() in named] or _failing_alone(model, changing, step) or changing
     if culprits:
         nodes = [node_label(n) for n in model.graph.node if n.op_type in culprits and n.domain in DEFAULT_DOMAINS]
         shown_nodes = ", ".join(f"'{name[:80]}'" for name in nodes[:3]) + (f" and {len(nodes) - 3} more"
@@ -388,6 +500,33 @@ def _unconvertible(model: onnx.ModelProto, opset: int, label: str, error: Except
         f"to it in memory with onnx.version_converter, which cannot carry {what} from opset {step} to {step + 1} "
         f"(it says: {message}). Exported again with opset {READ_OPSET} or later, the model is read without conversion."
     )
+
+
+def _failing_alone(model: onnx.ModelProto, ops: list[str], step: int) -> list[str]:
+    """The ``ops`` of which some node of ``model`` (of opset ``step``), in a model of its own with
+    its inputs and outputs typed as shape inference finds them in ``model``, is one the converter
+    cannot take to opset ``step + 1``."""
+    try:
+        typed = onnx.shape_inference.infer_shapes(model)
+    except (onnx.shape_inference.InferenceError, RuntimeError, ValueError):
+        typed = model
+    infos = {v.name: v for v in (*typed.graph.input, *typed.graph.value_info, *typed.graph.output)}
+    for tensor in typed.graph.initializer:
+        infos.setdefault(tensor.name, onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    failing = []
+    for node in typed.graph.node:
+        if node.op_type not in ops or node.op_type in failing or node.domain not in DEFAULT_DOMAINS:
+            continue
+        inputs, outputs = ([infos.get(v, onnx.ValueInfoProto(name=v)) for v in values if v]
+                           for values in (node.input, node.output))
+        alone = onnx.helper.make_model(
+            onnx.helper.make_graph([node], "alone", inputs, outputs),
+            opset_imports=[onnx.helper.make_opsetid("", step)], ir_version=model.ir_version)
+        try:
+            version_converter.convert_version(alone, step + 1)
+        except _CONVERTER_ERRORS:
+            failing.append(node.op_type)
+    return [op for op in ops if op in failing]
 
 
 # Where the converter's messages name the operator: "No Adapter From Version $5 for Cast",
@@ -700,5 +839,7 @@ def reference_evaluator(model: onnx.ModelProto) -> ReferenceEvaluator:
     """ONNX's reference evaluator of ``model``, converted to :data:`REFERENCE_OPSET` first when older."""
     opset = default_opset(model)
     if opset is not None and opset < REFERENCE_OPSET:
-        model = version_converter.convert_version(model, REFERENCE_OPSET)
+        held = onnx.ModelProto()
+        held.CopyFrom(model)
+        model = _converted(held, opset, REFERENCE_OPSET, "<reference>")
     return ReferenceEvaluator(model)

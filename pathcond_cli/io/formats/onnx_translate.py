@@ -80,11 +80,22 @@ class _Weight:
 class Translator:
     """Builds the :class:`Graph` of a shape-inferred model, collecting every unsupported node."""
 
-    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None, written: onnx.GraphProto | None = None):
+    def __init__(self, model: onnx.ModelProto, label: str, read_nodes=None, written: onnx.GraphProto | None = None,
+                 written_opset: int | None = None):
         """``read_nodes``: the nodes of the model as written back, position by position (``model``'s
         own by default); shape arithmetic folded for translation still reads there what it read.
-        ``written``: the graph written back, whose names copies of parameters must avoid too."""
+        ``written``: the graph written back (of ONNX opset ``written_opset``), whose names copies of
+        parameters must avoid too, and whose own values and operations the DAG's outputs and the
+        report name where ``model`` is its conversion to another opset."""
         self.label = label
+        self.written_opset = written_opset
+        file_graph = written if written is not None else model.graph
+        self.written_nodes = list(file_graph.node)
+        # The file's node giving each value: a node of the model as read that gives none of them
+        # (or gives it under another operation) is the converter's.
+        self.written_producer = {out: n for n in self.written_nodes for out in n.output if out}
+        self.written_values = set(self.written_producer) | {v.name for v in file_graph.input} | \
+            {t.name for t in file_graph.initializer}
         self.onnx_nodes = list(model.graph.node)
         self.read_nodes = list(read_nodes) if read_nodes is not None else self.onnx_nodes
         self.graph_outputs = [o.name for o in model.graph.output]
@@ -203,8 +214,8 @@ class Translator:
         if self.offenders or self.problems or self.follow_on:
             return None
         self.carried = Carried(
-            pre=tuple(_op_label(self.onnx_nodes[i]) for i in sorted(pre)),
-            post=tuple(_op_label(self.onnx_nodes[i]) for i in sorted(post)),
+            pre=self._written_ops(pre),
+            post=self._written_ops(post),
             inputs=dict(shapes) if carried else {},
             dag_inputs={self.node_of_value[value]: value for value in self.input_values} if carried else {},
             dag_outputs=tuple(value for value, _ in outputs) if carried else (),
@@ -233,8 +244,9 @@ class Translator:
     def _regions(self, inputs: set[str], needed: set[str]) -> tuple[set[int], set[int]]:
         """The positions of the nodes that can be carried as pre-processing (computed from the
         network's inputs and constants only, before a layer with parameters) and as
-        post-processing (computed from a layer's values, no layer with parameters after them).
-        A node with no layer before or after it is neither: the network is then no more than it."""
+        post-processing (no layer with parameters after them: computed from a layer's values, or
+        from the inputs alone beside the layers). In a file with no layer at all, no node is
+        either: the network is then no more than them."""
         computed, before_layers = set(inputs), set(inputs)
         candidates, pure = [], set()
         for index, node in enumerate(self.onnx_nodes):
@@ -254,11 +266,30 @@ class Translator:
             if self._is_layer(node, computed) or any(self.index_of[id(reader)] in reaches_layer
                                                        for out in node.output for reader in self.consumers.get(out, [])):
                 reaches_layer.add(index)
-        return pure & reaches_layer, {index for index in candidates if index not in reaches_layer | pure}
+        after_dag = {index for index in candidates if index not in reaches_layer} if reaches_layer else set()
+        return pure & reaches_layer, after_dag
 
     def _is_layer(self, node: onnx.NodeProto, computed: set[str]) -> bool:
-        """A layer with parameters: an op that carries weights, reading a tensor not computed from the inputs."""
-        return node.op_type in _PARAMETER_LAYERS and any(value and value not in computed for value in node.input)
+        """A layer with parameters: an op that carries weights, reading a tensor not computed from
+        the inputs, or a Mul/Add the DAG reads a parameter of (a per-channel scale, shift or bias)."""
+        if node.op_type in _PARAMETER_LAYERS:
+            return any(value and value not in computed for value in node.input)
+        return self._per_channel_parameter(node, computed) is not None
+
+    def _per_channel_parameter(self, node: onnx.NodeProto, activations: set[str]) -> str | None:
+        """The stored tensor of a Mul or Add of one activation and one constant holding a value per
+        channel of it, which the DAG reads as a parameter (a ChannelAffine's scale or shift, a
+        ChannelBias, a Linear's bias); None for any other node. ``activations``: the values
+        computed from the network's inputs."""
+        if node.op_type not in ("Mul", "Add") or len(node.input) != 2:
+            return None
+        static = [value for value in node.input if value and value not in activations]
+        if len(static) != 1:
+            return None
+        x = node.input[1 - list(node.input).index(static[0])]
+        if node.op_type == "Add" and self._adds_nothing(node, x, static[0]):
+            return None
+        return static[0] if self._is_per_channel(static[0], x) else None
 
     def _translate_node(self, node: onnx.NodeProto) -> None:
         self.current = node
@@ -273,11 +304,11 @@ class Translator:
                 raise Unsupported(_unsupported_reason(node))
             handler(self, node)
         except NotHomogeneous:
-            self.offenders.append((_op_label(node), node_label(node)))
+            self.offenders.append((self._op_label(node), node_label(node)))
             self.after_refusal.update(node.output)
             self.refused.add(self.index_of[id(node)])
         except Unsupported as exc:
-            problem = f"node '{node_label(node)}' ({_op_label(node)}): {exc}"
+            problem = f"node '{node_label(node)}' ({self._op_label(node)}): {exc}"
             (self.follow_on if follows_refusal else self.problems).append(problem)
             self.after_refusal.update(node.output)
             self.refused.add(self.index_of[id(node)])
@@ -296,7 +327,7 @@ class Translator:
             for position, value in enumerate(node.input):
                 if value not in self.parameter_values or (index, position) in self.parameter_reads:
                     continue
-                reader = f"node '{node_label(node)}' ({_op_label(node)}) reads it as input {position}"
+                reader = f"node '{node_label(node)}' ({self._op_label(node)}) reads it as input {position}"
                 if not (self._is_stored(value) or value in self.aliases):
                     self.problems.append(
                         f"'{value}', computed from a parameter for its layer, is also read elsewhere: {reader}; "
@@ -331,10 +362,10 @@ class Translator:
 
     def _outputs(self, carried: set[int], post: set[int]) -> list[tuple[str, str]]:
         """The DAG's outputs as (ONNX value, graph node): the graph outputs it computes, then the
-        values the post-processing (positions ``post``) reads from it; the outputs of ``carried``
-        nodes are the file's own."""
+        values the post-processing (positions ``post``) reads from it, each the file's own (see
+        :meth:`_written_value`); the outputs of ``carried`` nodes are the file's own."""
         carried_values = {out for index in carried for out in self.onnx_nodes[index].output}
-        post_reads = [value for index in sorted(post) for value in self.onnx_nodes[index].input
+        post_reads = [self._written_value(value) for index in sorted(post) for value in self.onnx_nodes[index].input
                       if value in self.activations and value not in carried_values]
         outputs = []
         for value in dict.fromkeys([*self.graph_outputs, *post_reads]):
@@ -350,6 +381,35 @@ class Translator:
             elif value in self.node_of_value:
                 outputs.append((value, self.node_of_value[value]))
         return outputs
+
+    def _written_value(self, value: str) -> str:
+        """The value of the file that activation ``value`` moves: ``value`` itself when the file
+        has it, else, through the data movements the converter to opset 13 added (the Flatten in
+        front of an opset-11 Softmax), the file's value they copy; ``value`` when there is none.
+        A runtime fetches it from the file, original and written alike."""
+        found = value
+        while found not in self.written_values and found in self.moves:
+            movement = self.moves[found][2]
+            moved = [read for read in movement.input if read in self.activations]
+            if moved != [movement.input[0]]:
+                return value
+            found = moved[0]
+        return found if found in self.written_values else value
+
+    def _written_ops(self, positions: set[int]) -> tuple[str, ...]:
+        """The operations of the file, in its order, that give the values of the nodes at
+        ``positions``: the converter's own nodes (the Reshape after an opset-11 LogSoftmax)
+        are none of them."""
+        values = {out for index in positions for out in self.onnx_nodes[index].output if out}
+        return tuple(_op_label(node) for node in self.written_nodes if any(out in values for out in node.output))
+
+    def _op_label(self, node: onnx.NodeProto) -> str:
+        """``node``'s operation; when the file gives its value by another one (an Upsample of
+        opset 9 read as a Resize), the file's, its opset and what it is read as."""
+        written = self.written_producer.get(node.output[0]) if node.output else None
+        if written is None or (written.op_type, written.domain) == (node.op_type, node.domain):
+            return _op_label(node)
+        return f"{_op_label(written)} of ONNX opset {self.written_opset}, read as {_op_label(node)}"
 
     # ---- graph nodes and activations
 
@@ -675,14 +735,16 @@ class Translator:
         if node.op_type == "Div" and static[0] == 0:
             raise Unsupported("dividing a constant by an activation is not homogeneous")
         x = self._activation(node, 1 - static[0])
-        if node.op_type == "Mul" and self._is_per_channel(node.input[static[0]], x):
+        scale = self._per_channel_parameter(node, self.activations)
+        if scale is not None:
             # Its shift, when an Add follows, is set by that Add.
-            self._emit_for(node, ChannelAffine, x, weight=self._weight(node.input[static[0]]).key, bias=None)
+            self._emit_for(node, ChannelAffine, x, weight=self._weight(scale).key, bias=None)
             return
         constant = self._static_floats(node.input[static[0]])
         if constant is None or len(constant) != 1:
-            raise Unsupported(f"only multiplication by a stored scalar or a per-channel tensor, or division by a "
-                               f"stored scalar, is supported ('{node.input[static[0]]}')")
+            raise Unsupported(self._layout_reason(node.input[static[0]], x) or (
+                f"only multiplication by a stored scalar or a per-channel tensor, or division by a stored scalar, is "
+                f"supported ('{node.input[static[0]]}')"))
         factor = constant[0]
         if node.op_type == "Div":
             if factor == 0:
@@ -995,8 +1057,7 @@ class Translator:
         if len(node.input) != 2 or len(static) != 1:
             raise Unsupported("only a sum of activations, or a stored constant added to one, is supported")
         x = self._activation(node, 1 - list(node.input).index(static[0]))
-        added = self._static_floats(static[0])
-        if added is not None and not any(added) and self._adds_no_axis(node, x):
+        if self._adds_nothing(node, x, static[0]):
             # MobileOne's ``out += identity`` with identity = 0 in its stem: nothing is added.
             self._emit_for(node, Identity, x)
             return
@@ -1013,10 +1074,36 @@ class Translator:
         """Neg: a fixed edge of weight −1, the scale node of factor −1."""
         self._emit_for(node, Scale, self._activation(node), factor=-1.0)
 
-    def _adds_no_axis(self, node: onnx.NodeProto, x: str) -> bool:
-        """Whether the sum has the shape of activation ``x`` (the constant broadcasts into it)."""
+    def _adds_nothing(self, node: onnx.NodeProto, x: str, constant: str) -> bool:
+        """Whether the sum is activation ``x`` itself: ``constant`` is zeros that broadcast into it."""
+        added = self._static_floats(constant)
         shape, x_shape = self.shapes.get(node.output[0]), self.shapes.get(x)
-        return shape is not None and shape == x_shape
+        return added is not None and not any(added) and shape is not None and shape == x_shape
+
+    def _layout_reason(self, constant: str, x: str) -> str | None:
+        """Why stored ``constant`` is not read as per-channel when it holds one value per channel
+        of the feature map that activation ``x`` moves, along another axis of ``x`` than axis 1
+        (the last axis of an NHWC view): its layout; None for any other constant."""
+        shape, x_shape = self.shapes.get(constant), self.shapes.get(x)
+        if x not in self.moves or shape is None or x_shape is None or len(shape) > len(x_shape) or None in shape:
+            return None
+        aligned = (1,) * (len(x_shape) - len(shape)) + tuple(shape)
+        varying = [axis for axis, size in enumerate(aligned) if size != 1]
+        if len(varying) != 1 or varying[0] < 2 or aligned[varying[0]] != x_shape[varying[0]]:
+            return None
+        axis = varying[0]
+        source, index, _ = self.moves[x]
+        channels, *spatial = self.node_shapes.get(self._source(source)) or self._batch_free_shape(source)
+        per_channel = prod(spatial)
+        channel = (index[:1] % (channels * per_channel)).div(per_channel, rounding_mode="floor")
+        lines = channel.movedim(axis, -1).reshape(-1, channel.shape[axis])
+        if channels != channel.shape[axis] or not (bool((lines == lines[:1]).all())
+                                                   and torch.equal(lines[0].sort().values, torch.arange(channels))):
+            return None
+        last = ", its last axis (where an NHWC tensor has its channels)" if axis == len(x_shape) - 1 else ""
+        return (f"'{constant}' holds one value per index of axis {axis} of '{x}'{last}: pathcond reads a per-channel "
+                "constant along axis 1 (NCHW) only, so this layout is not supported; apply it in NCHW layout (after "
+                "the Transpose back), where it is a per-channel scale or shift that rescales with its channel")
 
     def _fuse_bias(self, node: onnx.NodeProto, x: str, bias_value: str) -> None:
         """``MatMul`` then ``Add`` of a stored vector: that vector is the Linear layer's bias; a
@@ -1038,12 +1125,12 @@ class Translator:
             self._emit_for(node, ChannelBias, x, bias=self._weight(bias_value).key)
             return
         else:
-            raise Unsupported(
+            raise Unsupported(self._layout_reason(bias_value, x) or (
                 f"adding the constant '{bias_value}' is only supported as the bias of a MatMul, or as a tensor "
-                "holding one value per channel (broadcast along every other axis), which rescales with its "
-                "channel: a constant shared by several channels (or varying within one) would have to rescale "
-                "by two factors at once, which is not positively homogeneous"
-            )
+                "holding one value per channel (axis 1, broadcast along every other axis), which rescales with "
+                "its channel: a constant shared by several channels would have to rescale by two factors at once, "
+                "and one varying within a channel would be a bias per neuron, which pathcond does not read"
+            ))
         self.nodes[layer.name] = dataclasses.replace(layer, bias=bias)
         self.node_of_value[node.output[0]] = layer.name
 
