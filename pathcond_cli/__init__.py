@@ -9,7 +9,7 @@ runs it before ``__main__`` installs the Ctrl-C handler, and an import here (``t
 20 ms in a fresh virtual environment) was a window in which Ctrl-C printed a traceback.
 """
 
-__version__ = "0.8.3"
+__version__ = "0.9.0"
 
 _PUBLIC = {
     "Analysis": "api", "RescaleResult": "api", "analyse": "api", "load": "api", "rescale": "api",

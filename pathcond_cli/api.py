@@ -603,6 +603,7 @@ def _nothing_to_rescale(model: LoadedModel, analysis: Analysis, options: SolveOp
 def module_model(module: torch.nn.Module, input_shape: tuple[int, ...], *, name: str | None = None) -> LoadedModel:
     """Wrap an ``nn.Module`` (traced with torch.fx) as a :class:`LoadedModel`."""
     source = name or type(module).__name__
+    _check_on_a_device(module)
     graph, params, notes = module_import(module, tuple(input_shape), source=source)
     return LoadedModel(graph, params, "module", source, payload=module, warnings=notes, arch_source="module")
 
@@ -659,16 +660,22 @@ def _compare_module(module: torch.nn.Module, changed: Mapping[str, torch.Tensor]
         ) from None
 
 
-def _check_module(module: torch.nn.Module) -> None:
-    """Refuse what ``rescale_module`` cannot rescale exactly: meta tensors and tied parameters."""
-    name = type(module).__name__
+def _check_on_a_device(module: torch.nn.Module) -> None:
+    """Refuse a module with tensors on the meta device: it holds no values to read or run."""
     tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     on_meta = [key for key, tensor in tensors if tensor.is_meta]
     if on_meta:
         raise InputError(
-            f"{name}: tensor(s) {', '.join(on_meta[:10])} are on the meta device and hold no values; "
-            "load the weights (e.g. module.to_empty(device='cpu') then load_state_dict) before rescaling."
+            f"{type(module).__name__}: tensor(s) {', '.join(on_meta[:10])} are on the meta device and hold no "
+            "values; load the weights (e.g. module.to_empty(device='cpu') then load_state_dict) first."
         )
+
+
+def _check_module(module: torch.nn.Module) -> None:
+    """Refuse what ``rescale_module`` cannot rescale exactly: meta tensors and tied parameters."""
+    name = type(module).__name__
+    _check_on_a_device(module)
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
     owners: dict[tuple[int, int], list[str]] = {}
     for key, tensor in tensors:
         if tensor.numel():

@@ -88,7 +88,7 @@ def compare(
     rescaled_graph: Graph | None = None,
 ) -> Verification:
     """Run both parameter sets on the same random float64 inputs, in eval mode and, when the
-    network has BatchNorm, in train mode (batch statistics) too.
+    network has BatchNorm (each with eps > 0), in train mode (batch statistics) too.
 
     ``rescaled_graph`` is the graph read back from a written file, run with ``rescaled`` (all
     of its tensors): a file whose graph reads a tensor differently from the original (a
@@ -101,7 +101,10 @@ def compare(
         batch = 2 if max(math.prod(n.shape) for n in graph.inputs) > LARGE_INPUT else 8
     generator = torch.Generator().manual_seed(seed)
     inputs = {n.name: torch.randn((batch, *n.shape), generator=generator, dtype=torch.float64) for n in graph.inputs}
-    modes = ("eval", "train") if any(isinstance(n, BatchNorm) for n in graph.nodes) else ("eval",)
+    # torch computes no train-mode BatchNorm with eps = 0 (a channel's batch variance may be 0).
+    train = any(isinstance(n, BatchNorm) for n in graph.nodes) and all(
+        n.eps > 0 for n in graph.nodes if isinstance(n, BatchNorm))
+    modes = ("eval", "train") if train else ("eval",)
     # Keys only, found when the rounding floor needs them (each comparison reads both tensors):
     # each tensor is looked up when a run reads it, so a mapped or computed-when-read
     # ``rescaled`` is never held whole.
@@ -227,13 +230,13 @@ def compare_modules(
     (each copy is made float64 before the tensors are put in, so nothing is rounded again).
 
     Both are deep copies, so the module itself (its running statistics, its mode) is never
-    touched. Modes: eval, and train too when the module has BatchNorm layers.
+    touched. Modes: eval, and train too when the module has BatchNorm layers (each with eps > 0).
     """
     device = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
     batch = 2 if math.prod(input_shape) > LARGE_INPUT else 8
     x = torch.randn((batch, *input_shape), generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device)
-    has_batchnorm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
-    modes = ("eval", "train") if has_batchnorm else ("eval",)
+    batchnorms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    modes = ("eval", "train") if batchnorms and all(m.eps > 0 for m in batchnorms) else ("eval",)
     copies: dict[int, torch.nn.Module] = {}
 
     def run(overrides: Mapping[str, torch.Tensor] | None, train: bool) -> list[torch.Tensor]:

@@ -106,9 +106,11 @@ def test_a_decoder_read_through_torch_export_keeps_its_transposed_convs_and_resi
     assert any(not torch.equal(before[key], tensor) for key, tensor in module.state_dict().items())
 
 
-@pytest.mark.parametrize("mode, reason", [("bicubic", "bicubic weights are negative"),
-                                          ("nearest-exact", "mode='nearest-exact' is not supported")])
-def test_a_resize_torch_export_records_in_an_unsupported_mode_is_refused_with_the_reason(mode, reason):
+@pytest.mark.parametrize("mode, scale, reason", [
+    ("bicubic", 2, "bicubic weights are negative"),
+    ("nearest-exact", 1.5, "mode='nearest-exact' with scale_factor=[1.5, 1.5] of an input of spatial size (4, 4)"),
+])
+def test_a_resize_torch_export_records_in_an_unsupported_mode_is_refused_with_the_reason(mode, scale, reason):
     class Resized(nn.Module):
         def __init__(self):
             super().__init__()
@@ -117,7 +119,7 @@ def test_a_resize_torch_export_records_in_an_unsupported_mode_is_refused_with_th
         def forward(self, x):
             if x.shape[-1] > 2:
                 x = x * 2
-            return F.interpolate(self.conv(x), scale_factor=2, mode=mode)
+            return F.interpolate(self.conv(x), scale_factor=scale, mode=mode)
 
     with pytest.raises(UnsupportedModelError) as raised:
         module_model(Resized(), (1, 4, 4))

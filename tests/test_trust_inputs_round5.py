@@ -252,25 +252,24 @@ def test_set_threads_stays_within_the_address_space_left(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
-    per_thread = threads.thread_address_space()
+    per_thread = threads.thread_address_space(True)
     monkeypatch.setattr(threads, "address_space_left", lambda: int(3 * per_thread / threads.THREADS_ADDRESS_SHARE))
     before = torch.get_num_threads()
     try:
-        assert threads.threads_that_fit() == 4
         assert threads.set_threads() == 4 and torch.get_num_threads() == 4
-        with pytest.raises(InputError, match="--threads 4 or fewer"):
-            threads.set_threads(8)
+        with pytest.raises(InputError, match="--threads 13 or fewer"):
+            threads.set_threads(14)
     finally:
         torch.set_num_threads(before)
 
 
 def test_openmp_stack_size_counts_in_a_threads_address_space(monkeypatch):
     monkeypatch.delenv("OMP_STACKSIZE", raising=False)
-    default = threads.thread_address_space()
+    default = threads.thread_address_space(True)
     monkeypatch.setenv("OMP_STACKSIZE", "300M")
     stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
     stack = threads.UNLIMITED_STACK_DEFAULT_BYTES if stack == resource.RLIM_INFINITY else stack
-    assert threads.thread_address_space() == default - stack + (300 << 20)
+    assert threads.thread_address_space(True) == default - stack + (300 << 20)
 
 
 def test_passes_beyond_the_address_space_left_are_refused_before_allocating(tmp_path, mapped_after_import):

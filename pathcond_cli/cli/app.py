@@ -86,7 +86,8 @@ def _console_width() -> int | None:
 
 
 FALLBACK_COLUMNS = 80
-stderr = Console(stderr=True, width=_console_width())
+# emoji=False: a name such as 'facs:b' is printed as written, not with ':b:' as an emoji.
+stderr = Console(stderr=True, width=_console_width(), emoji=False)
 guard = CommandGuard(stderr)
 
 

@@ -107,15 +107,19 @@ class CommandGuard:
         of a refused network included.
         A bug in pathcond, not a problem with the input, is re-raised when PATHCOND_DEBUG is set."""
         from ..io.formats import exception_line
+        from ..io.formats.common import address_space_left
 
         if isinstance(exc, PathcondError):
             return exc.exit_code, "error", true_to_disk(exc.complete if complete else str(exc))
         if out_of_memory(exc):
             # The network's passes need more than the machine has: a property of the input (exit 3).
+            # Under ulimit -v the limit, not the machine, is what ran out.
+            room = ("raise this process's address-space limit (ulimit -v)" if address_space_left() is not None
+                    else "run on a machine with more memory")
             return EXIT_CODES["unreadable_input"], "error", true_to_disk(
                 f"out of memory: the passes over this network need more memory than is available "
-                f"({exception_line(exc)}); check the input shape (--input-shape), or run on a machine with more "
-                f"memory. {NOTHING_WRITTEN}")
+                f"({exception_line(exc)}); {room}, or, for a network that takes inputs of any size, pass a "
+                f"smaller --input-shape. {NOTHING_WRITTEN}")
         if isinstance(exc, typer.TyperException):  # a usage error met while processing one of several files
             return exc.exit_code, "error", exc.format_message()
         if os.environ.get(DEBUG_VARIABLE):

@@ -144,7 +144,8 @@ class BatchNorm(Node):
     bias: str = ""
     running_mean: str = ""
     running_var: str = ""
-    eps: float = hyper(1e-5, number("a number > 0", lambda x: x > 0))
+    # eps = 0 is a BatchNorm too: running_var + eps > 0 is checked per channel (batchnorm_variance_problems).
+    eps: float = hyper(1e-5, number("a number >= 0", lambda x: x >= 0))
     momentum: float = hyper(0.1, number("a number in [0, 1]", lambda x: 0 <= x <= 1))
     op: ClassVar[str] = "batchnorm"
     roles = {"weight": (1,), "bias": (1,), "running_mean": (1,), "running_var": (1,)}
@@ -679,7 +680,7 @@ def _topological_order(nodes: list[Node], outputs: tuple[str, ...], source: str)
     if not outputs:
         problems.append("the graph declares no output")
     if problems:
-        raise InputError(f"{source}: the network description is inconsistent:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise InputError(f"{source}: the network description is inconsistent:", problems)
 
     order: list[Node] = []
     state: dict[str, int] = {}

@@ -137,6 +137,12 @@ def ln_difference(ln_x: float, ln_y: float) -> float:
     return high + math.log(-math.expm1(low - high))
 
 
+def ln_add(ln_x: float, ln_y: float) -> float:
+    """ln (x + y) from ln x and ln y (x, y ≥ 0)."""
+    high, low = max(ln_x, ln_y), min(ln_x, ln_y)
+    return high if low == -math.inf else high + math.log1p(math.exp(low - high))
+
+
 def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: PathNorm, l1_b: PathNorm,
                 signs: SignComparison, *, device: torch.device | str = "cpu", u_a: torch.Tensor | None = None,
                 u_b: torch.Tensor | None = None) -> PathMetric:
@@ -167,6 +173,12 @@ def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: Path
         ln_d, rounding, exact = _telescoped(larger, smaller, device=device, u_a=u_larger, u_b=u_larger)
         if exact:
             return PathMetric(ln_d, ln_d, True, rounding)
+        # Each allowance taken off instead: where no difference goes below 0, every term still
+        # is one, dominance holds in exact arithmetic as well, and the sum is at most d.
+        ln_least, _, _ = _telescoped(larger, smaller, device=device, u_a=u_larger, u_b=u_larger, allowance_sign=-1)
+        if ln_least is not None:
+            ln_least += math.log1p(-rounding) if rounding < 1 else -math.inf
+            return PathMetric(ln_least, ln_d, ln_d - ln_least <= 2 * math.log1p(rounding), rounding)
         ln_upper = ln_d
     else:
         ln_upper, rounding, _ = _telescoped(groups_a, groups_b, device=device, u_a=u_a, u_b=u_b)
@@ -177,8 +189,7 @@ def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: Path
     high = ln_high + (math.log1p(-rounding) if rounding < 1 else -math.inf)
     high_error = _ln_fold_error_mass(high_groups, u_high, device) + 2 * math.log1p(rounding)
     high = ln_difference(high, high_error) if high > high_error else -math.inf
-    low = float(torch.logaddexp(torch.tensor(ln_low + math.log1p(rounding)),
-                                torch.tensor(_ln_fold_error_mass(low_groups, u_low, device) + 2 * math.log1p(rounding))))
+    low = ln_add(ln_low + math.log1p(rounding), _ln_fold_error_mass(low_groups, u_low, device) + 2 * math.log1p(rounding))
     lower = ln_difference(high, low) if high > low else -math.inf
     return PathMetric(lower, max(lower, ln_upper), False, rounding)
 
@@ -226,9 +237,13 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
 
 
 def _telescoped(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str,
-                u_a: torch.Tensor | None, u_b: torch.Tensor | None) -> tuple[float, float, bool]:
+                u_a: torch.Tensor | None, u_b: torch.Tensor | None,
+                allowance_sign: int = 1) -> tuple[float | None, float, bool]:
     """:func:`telescoped_sum`, and whether every |a − b| is the exact difference within a
-    relative rounding (one balancing, no two folds of different statistics)."""
+    relative rounding (one balancing, no folds whose difference needs an allowance:
+    :meth:`~.rules.Fold.difference`). With one balancing and ``allowance_sign`` −1 the folds'
+    allowances are taken off the differences instead of added: the sum is None where that
+    leaves a difference below 0."""
     groups_a, groups_b = groups_a.to(device), groups_b.to(device)
     u_a = groups_a.extend(balancing_exponents(groups_a)) if u_a is None else u_a
     u_b = groups_b.extend(balancing_exponents(groups_b)) if u_b is None else u_b
@@ -255,7 +270,9 @@ def _telescoped(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device:
                 for dp_a, dp_b in pairs[node.name]:
                     a = balanced_value(dp_a, u_a, device)
                     if one_balancing:
-                        difference, exact_here = _balanced_difference(dp_a, dp_b, u_a, device)
+                        difference, exact_here = _balanced_difference(dp_a, dp_b, u_a, device, allowance_sign)
+                        if difference is None:
+                            return None, rounding_bound(groups_a, ln_magnitude), False
                         exact = exact and exact_here
                     else:
                         difference = _bounded_difference(dp_a, dp_b, a, balanced_value(dp_b, u_b, device),
@@ -279,14 +296,21 @@ def _telescoped(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device:
     return ln_sum, rounding_bound(groups_a, ln_magnitude), exact
 
 
-def _balanced_difference(dp_a: DagParam, dp_b: DagParam, u_ext: torch.Tensor, device) -> tuple[ScaledTensor, bool]:
+def _balanced_difference(dp_a: DagParam, dp_b: DagParam, u_ext: torch.Tensor, device,
+                         allowance_sign: int) -> tuple[ScaledTensor | None, bool]:
     """D|θ − θ'| for one tensor: the difference of the stored values, then the balancing; with
-    a BatchNorm folded in, the folds' :meth:`~.rules.Fold.difference` (and whether it is exact)."""
+    a BatchNorm folded in, the folds' :meth:`~.rules.Fold.difference` with its allowance added
+    (``allowance_sign`` 1) or taken off (−1: None where that leaves an entry below 0), and
+    whether there was none to make."""
     if dp_a.fold is None:
-        gap, exact = (dp_a.value.to(device, torch.float64) - dp_b.value.to(device, torch.float64)).abs_(), True
+        gap, allowance = (dp_a.value.to(device, torch.float64) - dp_b.value.to(device, torch.float64)).abs_(), None
     else:
-        gap, exact = dp_a.fold().difference(dp_b.fold())
-    return balanced_value(dataclasses.replace(dp_a, source=gap.to(device)), u_ext, device), exact
+        gap, allowance = dp_a.fold().difference(dp_b.fold())
+        if allowance is not None:
+            gap = gap + allowance_sign * allowance
+            if bool((gap < 0).any()):
+                return None, False
+    return balanced_value(dataclasses.replace(dp_a, source=gap.to(device)), u_ext, device), allowance is None
 
 
 def balancing_rounding(ln_magnitude: float) -> float:

@@ -233,31 +233,50 @@ SHIFT_ROUNDINGS = 8
 @dataclass(frozen=True)
 class Fold:
     """How a tensor with a BatchNorm folded in was computed (float64), for differences rounding
-    cannot shrink: ``value`` = ``base`` · ``scale`` per output channel (dim 0), plus the shift
-    β − scale·μ for a bias. ``statistics`` (γ, σ², β, μ) and ``eps`` are what the scale and
-    shift come from; ``error`` bounds |value − the exact fold| per entry. The shift is not
-    within a relative rounding of itself (β and scale·μ may cancel to a few ulps of either), so
-    neither is ``error``.
+    cannot shrink: ``value`` = ``base`` · ``scale`` per output channel (dim 0), plus, for a
+    bias, the shift β − scale·μ (``shift_inputs`` = (β, μ); None for a weight). ``scale_inputs``
+    (γ, σ²) and ``eps`` are what the scale comes from; ``error`` bounds |value − the exact fold|
+    per entry. The shift is not within a relative rounding of itself (β and scale·μ may cancel
+    to a few ulps of either), so neither is ``error``.
     """
 
     value: torch.Tensor
     base: torch.Tensor
     scale: torch.Tensor
-    statistics: tuple[torch.Tensor, ...]
+    scale_inputs: tuple[torch.Tensor, torch.Tensor]
     eps: float
+    shift_inputs: tuple[torch.Tensor, torch.Tensor] | None
     error: torch.Tensor
 
-    def difference(self, other: Fold) -> tuple[torch.Tensor, bool]:
-        """A bound on |exact value − other's exact value| per entry, and whether it is that
-        difference itself within a relative γ_FOLD_ROUNDINGS (a sum of non-negative terms).
+    def difference(self, other: Fold) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """|value − other's value| per entry, taken as below, and an allowance for its rounding:
+        the exact difference lies within allowance of it (None: within a relative
+        γ_FOLD_ROUNDINGS everywhere, nothing to allow for).
 
-        Folds of one BatchNorm's statistics share the scale and the shift: the difference is
-        |base − base'| · scale, taken before the fold. Otherwise the folded values' difference
-        and both folds' errors."""
-        if self.eps == other.eps and all(torch.equal(x, y) for x, y in zip(self.statistics, other.statistics)):
-            return (self.base - other.base.to(self.base.device)).abs_() * _channels(self.scale, self.base), True
-        value = other.value.to(self.value.device)
-        return (self.value - value).abs_() + self.error + other.error.to(self.value.device), False
+        In a channel of one scale (and, for a bias, one mean) the two differ by
+        |Δbase · scale + Δβ|, taken before the fold: relative where one of the two terms is 0 (a
+        pruned or shrunk weight, a moved β), and otherwise allowing for the rounding each term
+        can carry. In a channel of other statistics, by their folded values' difference,
+        allowing for both folds' errors."""
+        device = self.value.device
+        folded_gap = (self.value - other.value.to(device)).abs_()
+        folds_error = self.error + other.error.to(device)
+        # The channels whose scale (and a bias's mean) are computed from the same numbers.
+        same = torch.full_like(self.scale, self.eps == other.eps, dtype=torch.bool)
+        means = (self.shift_inputs[1],) if self.shift_inputs else ()
+        other_means = (other.shift_inputs[1],) if other.shift_inputs else ()
+        for mine, theirs in zip(self.scale_inputs + means, other.scale_inputs + other_means):
+            same &= mine == theirs.to(device)
+        same = _channels(same, self.value)
+        scaled = (self.base - other.base.to(device)) * _channels(self.scale, self.base)
+        if self.shift_inputs is None:
+            gap, rounding = scaled.abs_(), torch.zeros_like(scaled)
+        else:
+            moved = self.shift_inputs[0] - other.shift_inputs[0].to(device)
+            both = (scaled != 0) & (moved != 0)
+            gap, rounding = (scaled + moved).abs(), _gamma(FOLD_ROUNDINGS) * (scaled.abs() + moved.abs()) * both
+        allowance = torch.where(same, rounding, folds_error)
+        return torch.where(same, gap, folded_gap), allowance if bool(allowance.any()) else None
 
 
 def _channels(per_channel_values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -281,12 +300,12 @@ def fold_batchnorm(bn: BatchNorm, params: Mapping[str, torch.Tensor], weight: to
     scale = gamma / torch.sqrt(variance + bn.eps)
     weight = torch.ones_like(scale).reshape(-1, 1) if weight is None else weight.to(torch.float64)
     bias = torch.zeros_like(scale) if bias is None else bias.to(torch.float64)
-    statistics = (gamma, variance, beta, mean)
     folded_weight = weight * _channels(scale, weight)
     folded_bias = beta - scale * mean + scale * bias
     shift_error = _gamma(SHIFT_ROUNDINGS) * (beta.abs() + (scale * mean).abs() + (scale * bias).abs())
-    return (Fold(folded_weight, weight, scale, statistics, bn.eps, _gamma(FOLD_ROUNDINGS) * folded_weight.abs()),
-            Fold(folded_bias, bias, scale, statistics, bn.eps, shift_error))
+    return (Fold(folded_weight, weight, scale, (gamma, variance), bn.eps, None,
+                 _gamma(FOLD_ROUNDINGS) * folded_weight.abs()),
+            Fold(folded_bias, bias, scale, (gamma, variance), bn.eps, (beta, mean), shift_error))
 
 
 # --------------------------------------------------------------------------- rules

@@ -99,31 +99,54 @@ def _no_architecture_message(display: str, candidates: list[Path]) -> str:
     )
 
 
-def check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display: str) -> None:
-    """``graph.check_parameters`` with the checkpoint named, and a hint for a default bias key."""
+# Missing weights a mismatch hint names: enough to recognise another model's names.
+MISSING_WEIGHTS_SHOWN = 3
+
+
+def check_parameters(graph: Graph, params: Mapping[str, torch.Tensor], display: str, *, from_factory: bool) -> None:
+    """``graph.check_parameters`` with the checkpoint named, and what the missing tensors most
+    likely mean (``from_factory``: the graph is a factory's module's, not a spec's)."""
     try:
         graph.check_parameters(params)
     except (InvalidWeightsError, InputError) as exc:
-        missing_biases = [
-            node.name for node in graph.nodes
-            if "bias" in node.optional_roles and node.bias is not None and node.bias not in params
-        ]
-        hint = exc.note
         # A checkpoint with no tensor the architecture names is refused without problems listed:
-        # its missing biases are no hint.
-        if missing_biases and exc.problems:
-            used = set(graph.parameter_keys())
-            folded = any(key.endswith("running_mean") and key not in used for key in params)
-            hint = (
-                f"({len(missing_biases)} layer(s) have no bias tensor: {some_keys(set(missing_biases))}; "
-                + ("the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
-                   "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
-                   "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
-                   "--input-shape ...)"
-                   if folded else "a layer without bias needs 'bias: null' in the spec")
-                + ")"
-            )
-        raise type(exc)(f"{display}: {exc.message}", exc.problems, hint) from None
+        # it already says so.
+        hint = _mismatch_hint(graph, params, from_factory) if exc.problems else exc.note
+        raise type(exc)(f"{display}: {exc.message}", exc.problems, hint or exc.note) from None
+
+
+def _mismatch_hint(graph: Graph, params: Mapping[str, torch.Tensor], from_factory: bool) -> str | None:
+    """Why the architecture reads tensors the checkpoint lacks: another model's checkpoint when a
+    tensor other than a bias is missing or most names do not match; else layers whose bias the
+    checkpoint does not hold, beside BatchNorm statistics nothing reads (a spec from an ONNX
+    export that folded them, or a factory building another variant) or not."""
+    wanted = set(graph.parameter_keys())
+    matched = len(wanted & params.keys())
+    missing_required = [key for node in graph.nodes for role, key in node.parameter_keys().items()
+                        if key not in params and role not in node.optional_roles]
+    if missing_required or 2 * matched < len(wanted):
+        route = "the factory's module" if from_factory else "the spec"
+        examples = ", ".join(f"'{shown(key)}'" for key in missing_required[:MISSING_WEIGHTS_SHOWN])
+        lacks = f", and lacks {len(missing_required)} that are no bias, such as {examples}" if missing_required else ""
+        return (f"(the checkpoint holds {matched} of the {len(wanted)} tensors {route} reads{lacks}: it was probably "
+                f"saved from another model than {route} describes; check that the architecture passed is this "
+                "checkpoint's)")
+    missing_biases = [node.name for node in graph.nodes
+                      if "bias" in node.optional_roles and node.bias is not None and node.bias not in params]
+    if not missing_biases:
+        return None
+    folded = any(key.endswith("running_mean") and key not in wanted for key in params)
+    if from_factory:
+        remedy = ("the checkpoint holds BatchNorm statistics the module does not read: it was probably saved "
+                  "from another variant of the model (a BatchNorm after each conv without bias); check the "
+                  "factory's arguments" if folded else "the checkpoint was probably saved from another variant "
+                  "of the model (layers built with bias=False); check the factory's arguments")
+    else:
+        remedy = ("the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
+                  "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
+                  "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
+                  "--input-shape ...)" if folded else "a layer without bias needs 'bias: null' in the spec")
+    return f"({len(missing_biases)} layer(s) have no bias tensor: {some_keys(set(missing_biases))}; {remedy})"
 
 
 def unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: str,

@@ -171,8 +171,7 @@ def check_weight_types(graph: Graph, params: Mapping[str, torch.Tensor], source:
         if problem:
             problems.append(problem)
     if problems:
-        raise InputError(f"{source}: the network's tensors cannot be rescaled:\n"
-                         + "\n".join(f"  - {p}" for p in problems))
+        raise InputError(f"{source}: the network's tensors cannot be rescaled:", problems)
 
 
 def _bias_size_problem(node, params: Mapping[str, torch.Tensor]) -> str | None:

@@ -134,8 +134,7 @@ def _checkpoint_filters(read: ModuleRead, checkpoint: Mapping[str, torch.Tensor]
         else:
             coefficients[layer] = tuple(tensor.detach().double().flatten().tolist())
     if problems:
-        raise InputError(f"{display}: the checkpoint does not match the architecture:\n"
-                         + "\n".join(f"  - {problem}" for problem in problems))
+        raise InputError(f"{display}: the checkpoint does not match the architecture:", problems)
     nodes = [replace(node, coefficients=coefficients[node.name]) if node.name in coefficients else node
              for node in read.graph.nodes]
     return Graph(nodes, read.graph.outputs, source=read.graph.source)

@@ -31,7 +31,7 @@ from .spec import graph_from_spec
 
 SUPPORTED_SUMMARY = (
     "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
-    "PReLU, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
+    "PReLU, abs, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
     "and circular padding, spatial crops, -inf padding before max pooling, multiplication or division by a "
     "constant, negation, a per-channel scale and shift by stored tensors (or a shift alone), a depthwise "
     "convolution by a filter buffer (fixed), nearest and (bi/tri)linear Upsample/interpolate, flatten, channel "
@@ -83,10 +83,14 @@ def read_module(module: nn.Module, input_shape: Sequence[int], *, source: str) -
     rescales the inference function, and run once on a zero input so that view, reshape,
     transpose, split and slicing chains are resolved on concrete shapes.
     """
-    traced, values = _traced_and_run(module, tuple(input_shape), source)
+    traced, values, from_fx = _traced_and_run(module, tuple(input_shape), source)
     state = module.state_dict()
     parameters = frozenset(name for name, _ in module.named_parameters(remove_duplicate=False))
     spec, problems, follow_on, dropped, note = _spec_from_trace(traced, values, frozenset(state), parameters)
+    if (problems or follow_on) and from_fx and _export_may_read(traced, note):
+        exported = _exported_read(module, tuple(input_shape), source, frozenset(state), parameters)
+        if exported is not None:
+            spec, problems, follow_on, dropped, note = exported
     if problems or follow_on:
         raise UnsupportedModelError(
             f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on, note=note
@@ -95,6 +99,28 @@ def read_module(module: nn.Module, input_shape: Sequence[int], *, source: str) -
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
     return ModuleRead(graph, {key: tensor.detach() for key, tensor in state.items()}, _dropped_note(dropped, source),
                       {name: key for name, key in buffers.items() if key in state})
+
+
+def _export_may_read(traced: torch.fx.GraphModule, note: str | None) -> bool:
+    """Whether torch.export's graph may read what fx's refuses: a call form (``convT(x,
+    output_size=...)``) is recorded as ATen operations with plain arguments, but an operation
+    that is not positively homogeneous (``note``) or a module applied twice stays what it is."""
+    return note is None and not _reused_modules(traced.graph, dict(traced.named_modules()))
+
+
+def _exported_read(
+    module: nn.Module, input_shape: tuple[int, ...], source: str, state_keys: frozenset[str],
+    parameter_keys: frozenset[str],
+) -> tuple[dict[str, Any], list[str], list[str], list[str], None] | None:
+    """The spec of torch.export's graph where it reads without a problem (None otherwise, and
+    the fx graph's problems stand: they name the module's own calls)."""
+    try:
+        exported, values = _exported_and_run(module, input_shape, source,
+                                             "torch.fx's graph has operations pathcond cannot read")
+    except UnsupportedModelError:
+        return None
+    spec, problems, follow_on, dropped, note = _spec_from_trace(exported, values, state_keys, parameter_keys)
+    return None if problems or follow_on or note is not None else (spec, problems, follow_on, dropped, note)
 
 
 # The field of a fixed filter's spec layer that names its buffer until the graph is built (no spec field).
@@ -123,14 +149,16 @@ def _check_one_input(traced: torch.fx.GraphModule, source: str) -> None:
 
 
 def _traced_and_run(module: nn.Module, input_shape: tuple[int, ...],
-                    source: str) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]:
-    """The module's graph and the value of each of its nodes on a zero input of batch 1.
+                    source: str) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any], bool]:
+    """The module's graph, the value of each of its nodes on a zero input of batch 1, and
+    whether the graph is torch.fx's (which :func:`read_module` may still replace by torch.export's).
 
     The graph is torch.fx's; where fx cannot trace the module (a forward that branches on its
-    input's shape), or traces a graph that does not run where the module does (a branch on
-    ``torch.jit.isinstance`` or ``is None``, which fx takes as it will), torch.export's, which
-    runs the module and records the branches it takes. Only a module that itself raises on the
-    zero input has its input shape blamed (a usage error).
+    input's shape), or traces a graph that does not compute what the module does (a branch on
+    ``isinstance`` or ``is None``, which fx takes as it will on its proxies: the graph raises, or
+    runs and skips a layer), torch.export's, which runs the module and records the branches it
+    takes. Each graph is checked against the module itself on a random input. Only a module that
+    itself raises on the zero input has its input shape blamed (a usage error).
     """
     try:
         traced = _in_eval_mode(module, lambda: torch.fx.symbolic_trace(module))
@@ -140,10 +168,23 @@ def _traced_and_run(module: nn.Module, input_shape: tuple[int, ...],
         _check_one_input(traced, source)
         values, failure = _run_on_zeros(module, traced, input_shape)
         if failure is None:
-            return traced, values
-        _check_module_runs(module, input_shape, source)
-        fx_failure = (f"the graph torch.fx traced raises where the module does not ({_failed_node(traced, values)}: "
-                      f"{_first_line(failure)}): fx took another branch than the module's forward")
+            difference = _difference_from_module(module, traced, input_shape, batches=(2, 1))
+            if difference is None:
+                return traced, values, True
+            fx_failure = (f"the graph torch.fx traced {difference}: fx took another branch than the module's "
+                          "forward (a test of isinstance or of None on a traced value)")
+        else:
+            _check_module_runs(module, input_shape, source)
+            fx_failure = (f"the graph torch.fx traced raises where the module does not ({_failed_node(traced, values)}: "
+                          f"{_first_line(failure)}): fx took another branch than the module's forward")
+    exported, values = _exported_and_run(module, input_shape, source, fx_failure)
+    return exported, values, False
+
+
+def _exported_and_run(module: nn.Module, input_shape: tuple[int, ...], source: str,
+                      fx_failure: str) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]:
+    """torch.export's graph of the module and the value of each of its nodes on a zero input of
+    batch 1, checked against the module; ``fx_failure`` says why torch.fx's graph is not used."""
     try:
         exported = exported_graph(module, _zero_input(module, input_shape))
     except Exception as exc:  # noqa: BLE001 - torch.export runs user code and raises many types
@@ -162,7 +203,82 @@ def _traced_and_run(module: nn.Module, input_shape: tuple[int, ...],
             f"module does not ({_failed_node(exported, values)}: {_first_line(failure)}); this operation cannot be "
             "read on the module route. If torch.onnx.export can export the module, pathcond may read the .onnx file"
         )
+    # torch.export records the shapes of the batch of 1 it ran (a reshape keeps its sizes).
+    difference = _difference_from_module(module, exported, input_shape, batches=(1,))
+    if difference is not None:
+        raise UnsupportedModelError(
+            f"{source}: {fx_failure}, and the graph torch.export recorded {difference}: the module's forward "
+            "depends on something neither trace sees (a random draw, a global or attribute it changes while "
+            "running, a value read back from a tensor). pathcond reads a forward whose operations depend only "
+            "on the input's shape; if torch.onnx.export exports the module faithfully, pathcond may read the "
+            ".onnx file"
+        )
     return exported, values
+
+
+def _difference_from_module(module: nn.Module, graph_module: torch.fx.GraphModule, input_shape: tuple[int, ...],
+                            *, batches: Sequence[int]) -> str | None:
+    """How the graph's outputs differ from the module's own on a random input, in eval mode
+    (None when they agree to rounding in the module's dtype): a trace may take another branch
+    than the forward and still run. The first batch size in ``batches`` the module runs on is
+    used; the module's buffers are restored afterwards, since a forward may write them."""
+    buffers = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    try:
+        for batch in batches:
+            example = _random_input(module, input_shape, batch)
+            try:
+                wanted = _in_eval_mode(module, lambda: module(example))
+                break
+            except Exception as exc:  # noqa: BLE001 - the user's forward, which may raise anything
+                if batch == batches[-1]:
+                    return (f"cannot be checked: the module raises on a random input of shape "
+                            f"{tuple(example.shape)} ({_first_line(exc)})")
+        try:
+            got = _in_eval_mode(module, lambda: torch.fx.Interpreter(graph_module).run(example))
+        except Exception as exc:  # noqa: BLE001 - user code recorded in the graph
+            return (f"raises on a random input of shape {tuple(example.shape)} where the module does not "
+                    f"({_first_line(exc)})")
+        return _outputs_difference(wanted, got)
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's result (a tensor, or tuples, lists and dicts of them), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else ()
+    return [tensor for item in items for tensor in _tensors_in(item)]
+
+
+def _outputs_difference(wanted: Any, got: Any) -> str | None:
+    """How ``got`` (the graph's outputs) differs from ``wanted`` (the module's), or None."""
+    wanted_leaves, got_leaves = _tensors_in(wanted), _tensors_in(got)
+    if len(wanted_leaves) != len(got_leaves):
+        return f"returns {len(got_leaves)} tensor(s) where the module returns {len(wanted_leaves)}"
+    for index, (want, have) in enumerate(zip(wanted_leaves, got_leaves)):
+        if want.shape != have.shape:
+            return f"returns an output {index} of shape {tuple(have.shape)} where the module's is {tuple(want.shape)}"
+        if not want.is_floating_point():
+            continue
+        # The graph runs the module's own kernels: anything beyond rounding is another function.
+        # Non-finite outputs (invalid BatchNorm statistics, refused later with their cause) must
+        # sit where the module's do; the rest is compared.
+        finite = torch.isfinite(want)
+        if not torch.equal(finite, torch.isfinite(have)):
+            return (f"computes another function than the module on a random input (output {index} is not "
+                    "finite at other positions than the module's)")
+        want, have = want[finite].double(), have[finite].double()
+        tolerance = torch.finfo(wanted_leaves[index].dtype).eps ** 0.5
+        error = (have - want).abs().max().item() if want.numel() else 0.0
+        scale = want.abs().max().item() if want.numel() else 0.0
+        if not error <= tolerance * max(scale, 1.0):
+            return (f"computes another function than the module on a random input (output {index} differs by "
+                    f"{error:.3g}, the module's largest output being {scale:.3g})")
+    return None
 
 
 def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
@@ -189,12 +305,37 @@ def _check_module_runs(module: nn.Module, input_shape: tuple[int, ...], source: 
     try:
         _in_eval_mode(module, lambda: module(_zero_input(module, input_shape)))
     except Exception as exc:  # noqa: BLE001 - the user's forward, which may raise anything
+        _check_batch_free(module, input_shape, source, exc)
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UsageError(
             f"{source}: the module raises when run on one example of the batch-free input shape "
             f"{input_shape} (a zero input of shape {(1, *input_shape)}): {shown(reason, 300)}. "
             "The input shape is batch-free: 3,32,32 for 32x32 RGB images, not 1,3,32,32."
         ) from None
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _check_batch_free(module: nn.Module, input_shape: tuple[int, ...], source: str, failure: Exception) -> None:
+    """Refuse (unsupported, not a usage error) a module that raises on one example but runs on
+    two: its inference function mixes the examples of a batch (a BatchNorm without running
+    statistics normalises with the batch's), which the input shape cannot mend."""
+    try:
+        _in_eval_mode(module, lambda: module(_zero_input(module, input_shape, batch=2)))
+    except Exception:  # noqa: BLE001 - the user's forward: it raises on any batch, the shape is blamed
+        return
+    batch_statistics = ", ".join(f"'{name}' ({type(layer).__name__})" for name, layer in module.named_modules()
+                                 if isinstance(layer, _BATCH_NORMS) and layer.running_mean is None)
+    culprit, remedy = ((f"the BatchNorm {batch_statistics} normalises with the batch's statistics in eval mode too "
+                        "(track_running_stats=False)", ". Give it running statistics (track_running_stats=True, "
+                        "then train or load them)") if batch_statistics else
+                       ("its forward computes across the batch", ""))
+    raise UnsupportedModelError(
+        f"{source}: the module raises on a batch of one example of the input shape {input_shape} "
+        f"({_first_line(failure)}) but runs on a batch of two: {culprit}, so each example's output depends on "
+        f"the others' and it is no function of one input that pathcond can rescale{remedy}"
+    )
 
 
 def _failed_node(graph_module: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any]) -> str:
@@ -218,12 +359,24 @@ def _in_eval_mode(module: nn.Module, run: Callable[[], Any]) -> Any:
         module.train(was_training)
 
 
-def _zero_input(module: nn.Module, input_shape: tuple[int, ...]) -> torch.Tensor:
-    """A zero example on the module's own device (its first parameter's or buffer's; the CPU without either)."""
+def _zero_input(module: nn.Module, input_shape: tuple[int, ...], batch: int = 1) -> torch.Tensor:
+    """A zero example of ``batch`` inputs on the module's own device."""
+    return torch.zeros((batch, *input_shape), dtype=_input_dtype(module), device=_device(module))
+
+
+def _random_input(module: nn.Module, input_shape: tuple[int, ...], batch: int) -> torch.Tensor:
+    """A standard normal example of ``batch`` inputs on the module's own device, the same on every
+    run and device (drawn on the CPU, whose generator every build has)."""
+    generator = torch.Generator().manual_seed(0)
+    drawn = torch.randn((batch, *input_shape), generator=generator, dtype=_input_dtype(module))
+    return drawn.to(_device(module))
+
+
+def _device(module: nn.Module) -> torch.device:
+    """The module's own device: its first parameter's or buffer's (the CPU without either)."""
     held = next(module.parameters(), None)
     held = held if held is not None else next(module.buffers(), None)
-    device = held.device if held is not None else torch.device("cpu")
-    return torch.zeros((1, *input_shape), dtype=_input_dtype(module), device=device)
+    return held.device if held is not None else torch.device("cpu")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -790,6 +943,11 @@ def _prelu(module: nn.PReLU, target: str) -> dict[str, Any]:
     return {"type": "prelu", "weight": f"{target}.weight"}
 
 
+def _prelu_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
+    """``F.prelu`` on a stored slope (torch.export records nn.PReLU so)."""
+    return {"type": "prelu", "weight": stored.key(kwargs["weight"], "weight")}
+
+
 _PAD_MODULES = {
     **{cls: ("constant", rank) for rank, cls in ((1, nn.ConstantPad1d), (2, nn.ConstantPad2d), (3, nn.ConstantPad3d),
                                                  (1, nn.ZeroPad1d), (2, nn.ZeroPad2d), (3, nn.ZeroPad3d))},
@@ -892,6 +1050,7 @@ _BUILTIN_SIGNATURES = {
         (torch.relu, (("input", {}),)),
         (torch.relu_, (("input", {}),)),
         (F.linear, (("input", {}), ("weight", {}), ("bias", {"default": None}))),
+        (F.prelu, (("input", {}), ("weight", {}))),
         *((conv, (("input", {}), ("weight", {}), ("bias", {"default": None}), ("stride", {"default": 1}),
                   ("padding", {"default": 0}), ("dilation", {"default": 1}), ("groups", {"default": 1})))
           for conv in (torch.conv1d, torch.conv2d, torch.conv3d)),
@@ -987,9 +1146,13 @@ def _mean(args: Sequence[Any], kwargs: Mapping[str, Any], values: Mapping[torch.
 _RESIZE_MODES = {"nearest": "nearest", "linear": "linear", "bilinear": "linear", "trilinear": "linear"}
 
 
-def _upsample(args: Mapping[str, Any]) -> dict[str, Any]:
-    """nn.Upsample (attributes) and F.interpolate (kwargs): nearest or (bi/tri)linear only."""
+def _upsample(args: Mapping[str, Any], input_size: Sequence[int] | None = None) -> dict[str, Any]:
+    """nn.Upsample (attributes) and F.interpolate (kwargs): nearest or (bi/tri)linear, and
+    nearest-exact where it copies what nearest does. ``input_size`` is the input's spatial size
+    where known (F.interpolate's traced run)."""
     mode = args.get("mode", "nearest")
+    if mode == "nearest-exact":
+        mode = _nearest_exact_as_nearest(args, input_size)
     if mode not in _RESIZE_MODES:
         raise Unsupported(
             f"mode={mode!r} is not supported (nearest, linear, bilinear, trilinear): bicubic weights are negative "
@@ -1011,16 +1174,45 @@ def _upsample(args: Mapping[str, Any]) -> dict[str, Any]:
     return layer
 
 
+def _nearest_exact_as_nearest(args: Mapping[str, Any], input_size: Sequence[int] | None) -> str:
+    """'nearest', for a nearest-exact resize that copies the same pixels; refused otherwise.
+
+    Output pixel i of an axis with scale s (input over output size, or 1/scale_factor) copies
+    input pixel floor(i·s) in nearest mode and floor((i + ½)·s) in nearest-exact; they agree on
+    every i exactly when 1/s is an integer: an integer upscaling factor on every axis.
+    """
+    size, scale_factor = args.get("size"), args.get("scale_factor")
+    if scale_factor is not None and not args.get("recompute_scale_factor"):
+        factors = scale_factor if isinstance(scale_factor, (list, tuple)) else [scale_factor]
+        whole = all(float(factor).is_integer() and factor >= 1 for factor in factors)
+    elif size is not None and input_size is not None:
+        sizes = size if isinstance(size, (list, tuple)) else [size] * len(input_size)
+        whole = all(out % given == 0 for out, given in zip(sizes, input_size))
+    else:
+        whole = False
+    if not whole:
+        shown_size = f"scale_factor={scale_factor!r}" if scale_factor is not None else f"size={size!r}"
+        known = f" of an input of spatial size {tuple(input_size)}" if input_size is not None else ""
+        raise Unsupported(
+            f"mode='nearest-exact' with {shown_size}{known} is not supported: it copies the input pixel under each "
+            "output pixel's centre, which pathcond's nearest resize (the pixel under its corner, torch's 'nearest', "
+            "ONNX's asymmetric floor) matches only for an integer upscaling factor on every axis"
+            + ("" if known else " (give scale_factor, or call F.interpolate, whose input size pathcond sees)")
+        )
+    return "nearest"
+
+
 def _interpolate_function(kwargs: Mapping[str, Any], node: torch.fx.Node,
                           values: Mapping[torch.fx.Node, Any]) -> dict[str, Any]:
     """F.interpolate; a size computed from other tensors' shapes (``size=skip.shape[2:]``) is
     the one the traced run produced, a constant for the input shape the graph is built for."""
-    output = values.get(node)
+    output, x = values.get(node), values.get(kwargs["input"])
     size = kwargs.get("size")
     sizes = size if isinstance(size, (list, tuple)) else [size]
     if size is not None and not all(isinstance(v, int) for v in sizes) and isinstance(output, torch.Tensor):
         kwargs = {**kwargs, "size": list(output.shape[2:])}
-    return {**_upsample(kwargs), "inputs": [kwargs["input"]]}
+    input_size = tuple(x.shape[2:]) if isinstance(x, torch.Tensor) else None
+    return {**_upsample(kwargs, input_size), "inputs": [kwargs["input"]]}
 
 
 def _dropout(kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -1075,6 +1267,13 @@ def _sub_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[
 
 def _relu_method(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
     return [{"type": "relu", "inputs": [node.args[0]]}]
+
+
+def _abs_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
+    """|x| is a LeakyReLU of slope −1 (as the ONNX route reads Abs): positively homogeneous, piecewise linear."""
+    if len(node.args) != 1 or node.kwargs:
+        raise Unsupported("only |x| of one tensor is supported")
+    return [{"type": "leaky_relu", "negative_slope": -1.0, "inputs": [node.args[0]]}]
 
 
 def _add_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
@@ -1210,6 +1409,7 @@ FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
 STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTensors], dict[str, Any]]] = {
     F.batch_norm: _batch_norm_function,
     F.linear: _linear_function,
+    F.prelu: _prelu_function,
     **dict.fromkeys((torch.conv1d, torch.conv2d, torch.conv3d), _conv_function),
     **dict.fromkeys((torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d), _conv_transpose_function),
 }
@@ -1222,6 +1422,7 @@ CALLS: dict[Callable[..., Any], _CallTranslator] = {
                     _scale_call),
     torch.mean: _mean_call,
     torch.cat: _cat,
+    torch.abs: _abs_call,
     **dict.fromkeys((operator.sub, operator.isub, torch.sub, operator.neg, torch.neg), _sub_call),
 }
 
@@ -1245,6 +1446,7 @@ def _is_movement(node: torch.fx.Node) -> bool:
 METHODS: dict[str, _CallTranslator] = {
     "relu": _relu_method,
     "relu_": _relu_method,
+    "abs": _abs_call,
     **dict.fromkeys(("add", "add_"), _add_call),
     **dict.fromkeys(("mul", "mul_", "div", "div_"), _scale_call),
     "mean": _mean_call,

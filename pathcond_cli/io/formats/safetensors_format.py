@@ -97,7 +97,7 @@ def load_safetensors(
     # The finiteness check's read is the analysis's too: held until the analysis ends.
     params = held_within_budget(params)
     check_weight_types(graph, params, display)
-    check_parameters(graph, params, display)
+    check_parameters(graph, params, display, from_factory=arch is not None and spec_file is None)
     unused = unused_tensors(graph, params, display, constants)
     if unused and not allow_unused:
         # A factory's operations whose result reaches no output were dropped: their tensors are unused.

@@ -121,7 +121,7 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
     expanded = _expand_per_axis_fields(graph, problems, input_problems)
     if input_problems and input_shape is not None and not problems:
         raise UsageError(f"{source}: the input shape {_brief(input_shape)} does not fit the network (input shapes "
-                         "are batch-free):\n" + "\n".join(f"  - {p}" for p in input_problems))
+                         "are batch-free):", input_problems)
     _raise_if_any(problems + input_problems, source)
     return Graph(expanded, outputs, source)
 
