@@ -591,6 +591,7 @@ def _metric_section(metric) -> dict[str, Any]:
         "lower": _finite(metric.lower) if metric.lower is not None else None,
         "upper": _finite(metric.upper) if metric.upper is not None else None,
         "exact": metric.exact,
+        "rounding": metric.rounding,
         "log10_lower": _finite(metric.ln_lower * LOG10_E),
         "log10_upper": _finite(metric.ln_upper * LOG10_E),
     }
