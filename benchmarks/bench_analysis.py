@@ -17,9 +17,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import reference_models  # noqa: E402
-from pathcond_cli.api import module_model  # noqa: E402
+
 from pathcond_cli.engine.diag import diag_g, path_count  # noqa: E402
 from pathcond_cli.engine.groups import build_groups  # noqa: E402
+from pathcond_cli.module_route import module_model  # noqa: E402
 
 MODELS = {
     "mlp3": (lambda: reference_models.mlp(3), (3072,)),

@@ -1,7 +1,8 @@
 """End-to-end benchmark: the real `pathcond rescale` (or `inspect`) command in a child process.
 
     python benchmarks/bench_end_to_end.py                          # ResNet-50, 224x224, ONNX, fp32
-    python benchmarks/bench_end_to_end.py --model mlp3             # the paper's CIFAR MLP 3072-500x3-10, safetensors + spec
+    python benchmarks/bench_end_to_end.py --model mlp3             # the paper's CIFAR MLP 3072-500x3-10,
+                                                                   # safetensors + spec
     python benchmarks/bench_end_to_end.py --model vgg16 --command inspect --repeat 3
 
 ONNX models are exported with BatchNormalization nodes kept; ``--format safetensors`` (the
@@ -33,7 +34,6 @@ IN_PROCESS_STAGES = ("load", "groups", "diag_g", "path_count", "solve", "apply",
 
 def export_onnx(name: str, directory: Path) -> list[str]:
     import torch
-
     from reference_models import REFERENCE_MODELS
 
     torch.manual_seed(0)
@@ -41,19 +41,27 @@ def export_onnx(name: str, directory: Path) -> list[str]:
     path = directory / f"{name}.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(factory().eval(), (torch.zeros(1, *shape),), str(path), dynamo=False, opset_version=17,
-                          do_constant_folding=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+        torch.onnx.export(
+            factory().eval(),
+            (torch.zeros(1, *shape),),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            do_constant_folding=False,
+            input_names=["x"],
+            dynamic_axes={"x": {0: "batch"}},
+        )
     return [str(path)]
 
 
 def export_safetensors(name: str, directory: Path) -> list[str]:
     import torch
     import yaml
+    from reference_models import REFERENCE_MODELS
     from safetensors.torch import save_file
 
     from pathcond_cli.io.formats.fx_import import graph_from_module
     from pathcond_cli.io.formats.spec import spec_from_graph
-    from reference_models import REFERENCE_MODELS
 
     torch.manual_seed(0)
     factory, shape, _, _ = REFERENCE_MODELS[name]
@@ -74,8 +82,12 @@ def _seconds(command: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50")
-    parser.add_argument("--format", choices=["onnx", "safetensors"], default=None,
-                        help="default: safetensors for the MLPs, onnx otherwise")
+    parser.add_argument(
+        "--format",
+        choices=["onnx", "safetensors"],
+        default=None,
+        help="default: safetensors for the MLPs, onnx otherwise",
+    )
     parser.add_argument("--command", default="rescale", choices=["rescale", "inspect"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeat", type=int, default=1, help="runs; the fastest is reported")
@@ -102,23 +114,40 @@ def main() -> None:
     seconds = report["seconds"]
     staged = sum(seconds.get(stage, 0.0) for stage in IN_PROCESS_STAGES)
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
-    print(f"{args.command} {args.model} ({fmt}, {size_mib:.1f} MiB, {report['dag_parameters']:,} DAG parameters, "
-          f"device {report['device']}): wall {wall:.2f} s (best of {len(runs)}: "
-          f"{', '.join(f'{w:.2f}' for w, _ in runs)}), peak RSS {peak:.2f} GiB")
+    print(
+        f"{args.command} {args.model} ({fmt}, {size_mib:.1f} MiB, {report['dag_parameters']:,} DAG parameters, "
+        f"device {report['device']}): wall {wall:.2f} s (best of {len(runs)}: "
+        f"{', '.join(f'{w:.2f}' for w, _ in runs)}), peak RSS {peak:.2f} GiB"
+    )
     print("  stages: " + ", ".join(f"{k} {v:.3f}s" for k, v in seconds.items()))
-    print(f"  in-process stages {staged:.3f} s; outside them (interpreter, imports, parsing, report) "
-          f"{wall - staged:.2f} s; `import torch` alone {import_torch:.2f} s; `pathcond --help` {help_seconds:.2f} s")
+    print(
+        f"  in-process stages {staged:.3f} s; outside them (interpreter, imports, parsing, report) "
+        f"{wall - staged:.2f} s; `import torch` alone {import_torch:.2f} s; `pathcond --help` {help_seconds:.2f} s"
+    )
     if args.json:
         with open(args.json, "a") as handle:
-            handle.write(json.dumps({"model": args.model, "command": args.command, "device": report["device"],
-                                     "wall_seconds": wall, "staged_seconds": staged, "seconds": seconds,
-                                     "peak_rss_gib": peak}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "model": args.model,
+                        "command": args.command,
+                        "device": report["device"],
+                        "wall_seconds": wall,
+                        "staged_seconds": staged,
+                        "seconds": seconds,
+                        "peak_rss_gib": peak,
+                    }
+                )
+                + "\n"
+            )
     if "solver" in report:
         solver = report["solver"]
-        print(f"  solver {solver['name']}: {solver['iterations']} iterations, {solver['passes']} passes, "
-              f"KKT {solver['kkt_residual']:.1e}, converged {solver['converged']}; "
-              f"verification max rel {report['verification']['max_rel_error']:.2e}; "
-              f"D {report['conditioning']['before']['D']:.6g} -> {report['conditioning']['after']['D']:.6g}")
+        print(
+            f"  solver {solver['name']}: {solver['iterations']} iterations, {solver['passes']} passes, "
+            f"KKT {solver['kkt_residual']:.1e}, converged {solver['converged']}; "
+            f"verification max rel {report['verification']['max_rel_error']:.2e}; "
+            f"D {report['conditioning']['before']['D']:.6g} -> {report['conditioning']['after']['D']:.6g}"
+        )
 
 
 if __name__ == "__main__":

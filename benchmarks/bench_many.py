@@ -8,7 +8,8 @@ The files (sample_models/mlp.safetensors, 0.9 MB each, with sample_models/mlp.ya
 into a temporary folder. One process: ``pathcond rescale F1 ... FN --arch mlp.yaml --output-dir
 OUT --json``, its wall time, its CPU time (user + system: on a machine shared with other work,
 the wall time grows with the load, the CPU time far less), its peak resident memory and the sum
-of the in-process stages of its N JSON lines (what each file costs once torch is loaded). N processes: ``pathcond rescale Fi
+of the in-process stages of its N JSON lines (what each file costs once torch is loaded).
+N processes: ``pathcond rescale Fi
 --arch mlp.yaml -o OUT/Fi --json`` one after another, as a shell loop runs them. Target (issue
 20): N = 100 in one process in <= 15 s on the project's 2-core machine.
 """
@@ -52,17 +53,23 @@ def run(args: list[str], env: dict[str, str]) -> tuple[float, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--files", type=int, default=100, help="number of checkpoints (default 100)")
-    parser.add_argument("--separate", type=int, default=None,
-                        help="time only this many separate processes and extrapolate to N (default: all N)")
+    parser.add_argument(
+        "--separate",
+        type=int,
+        default=None,
+        help="time only this many separate processes and extrapolate to N (default: all N)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every child")
     options = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if options.threads is not None:
         env["OMP_NUM_THREADS"] = str(options.threads)
     separate = min(options.separate or options.files, options.files)
-    print(f"{options.files} copies of {SAMPLES / 'mlp.safetensors'}; python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
-          f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}")
+    print(
+        f"{options.files} copies of {SAMPLES / 'mlp.safetensors'}; python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, "
+        f"OMP_NUM_THREADS={env.get('OMP_NUM_THREADS', 'unset')}"
+    )
 
     with tempfile.TemporaryDirectory(prefix="bench-many-") as name:
         folder = Path(name)
@@ -84,9 +91,11 @@ def main() -> None:
         assert len(reports) == options.files and len(list(one.iterdir())) == options.files
         in_process = sum(sum(r["seconds"][stage] for stage in IN_PROCESS_STAGES) for r in reports)
         totals = sum(r["seconds"]["total"] for r in reports)
-        print(f"one process : {seconds:7.2f} s wall for {options.files} files ({seconds / options.files * 1000:.0f} ms "
-              f"a file); in-process stages {in_process:.2f} s, per-file totals {totals:.2f} s, "
-              f"peak RSS {peak_mib:.0f} MiB; CPU time {cpu_one:.2f} s")
+        print(
+            f"one process : {seconds:7.2f} s wall for {options.files} files ({seconds / options.files * 1000:.0f} ms "
+            f"a file); in-process stages {in_process:.2f} s, per-file totals {totals:.2f} s, "
+            f"peak RSS {peak_mib:.0f} MiB; CPU time {cpu_one:.2f} s"
+        )
 
         many = folder / "many"
         many.mkdir()
@@ -95,11 +104,16 @@ def main() -> None:
             run(command(path, "--arch", arch, "-o", many / path.name, "--json", "--quiet"), env)
         elapsed = time.perf_counter() - started
         per_process, cpu_per_process = elapsed / separate, (children_cpu_seconds() - cpu_before) / separate
-        shown = (f"{elapsed:7.2f} s wall for {separate} processes" if separate == options.files else
-                 f"{per_process * options.files:7.2f} s for {options.files} (extrapolated from {separate} "
-                 f"processes: {elapsed:.2f} s)")
-        print(f"{options.files} processes: {shown} ({per_process * 1000:.0f} ms a process; CPU time "
-              f"{cpu_per_process * options.files:.2f} s for {options.files})")
+        shown = (
+            f"{elapsed:7.2f} s wall for {separate} processes"
+            if separate == options.files
+            else f"{per_process * options.files:7.2f} s for {options.files} (extrapolated from {separate} "
+            f"processes: {elapsed:.2f} s)"
+        )
+        print(
+            f"{options.files} processes: {shown} ({per_process * 1000:.0f} ms a process; CPU time "
+            f"{cpu_per_process * options.files:.2f} s for {options.files})"
+        )
         print(f"speed-up    : {per_process * options.files / seconds:.1f}x")
 
 

@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
-def build_mlp(directory: Path, *, inputs: int, width: int, depth: int, outputs: int, shards: int,
-              seed: int = 0) -> Path:
+def build_mlp(
+    directory: Path, *, inputs: int, width: int, depth: int, outputs: int, shards: int, seed: int = 0
+) -> Path:
     """A sharded fp32 ReLU MLP checkpoint ``inputs -> width x depth -> outputs``; returns the index path.
 
     Weights are He-scaled Gaussians; tensors are generated and written one layer at a time.
@@ -54,8 +55,9 @@ def build_mlp(directory: Path, *, inputs: int, width: int, depth: int, outputs: 
     return _write_sharded(directory / "mlp.safetensors.index.json", layers, shapes, shards, seed)
 
 
-def build_conv(directory: Path, *, channels: int, spatial: int, depth: int, outputs: int, shards: int,
-               seed: int = 0) -> Path:
+def build_conv(
+    directory: Path, *, channels: int, spatial: int, depth: int, outputs: int, shards: int, seed: int = 0
+) -> Path:
     """A sharded fp32 ReLU network of ``depth`` 3x3 convolutions of ``channels`` channels (padding 1)
     on a ``channels x spatial x spatial`` input, then a global average pool and a Linear layer to
     ``outputs``; returns the index path. Written one layer at a time, as :func:`build_mlp`."""
@@ -64,14 +66,18 @@ def build_conv(directory: Path, *, channels: int, spatial: int, depth: int, outp
     for number in range(depth):
         layers += [{"name": f"conv{number}", "type": "conv", "padding": 1}, {"name": f"relu{number}", "type": "relu"}]
         shapes.append((f"conv{number}", (channels, channels, 3, 3)))
-    layers += [{"name": "pool", "type": "global_avgpool"}, {"name": "flat", "type": "flatten"},
-               {"name": "fc", "type": "linear"}]
+    layers += [
+        {"name": "pool", "type": "global_avgpool"},
+        {"name": "flat", "type": "flatten"},
+        {"name": "fc", "type": "linear"},
+    ]
     shapes.append(("fc", (outputs, channels)))
     return _write_sharded(directory / "conv.safetensors.index.json", layers, shapes, shards, seed)
 
 
-def _write_sharded(index: Path, layers: list[dict], weight_shapes: list[tuple[str, tuple[int, ...]]], shards: int,
-                   seed: int) -> Path:
+def _write_sharded(
+    index: Path, layers: list[dict], weight_shapes: list[tuple[str, tuple[int, ...]]], shards: int, seed: int
+) -> Path:
     """The safetensors shards of ``weight_shapes`` (each layer's weight, He-scaled Gaussian, and a
     bias), layers split evenly among ``shards``, and their index holding the spec of ``layers``."""
     import torch
@@ -87,7 +93,7 @@ def _write_sharded(index: Path, layers: list[dict], weight_shapes: list[tuple[st
     for shard in range(shards):
         file = f"{stem}-{shard + 1:05d}-of-{shards:05d}.safetensors"
         tensors = {}
-        for layer, shape in weight_shapes[shard * per_shard:(shard + 1) * per_shard]:
+        for layer, shape in weight_shapes[shard * per_shard : (shard + 1) * per_shard]:
             fan_in = math.prod(shape[1:])
             tensors[f"{layer}.weight"] = torch.randn(shape, generator=generator) * (2 / fan_in) ** 0.5
             tensors[f"{layer}.bias"] = torch.randn(shape[0], generator=generator) * 0.01
@@ -135,8 +141,14 @@ def child_peak(command: list[str], log: Path) -> tuple[int, float, int]:
     result = log.with_suffix(".peak")
     started = time.perf_counter()
     with open(log, "w") as out:
-        subprocess.run([sys.executable, "-c", _MEASURE, str(result), *command], stdout=out, stderr=subprocess.STDOUT,
-                       env=env, cwd=ROOT, check=True)
+        subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(result), *command],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            check=True,
+        )
     peak, status = map(int, result.read_text().split())
     return peak, time.perf_counter() - started, status
 
@@ -151,14 +163,19 @@ def main() -> None:
     parser.add_argument("--conv", action="store_true", help="3x3 convolutions instead of Linear layers")
     parser.add_argument("--inputs", type=int, default=8192, help="the MLP's input features")
     parser.add_argument("--spatial", type=int, default=8, help="the conv net's input height and width")
-    parser.add_argument("--width", type=int, default=16384,
-                        help="hidden width, or the convolutions' channels (default 16384: 1.5 B parameters at depth 6)")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=16384,
+        help="hidden width, or the convolutions' channels (default 16384: 1.5 B parameters at depth 6)",
+    )
     parser.add_argument("--depth", type=int, default=6, help="hidden layers")
     parser.add_argument("--outputs", type=int, default=1000)
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--keep", type=Path, help="build (or reuse) the checkpoint in this folder and keep it")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="where pathcond runs; cuda also records the GPU's peak")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where pathcond runs; cuda also records the GPU's peak"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pathcond-bench-memory-") as scratch:
         folder = args.keep or Path(scratch)
@@ -167,11 +184,23 @@ def main() -> None:
         if not index.is_file():
             started = time.perf_counter()
             if args.conv:
-                build_conv(folder, channels=args.width, spatial=args.spatial, depth=args.depth, outputs=args.outputs,
-                           shards=args.shards)
+                build_conv(
+                    folder,
+                    channels=args.width,
+                    spatial=args.spatial,
+                    depth=args.depth,
+                    outputs=args.outputs,
+                    shards=args.shards,
+                )
             else:
-                build_mlp(folder, inputs=args.inputs, width=args.width, depth=args.depth, outputs=args.outputs,
-                          shards=args.shards)
+                build_mlp(
+                    folder,
+                    inputs=args.inputs,
+                    width=args.width,
+                    depth=args.depth,
+                    outputs=args.outputs,
+                    shards=args.shards,
+                )
             print(f"built {index} in {time.perf_counter() - started:.1f} s")
         size = checkpoint_bytes(index)
         log = Path(scratch) / "child.log"
@@ -179,30 +208,45 @@ def main() -> None:
         output = Path(scratch) / "out" / index.name
         output.parent.mkdir()
         gpu_record = Path(scratch) / "gpu.peak"
-        launcher = [sys.executable, "-m", "pathcond_cli"] if args.device == "cpu" else [sys.executable, "-c", _GPU_PEAK,
-                                                                                      str(gpu_record)]
-        peak, wall, status = child_peak([*launcher, "rescale", str(index), "-o", str(output), "--device", args.device,
-                                         "-q"], log)
+        launcher = (
+            [sys.executable, "-m", "pathcond_cli"]
+            if args.device == "cpu"
+            else [sys.executable, "-c", _GPU_PEAK, str(gpu_record)]
+        )
+        peak, wall, status = child_peak(
+            [*launcher, "rescale", str(index), "-o", str(output), "--device", args.device, "-q"], log
+        )
         if status != 0:
             sys.exit(f"pathcond rescale exited {status}:\n{log.read_text()[-3000:]}")
         gpu_peak = gpu_record.read_text() if gpu_record.exists() else None
     bound = 1.5 * size + GIB
-    layers = f"3x3 convs of {args.width} channels on {args.spatial}x{args.spatial}" if args.conv else f"hidden layers of {args.width}"
+    layers = (
+        f"3x3 convs of {args.width} channels on {args.spatial}x{args.spatial}"
+        if args.conv
+        else f"hidden layers of {args.width}"
+    )
     print(f"checkpoint        {size / GIB:8.2f} GiB  ({args.depth} {layers}, {args.shards} shards)")
     print(f"import torch peak {floor / GIB:8.2f} GiB")
-    print(f"rescale peak RSS  {peak / GIB:8.2f} GiB  = {peak / size:.2f} x the checkpoint; "
-          f"above the torch floor {(peak - floor) / size:.2f} x")
+    print(
+        f"rescale peak RSS  {peak / GIB:8.2f} GiB  = {peak / size:.2f} x the checkpoint; "
+        f"above the torch floor {(peak - floor) / size:.2f} x"
+    )
     if args.device == "cpu":
         print(f"bound 1.5x + 1GiB {bound / GIB:8.2f} GiB  ({'within' if peak <= bound else 'EXCEEDED'})")
     else:
         host_bound = 1.5 * size + 2 * GIB
-        print(f"host bound        {host_bound / GIB:8.2f} GiB  (1.5x + 2GiB: {'within' if peak <= host_bound else 'EXCEEDED'})")
+        print(
+            f"host bound        {host_bound / GIB:8.2f} GiB  "
+            f"(1.5x + 2GiB: {'within' if peak <= host_bound else 'EXCEEDED'})"
+        )
         if gpu_peak is None or not gpu_peak.isdigit():
             print(f"GPU peak          unavailable ({'no record' if gpu_peak is None else 'torch sees no CUDA device'})")
         else:
             gpu = int(gpu_peak)
-            print(f"GPU peak          {gpu / GIB:8.2f} GiB  (torch.cuda.max_memory_allocated) = {gpu / size:.2f} x; "
-                  f"bound 1.5x + 1GiB {bound / GIB:.2f} GiB ({'within' if gpu <= bound else 'EXCEEDED'})")
+            print(
+                f"GPU peak          {gpu / GIB:8.2f} GiB  (torch.cuda.max_memory_allocated) = {gpu / size:.2f} x; "
+                f"bound 1.5x + 1GiB {bound / GIB:.2f} GiB ({'within' if gpu <= bound else 'EXCEEDED'})"
+            )
     print(f"wall              {wall:8.1f} s")
 
 

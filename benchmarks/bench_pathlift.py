@@ -7,7 +7,8 @@ batch 1: what "one forward pass" means in the issue), the path count's pass, the
 each path norm (ℓ1, ℓ2: a balancing and one pass of the squared network each), all
 path-magnitude scores (a balancing, one forward and one backward pass), and the ℓ1
 path-metric's upper bound between the model and a perturbed copy (two balancings, two
-streams). Ratios are against the network's forward pass. With ``--cli``, the model is exported to ONNX (BatchNorm kept) and
+streams). Ratios are against the network's forward pass. With ``--cli``, the model is
+exported to ONNX (BatchNorm kept) and
 ``pathcond inspect A`` is timed against ``pathcond compare A B`` (B: A rescaled by pathcond)
 as whole processes, alternated.
 """
@@ -26,11 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import reference_models  # noqa: E402
-from pathcond_cli.api import module_model  # noqa: E402
+
 from pathcond_cli.engine.diag import balancing_exponents, path_count, path_magnitude_scores, path_norm  # noqa: E402
 from pathcond_cli.engine.evaluate import forward  # noqa: E402
 from pathcond_cli.engine.groups import build_groups  # noqa: E402
 from pathcond_cli.engine.pathlift import telescoped_sum  # noqa: E402
+from pathcond_cli.module_route import module_model  # noqa: E402
 
 MODELS = {
     "mlp3": (lambda: reference_models.mlp(3), (3072,)),
@@ -54,8 +56,10 @@ def in_process(name: str, repeat: int) -> None:
     module = factory().eval()
     model = module_model(module, shape)
     groups = build_groups(model.graph, model.params)
-    perturbed = {key: tensor * (1 + 0.01 * (2 * torch.rand(tensor.shape) - 1)) if tensor.is_floating_point() else tensor
-                 for key, tensor in model.params.items()}
+    perturbed = {
+        key: tensor * (1 + 0.01 * (2 * torch.rand(tensor.shape) - 1)) if tensor.is_floating_point() else tensor
+        for key, tensor in model.params.items()
+    }
     other = build_groups(model.graph, perturbed)
     x = torch.randn(1, *shape, dtype=torch.float64)
     figures = {
@@ -79,19 +83,31 @@ def cli(name: str, repeat: int) -> None:
     module = factory().eval()
     with tempfile.TemporaryDirectory() as scratch:
         first, second = Path(scratch) / "a.onnx", Path(scratch) / "b.onnx"
-        torch.onnx.export(module, (torch.randn(1, *shape),), str(first), dynamo=False, do_constant_folding=False,
-                          input_names=["x"], output_names=["y"])
+        torch.onnx.export(
+            module,
+            (torch.randn(1, *shape),),
+            str(first),
+            dynamo=False,
+            do_constant_folding=False,
+            input_names=["x"],
+            output_names=["y"],
+        )
         command = [sys.executable, "-m", "pathcond_cli"]
         subprocess.run([*command, "rescale", str(first), "-o", str(second), "-q", "--device", "cpu"], check=True)
         timings: dict[str, list[float]] = {"inspect A": [], "compare A B": []}
         for _ in range(repeat):
-            for label, args in (("inspect A", ["inspect", str(first)]), ("compare A B", ["compare", str(first), str(second)])):
+            for label, args in (
+                ("inspect A", ["inspect", str(first)]),
+                ("compare A B", ["compare", str(first), str(second)]),
+            ):
                 start = time.perf_counter()
                 subprocess.run([*command, *args, "-q", "--device", "cpu"], check=True)
                 timings[label].append(time.perf_counter() - start)
         inspect_time, compare_time = min(timings["inspect A"]), min(timings["compare A B"])
-        print(f"\n{name} ONNX, whole processes, best of {repeat}: inspect {inspect_time:.2f} s, compare "
-              f"{compare_time:.2f} s, ratio {compare_time / inspect_time:.2f} (target ≤ 2)")
+        print(
+            f"\n{name} ONNX, whole processes, best of {repeat}: inspect {inspect_time:.2f} s, compare "
+            f"{compare_time:.2f} s, ratio {compare_time / inspect_time:.2f} (target ≤ 2)"
+        )
 
 
 def main() -> None:

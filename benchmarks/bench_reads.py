@@ -47,8 +47,21 @@ from pathcond_cli.cli.app import main as pathcond_main  # noqa: E402
 from pathcond_cli.io.formats.safetensors_format import SPEC_METADATA_KEY, MappedTensors  # noqa: E402
 
 # Frames that only pass a read on: the site printed is the pathcond function behind them.
-_PASS_THROUGH = {"__getitem__", "<lambda>", "value", "affine", "<listcomp>", "<genexpr>", "<dictcomp>", "__call__",
-                 "get", "__iter__", "param", "wrapped_getitem", "wrapped_to_array"}
+_PASS_THROUGH = {
+    "__getitem__",
+    "<lambda>",
+    "value",
+    "affine",
+    "<listcomp>",
+    "<genexpr>",
+    "<dictcomp>",
+    "__call__",
+    "get",
+    "__iter__",
+    "param",
+    "wrapped_getitem",
+    "wrapped_to_array",
+}
 
 
 class ReadCounter:
@@ -60,8 +73,9 @@ class ReadCounter:
 
     def count(self, file: str, key: str) -> None:
         self.reads[file, key] += 1
-        frames = [f for f in traceback.extract_stack()[:-2]
-                  if "pathcond_cli" in f.filename and f.name not in _PASS_THROUGH]
+        frames = [
+            f for f in traceback.extract_stack()[:-2] if "pathcond_cli" in f.filename and f.name not in _PASS_THROUGH
+        ]
         self.sites[f"{file}: " + " <- ".join(f"{f.name}" for f in reversed(frames[-3:]))] += 1
 
     def per_file(self) -> dict[str, dict[str, int]]:
@@ -135,13 +149,19 @@ def measure(label: str, command: str, model: Path, output: Path | None, sites: b
     print(f"\n{label}: pathcond {command}, {model.stat().st_size / 1e6:.0f} MB, {seconds:.2f} s")
     for file, counts in files.items():
         values = sorted(counts.values())
-        print(f"  {file}: {len(counts)} tensors read, full reads per tensor: max {values[-1]}, "
-              f"median {values[len(values) // 2]}, min {values[0]}")
+        print(
+            f"  {file}: {len(counts)} tensors read, full reads per tensor: max {values[-1]}, "
+            f"median {values[len(values) // 2]}, min {values[0]}"
+        )
     if sites:
         for site, count in counter.sites.most_common():
             print(f"    {count:5d}  {site}")
-    return {"label": label, "command": command, "seconds": round(seconds, 3),
-            "max_reads": {file: max(counts.values()) for file, counts in files.items()}}
+    return {
+        "label": label,
+        "command": command,
+        "seconds": round(seconds, 3),
+        "max_reads": {file: max(counts.values()) for file, counts in files.items()},
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,10 +178,14 @@ def main(argv: list[str] | None = None) -> None:
         folder = Path(directory)
         mlp = build_mlp(folder / "mlp.safetensors", args.width, args.depth)
         rescaling = args.command == "rescale"
-        results.append(measure("safetensors MLP", args.command, mlp,
-                               folder / "mlp.out.safetensors" if rescaling else None, args.sites))
-        results.append(measure("ONNX CNN", args.command, args.onnx,
-                               folder / "cnn.out.onnx" if rescaling else None, args.sites))
+        results.append(
+            measure(
+                "safetensors MLP", args.command, mlp, folder / "mlp.out.safetensors" if rescaling else None, args.sites
+            )
+        )
+        results.append(
+            measure("ONNX CNN", args.command, args.onnx, folder / "cnn.out.onnx" if rescaling else None, args.sites)
+        )
     if args.json:
         print(json.dumps(results))
 

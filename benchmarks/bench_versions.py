@@ -58,7 +58,7 @@ open(sys.argv[1], "w").write(f"{wall} {usage.ru_utime + usage.ru_stime} {usage.r
 _FLOORS = """
 import json, os, sys, time
 import torch
-from pathcond_cli.api import load
+from pathcond_cli.model_files import load
 from pathcond_cli.engine.evaluate import forward
 
 model_args, files, output_bytes = json.loads(sys.argv[1])
@@ -99,7 +99,7 @@ print(json.dumps({"read": read, "forward": forward_seconds, "write": write}))
 _REQUIRED = """
 import json, sys, time
 import torch
-from pathcond_cli.api import load
+from pathcond_cli.model_files import load
 imported = time.process_time()
 from pathcond_cli.engine.diag import balancing_exponents, diag_g_and_l2_norm, path_count, path_norms
 from pathcond_cli.engine.groups import build_groups
@@ -142,23 +142,35 @@ def _densenet121():
         def __init__(self, channels: int, growth: int = 32, bottleneck: int = 4):
             super().__init__()
             self.body = nn.Sequential(
-                nn.BatchNorm2d(channels), nn.ReLU(), nn.Conv2d(channels, bottleneck * growth, 1, bias=False),
-                nn.BatchNorm2d(bottleneck * growth), nn.ReLU(),
-                nn.Conv2d(bottleneck * growth, growth, 3, padding=1, bias=False))
+                nn.BatchNorm2d(channels),
+                nn.ReLU(),
+                nn.Conv2d(channels, bottleneck * growth, 1, bias=False),
+                nn.BatchNorm2d(bottleneck * growth),
+                nn.ReLU(),
+                nn.Conv2d(bottleneck * growth, growth, 3, padding=1, bias=False),
+            )
 
         def forward(self, x):
             return torch.cat([x, self.body(x)], 1)
 
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-                               nn.MaxPool2d(3, stride=2, padding=1)]
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2, padding=1),
+    ]
     channels = 64
     for number, depth in enumerate((6, 12, 24, 16)):
         for _ in range(depth):
             layers.append(DenseLayer(channels))
             channels += 32
         if number < 3:
-            layers += [nn.BatchNorm2d(channels), nn.ReLU(), nn.Conv2d(channels, channels // 2, 1, bias=False),
-                       nn.AvgPool2d(2, stride=2)]
+            layers += [
+                nn.BatchNorm2d(channels),
+                nn.ReLU(),
+                nn.Conv2d(channels, channels // 2, 1, bias=False),
+                nn.AvgPool2d(2, stride=2),
+            ]
             channels //= 2
     layers += [nn.BatchNorm2d(channels), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 1000)]
     return nn.Sequential(*layers)
@@ -185,7 +197,6 @@ def build(name: str, folder: Path) -> list[str]:
     if name == "mlp200":
         return _build_mlp(folder)
     import torch
-
     from reference_models import randomize_batchnorm
 
     path = folder / f"{name}.onnx"
@@ -194,8 +205,16 @@ def build(name: str, folder: Path) -> list[str]:
         module = randomize_batchnorm(ONNX_MODELS[name]()).eval()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(module, (torch.zeros(1, 3, 224, 224),), str(path), dynamo=False, opset_version=17,
-                              do_constant_folding=False, input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+            torch.onnx.export(
+                module,
+                (torch.zeros(1, 3, 224, 224),),
+                str(path),
+                dynamo=False,
+                opset_version=17,
+                do_constant_folding=False,
+                input_names=["x"],
+                dynamic_axes={"x": {0: "batch"}},
+            )
     return [str(path)]
 
 
@@ -229,11 +248,16 @@ def baseline_tree(version: str) -> Path:
     if (tree / "pathcond_cli").is_dir():
         return tree
     git = ["git", "-C", str(ROOT)]
-    candidates = subprocess.run([*git, "log", "--format=%H", "-S", f'version = "{version}"', "--", "pyproject.toml"],
-                                capture_output=True, text=True, check=True).stdout.split()
+    candidates = subprocess.run(
+        [*git, "log", "--format=%H", "-S", f'version = "{version}"', "--", "pyproject.toml"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for commit in candidates:
-        text = subprocess.run([*git, "show", f"{commit}:pyproject.toml"], capture_output=True, text=True,
-                              check=False).stdout
+        text = subprocess.run(
+            [*git, "show", f"{commit}:pyproject.toml"], capture_output=True, text=True, check=False
+        ).stdout
         if f'version = "{version}"' in text:
             subprocess.run([*git, "worktree", "add", "--detach", str(tree), commit], check=True, capture_output=True)
             return tree
@@ -244,8 +268,14 @@ def measure(command: list[str], cwd: Path, log: Path) -> Run:
     env = {**os.environ, "PYTHONPATH": str(cwd), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     result = log.with_suffix(".usage")
     with open(log, "w") as out:
-        subprocess.run([sys.executable, "-c", _MEASURE, str(result), *command], stdout=out, stderr=subprocess.STDOUT,
-                       env=env, cwd=cwd, check=True)
+        subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(result), *command],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            check=True,
+        )
     wall, cpu, peak, status = result.read_text().split()
     if int(status):
         sys.exit(f"{' '.join(command)} exited {status} in {cwd}; its output is in {log}")
@@ -255,15 +285,17 @@ def measure(command: list[str], cwd: Path, log: Path) -> Run:
 def _in_working_tree(script: str, payload: str, scratch: Path) -> dict[str, float]:
     """Run one of the scripts above in a process of its own, on the working tree, one thread."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", script, payload], capture_output=True, text=True, env=env,
-                          cwd=scratch, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script, payload], capture_output=True, text=True, env=env, cwd=scratch, check=True
+    )
     return json.loads(done.stdout.splitlines()[-1])
 
 
 def floors(model_args: list[str], output: Path, scratch: Path) -> dict[str, float]:
     files = [model_args[0]] + ([model_args[2]] if len(model_args) > 2 else [])
-    return _in_working_tree(_FLOORS, json.dumps([[model_args[0], *model_args[2:3]], files, output.stat().st_size]),
-                            scratch)
+    return _in_working_tree(
+        _FLOORS, json.dumps([[model_args[0], *model_args[2:3]], files, output.stat().st_size]), scratch
+    )
 
 
 def required_work(model_args: list[str], scratch: Path) -> dict[str, float]:
@@ -282,8 +314,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="pathcond-bench-versions-") as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        print("| model | input | version | wall (s) | CPU (s) | peak RSS (GiB) | floors: read / forward / write (s) "
-              "| wall / floors |\n| --- | ---: | --- | ---: | ---: | ---: | --- | ---: |", flush=True)
+        print(
+            "| model | input | version | wall (s) | CPU (s) | peak RSS (GiB) | floors: read / forward / write (s) "
+            "| wall / floors |\n| --- | ---: | --- | ---: | ---: | ---: | --- | ---: |",
+            flush=True,
+        )
         notes: list[str] = []
         for name in args.models:
             model_args = build(name, folder)
@@ -292,32 +327,61 @@ def main() -> None:
             runs: dict[str, list[Run]] = {label: [] for label in trees}
             for repeat in range(args.repeats):
                 for label, tree in trees.items():  # alternated: a change of load hits both
-                    command = [sys.executable, "-m", "pathcond_cli", "rescale", *model_args, "-o", str(output),
-                               "--device", "cpu", "-q"]
+                    command = [
+                        sys.executable,
+                        "-m",
+                        "pathcond_cli",
+                        "rescale",
+                        *model_args,
+                        "-o",
+                        str(output),
+                        "--device",
+                        "cpu",
+                        "-q",
+                    ]
                     runs[label].append(measure(command, tree, Path(scratch) / f"{name}-{label}-{repeat}.log"))
             floor = floors(model_args, output, Path(scratch))
             floor_total = sum(floor.values())
-            best = {label: Run(min(r.wall for r in done), min(r.cpu for r in done), min(r.peak_rss for r in done))
-                    for label, done in runs.items()}
+            best = {
+                label: Run(min(r.wall for r in done), min(r.cpu for r in done), min(r.peak_rss for r in done))
+                for label, done in runs.items()
+            }
             for label, run in best.items():
-                print(f"| {name} | {size / MIB:,.0f} MiB | {label} | {run.wall:.2f} | {run.cpu:.2f} "
-                      f"| {run.peak_rss / 2**30:.2f} | {floor['read']:.2f} / {floor['forward']:.2f} / "
-                      f"{floor['write']:.2f} | {run.wall / floor_total:.1f} |", flush=True)
+                print(
+                    f"| {name} | {size / MIB:,.0f} MiB | {label} | {run.wall:.2f} | {run.cpu:.2f} "
+                    f"| {run.peak_rss / 2**30:.2f} | {floor['read']:.2f} / {floor['forward']:.2f} / "
+                    f"{floor['write']:.2f} | {run.wall / floor_total:.1f} |",
+                    flush=True,
+                )
             old, new = best[args.baseline], best["tree"]
-            print(f"| {name} | | **{args.baseline} / tree** | {old.wall / new.wall:.2f}x | {old.cpu / new.cpu:.2f}x "
-                  f"| {old.peak_rss / new.peak_rss:.2f}x | | |", flush=True)
+            print(
+                f"| {name} | | **{args.baseline} / tree** | {old.wall / new.wall:.2f}x | {old.cpu / new.cpu:.2f}x "
+                f"| {old.peak_rss / new.peak_rss:.2f}x | | |",
+                flush=True,
+            )
             required = required_work(model_args, Path(scratch))
             summed = sum(required.values())
-            notes.append(f"{name}: required work {required['import']:.2f} s import + {required['verification']:.2f} s "
-                         f"verification forwards + {required['squared_networks']:.2f} s squared-network passes = "
-                         f"{summed:.2f} s CPU; {args.baseline}'s best CPU over it: {old.cpu / summed:.2f}x, the "
-                         "largest CPU ratio a version doing this work can reach")
+            notes.append(
+                f"{name}: required work {required['import']:.2f} s import + {required['verification']:.2f} s "
+                f"verification forwards + {required['squared_networks']:.2f} s squared-network passes = "
+                f"{summed:.2f} s CPU; {args.baseline}'s best CPU over it: {old.cpu / summed:.2f}x, the "
+                "largest CPU ratio a version doing this work can reach"
+            )
             if args.json:
                 with open(args.json, "a") as handle:
-                    handle.write(json.dumps({"model": name, "bytes": size, "floors": floor, "required": required,
-                                             "best": {label: vars(run) for label, run in best.items()},
-                                             "runs": {label: [vars(r) for r in done] for label, done in runs.items()}})
-                                 + "\n")
+                    handle.write(
+                        json.dumps(
+                            {
+                                "model": name,
+                                "bytes": size,
+                                "floors": floor,
+                                "required": required,
+                                "best": {label: vars(run) for label, run in best.items()},
+                                "runs": {label: [vars(r) for r in done] for label, done in runs.items()},
+                            }
+                        )
+                        + "\n"
+                    )
         print("", *notes, sep="\n")
 
 

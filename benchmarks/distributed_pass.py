@@ -1,6 +1,6 @@
 """Prototype: one pass of PathCond's objective split across torch.distributed ranks (docs/distributed.md).
 
-    python benchmarks/distributed_pass.py              # group counts and bytes moved per pass, ResNet-50 and an 822 M MLP
+    python benchmarks/distributed_pass.py   # group counts and bytes moved per pass, ResNet-50 and an 822 M MLP
 
 Each rank holds a share of every DAG parameter tensor's rows (output units): its log ḡ, its
 group maps, nothing else of the network. A pass of F (value and gradient, SPEC §4) is then:
@@ -8,7 +8,7 @@ each rank reduces its rows to per-group log sums, [log A_h | log C_h | log S] ov
 groups; one all-reduce of the element-wise maximum and one of the sums of exp(x - max)
 combine them in the log domain (nothing overflows, the result is the single-process one up
 to rounding); every rank then takes the same step of u (H numbers, replicated). The test
-(tests/test_distributed_pass.py) runs it on 2 CPU processes over gloo and compares it with
+(tests/system/test_distributed_pass.py) runs it on 2 CPU processes over gloo and compares it with
 :meth:`pathcond_cli.solve.objective.Objective.evaluate` in one process.
 """
 
@@ -26,8 +26,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from pathcond_cli.engine.diag import DiagG  # noqa: E402
 from pathcond_cli.engine.groups import DagParam, RescalingGroups  # noqa: E402
+from pathcond_cli.engine.log_g import DiagG  # noqa: E402
 from pathcond_cli.solve.objective import Objective, support  # noqa: E402
 
 
@@ -46,9 +46,17 @@ def row_share(groups: RescalingGroups, diag: DiagG, rank: int, world: int) -> tu
         if count == 0:
             continue
         view = (g, count, cols, kernel)
-        shares.append(DagParam(
-            dp.name, dp.layer, torch.zeros((), dtype=torch.float64).expand(g * count * cols * kernel),
-            dp.dst[:, block], dp.src, view, None if dp.self_loops is None else dp.self_loops[:, block]))
+        shares.append(
+            DagParam(
+                dp.name,
+                dp.layer,
+                torch.zeros((), dtype=torch.float64).expand(g * count * cols * kernel),
+                dp.dst[:, block],
+                dp.src,
+                view,
+                None if dp.self_loops is None else dp.self_loops[:, block],
+            )
+        )
         log_g.append(lg.reshape(dp.view)[:, block].reshape(-1))
     return dataclasses.replace(groups, dag_params=shares), DiagG(log_g)
 
@@ -81,7 +89,7 @@ def distributed_evaluate(groups: RescalingGroups, diag: DiagG, u: torch.Tensor) 
     else:
         sums = torch.full((2 * H + 1,), -math.inf, dtype=torch.float64)
     total = all_reduce_logsumexp(sums)
-    log_in, log_out, log_total = total[:H], total[H:2 * H], total[2 * H]
+    log_in, log_out, log_total = total[:H], total[H : 2 * H], total[2 * H]
     # p and k over the whole network's support g > 0 (SPEC §4), as the single-process objective has them
     counts = support(groups, diag.parts)
     p, k = counts.size, counts.k
@@ -106,13 +114,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=8)
     args = parser.parse_args()
-    import pathcond_cli.api as api
-    from pathcond_cli.engine.groups import build_groups
     from reference_models import REFERENCE_MODELS
+
+    from pathcond_cli.engine.groups import build_groups
+    from pathcond_cli.module_route import module_model
 
     factory, shape, _, _ = REFERENCE_MODELS["resnet50"]
     torch.manual_seed(0)
-    model = api.module_model(factory().eval(), tuple(shape))
+    model = module_model(factory().eval(), tuple(shape))
     groups = build_groups(model.graph, model.params)
     activations = sum(math.prod(s) for name, s in groups.shapes.items())
     rows = [("ResNet-50 224x224", groups.p, groups.num_free, activations)]
@@ -120,12 +129,16 @@ def main() -> None:
     sizes = [784] + [8192] * 13 + [1000]
     p = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
     rows.append(("MLP 784-8192x13-1000", p, _mlp_groups(sizes), sum(sizes)))
-    print(f"{'network':24} {'params':>14} {'groups H':>9} {'float64 state':>14} {'per pass':>10} "
-          f"{'ring/rank W=' + str(args.world):>16} {'node outputs':>15}")
+    print(
+        f"{'network':24} {'params':>14} {'groups H':>9} {'float64 state':>14} {'per pass':>10} "
+        f"{'ring/rank W=' + str(args.world):>16} {'node outputs':>15}"
+    )
     for name, params, free, acts in rows:
         moved = bytes_per_pass(free, args.world)
-        print(f"{name:24} {params:>14,} {free:>9,} {params * 8 / 2**30:>11.2f} GiB {moved['payload'] / 2**20:>7.2f} MiB "
-              f"{moved['ring_per_rank'] / 2**20:>12.2f} MiB {acts * 8 / 2**20:>11.1f} MiB")
+        print(
+            f"{name:24} {params:>14,} {free:>9,} {params * 8 / 2**30:>11.2f} GiB {moved['payload'] / 2**20:>7.2f} MiB "
+            f"{moved['ring_per_rank'] / 2**20:>12.2f} MiB {acts * 8 / 2**20:>11.1f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ pytest prints tracebacks only in its closing summary, which a suite cut by the l
 never reaches. Under pytest-xdist the workers' reports also reach the controller: only the
 controller writes, so that each failure is written once.
 """
+
 import os
 
 _writes = True

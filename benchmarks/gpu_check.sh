@@ -7,7 +7,11 @@
 #   3. host syncs and aten operations per solver pass, counted on the fake CUDA device
 #      (benchmarks/bench_syncs.py, on the CPU, within SYNCS_SECONDS, default 150);
 #   4. one table of those figures, headed by the GPU's name, printed before the suite starts:
-#      each model's seconds per Newton pass beside its syncs and operations per pass;
+#      each model's seconds per Newton pass beside its syncs and operations per pass; then
+#      (issue 39) ResNet-50's rescale stage by stage, seconds on the GPU and on the CPU
+#      (benchmarks/bench_stages.py, a warm in-process run) beside its host syncs per stage on
+#      the fake device (bench_syncs.py, within STAGE_SYNCS_SECONDS, default 120), and the
+#      path-magnitude scores of ResNet-18, VGG-16 and AlexNet at 224² in float64 on both;
 #   5. the whole default test suite, where `--device auto` and the API's default pick the GPU
 #      and the CUDA-only tests run, within SUITE_SECONDS (default 420), on pytest-xdist's
 #      workers when it is installed (WORKERS, default 8), each test's outcome streamed to the
@@ -48,8 +52,14 @@ python3 benchmarks/bench_memory.py --inputs 8192 --width 8192 --depth 4 --output
     > "$scratch/memory.txt" 2>&1 || true
 
 # On the CPU (the fake device counts what a GPU would wait for or launch), bounded: it adds to the lease.
-timeout "${SYNCS_SECONDS:-150}" python3 benchmarks/bench_syncs.py --models "${models[@]}" mnasnet \
+timeout "${SYNCS_SECONDS:-150}" python3 benchmarks/bench_syncs.py --per-pass --models "${models[@]}" mnasnet \
     > "$scratch/syncs.txt" 2>&1 || true
+timeout "${STAGE_SYNCS_SECONDS:-120}" python3 benchmarks/bench_syncs.py --models resnet50 --commands rescale \
+    --json "$scratch/stage_syncs.json" > "$scratch/stage_syncs.txt" 2>&1 || true
+for device in cuda cpu; do
+    timeout 120 python3 benchmarks/bench_stages.py --device "$device" --models resnet50 --scores resnet18 vgg16 alexnet \
+        --json "$scratch/stages.jsonl" > /dev/null 2>&1 || true
+done
 
 python3 - "$scratch" <<'PY'
 import json, sys
@@ -93,6 +103,30 @@ for r in rows("solvers.jsonl"):
           f"| {run.get('peak_rss_gib', float('nan')):.2f} GiB |")
 print("\nsyncs and operations per Newton pass on the fake CUDA device (bench_syncs.py):\n")
 print((scratch / "syncs.txt").read_text() if (scratch / "syncs.txt").exists() else "not run")
+stages = rows("stages.jsonl")
+seconds = {r["device"]: r["warm"]["stages"] for r in stages if r["kind"] == "stages"}
+walls = {r["device"]: r["warm"]["wall"] for r in stages if r["kind"] == "stages"}
+counted = scratch / "stage_syncs.json"
+syncs = json.loads(counted.read_text())["resnet50"]["rescale"]["syncs"] if counted.exists() else {}
+# the run's timed stages under bench_syncs.py's names (two of them inside one of its stages)
+named = {"storage_check": "apply", "path_norms_rescaled": "verify"}
+print("\nResNet-50 rescale in-process, warm run, by stage (bench_stages.py; syncs: bench_syncs.py, fake device, "
+      "the CLI's whole run, which also writes and reports):\n")
+print("| stage | GPU s | CPU s | host syncs |")
+print("| --- | ---: | ---: | ---: |")
+timed = list(dict.fromkeys([*seconds.get("cuda", {}), *seconds.get("cpu", {})]))
+for stage in dict.fromkeys([*timed, *syncs]):
+    gpu, cpu = (seconds.get(device, {}).get(stage, float("nan")) for device in ("cuda", "cpu"))
+    counted = f"in {named[stage]}" if stage in named else syncs.get(stage, 0) if syncs else "–"
+    print(f"| {stage} | {gpu:.3f} | {cpu:.3f} | {counted} |")
+print(f"| whole (wall) | {walls.get('cuda', float('nan')):.3f} | {walls.get('cpu', float('nan')):.3f} "
+      f"| {sum(syncs.values()) if syncs else '–'} |")
+print("\npath-magnitude scores at 224², float64, warm (seed 004's A100: ResNet-18 32 ms, VGG-16 61 ms, AlexNet 14 ms):\n")
+print("| model | GPU ms | CPU ms |")
+print("| --- | ---: | ---: |")
+scores = {(r["model"], r["device"]): r["warm"] for r in stages if r["kind"] == "scores"}
+for model in dict.fromkeys(r["model"] for r in stages if r["kind"] == "scores"):
+    print(f"| {model} | {scores.get((model, 'cuda'), float('nan')) * 1e3:.1f} | {scores.get((model, 'cpu'), float('nan')) * 1e3:.1f} |")
 memory = scratch / "memory.txt"
 print("\nissue 20's bound on the GPU (bench_memory.py --device cuda, 1.03 GiB MLP):\n")
 print(memory.read_text() if memory.exists() else "not run")

@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 import pathcond_cli as pathcond
-from pathcond_cli.api import module_model
 from pathcond_cli.engine.groups import build_groups
 from pathcond_cli.errors import InvalidWeightsError, SingularBasisError
+from pathcond_cli.module_route import module_model
 from pathcond_cli.solve.enorm import enorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,8 +71,10 @@ class Task:
     task: str  # "classify" or "reconstruct", as in train_speedup
 
 
-TASKS = (Task("MLP 64-128x3-10", (64, 128, 128, 128, 10), "classify"),
-         Task("AE 64-32x3-64", (64, 32, 32, 32, 64), "reconstruct"))
+TASKS = (
+    Task("MLP 64-128x3-10", (64, 128, 128, 128, 10), "classify"),
+    Task("AE 64-32x3-64", (64, 32, 32, 32, 64), "reconstruct"),
+)
 
 
 def learning_rates(method: str, quick: bool) -> list[float]:
@@ -120,8 +122,18 @@ def starting_point(initial: torch.nn.Sequential, method: str, input_dim: int) ->
     return model
 
 
-def train(model: torch.nn.Sequential, method: str, task: str, images: torch.Tensor, labels: torch.Tensor, *,
-          lr: float, epochs: int, batch: int, seed: int) -> list[float]:
+def train(
+    model: torch.nn.Sequential,
+    method: str,
+    task: str,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    lr: float,
+    epochs: int,
+    batch: int,
+    seed: int,
+) -> list[float]:
     """The whole-set training loss before training and after each epoch; NaN-padded once diverged."""
     optimiser = pathcond.GSGD(model, lr=lr) if method == "gsgd" else torch.optim.SGD(model.parameters(), lr=lr)
     after_step = EnormEveryStep(model, images.shape[1]) if method == "enorm" else None
@@ -136,7 +148,7 @@ def train(model: torch.nn.Sequential, method: str, task: str, images: torch.Tens
         permutation = torch.randperm(len(images), generator=order)
         try:
             for start in range(0, len(images), batch):
-                index = permutation[start:start + batch]
+                index = permutation[start : start + batch]
                 optimiser.zero_grad(set_to_none=True)
                 task_loss(task, model(images[index]), images[index], labels[index]).backward()
                 optimiser.step()
@@ -163,8 +175,17 @@ def run(tasks, seeds: list[int], epochs: int, batch: int, quick: bool) -> dict[t
                 for method in METHODS:
                     start = starting_point(initial, method, task.widths[0])
                     for lr in learning_rates(method, quick):
-                        curve = train(deepcopy(start), method, task.task, images, labels, lr=lr, epochs=epochs,
-                                      batch=batch, seed=seed)
+                        curve = train(
+                            deepcopy(start),
+                            method,
+                            task.task,
+                            images,
+                            labels,
+                            lr=lr,
+                            epochs=epochs,
+                            batch=batch,
+                            seed=seed,
+                        )
                         curves.setdefault((task.name, init, method, lr), []).append(curve)
                         starts.append(curve[0])
             # every run of a seed starts from one function (rescalings preserve it)
@@ -179,7 +200,9 @@ LAST_EPOCHS = 5  # the best rate is judged on the mean loss of the last epochs: 
 def best_lr(curves, task: str, init: str, method: str, quick: bool) -> float | None:
     """The rate with the lowest loss over the last ``LAST_EPOCHS`` epochs (mean over them and the
     seeds; a diverged seed disqualifies the rate)."""
-    scores = {lr: float(curves[(task, init, method, lr)][:, -LAST_EPOCHS:].mean()) for lr in learning_rates(method, quick)}
+    scores = {
+        lr: float(curves[(task, init, method, lr)][:, -LAST_EPOCHS:].mean()) for lr in learning_rates(method, quick)
+    }
     finite = {lr: score for lr, score in scores.items() if math.isfinite(score)}
     return min(finite, key=finite.get) if finite else None
 
@@ -203,35 +226,47 @@ def summary_rows(curves, tasks, quick: bool, slack: float) -> list[dict]:
                 row = {"task": task.name, "init": init, "method": method, "lr": lr, "target": target}
                 if lr is not None:
                     runs = curves[(task.name, init, method, lr)]
-                    row.update(last=float(runs[:, -LAST_EPOCHS:].mean()), final=float(runs[:, -1].mean()),
-                               low=float(runs[:, -1].min()),
-                               high=float(runs[:, -1].max()), epochs=epochs_to(runs.mean(axis=0), target))
+                    row.update(
+                        last=float(runs[:, -LAST_EPOCHS:].mean()),
+                        final=float(runs[:, -1].mean()),
+                        low=float(runs[:, -1].min()),
+                        high=float(runs[:, -1].max()),
+                        epochs=epochs_to(runs.mean(axis=0), target),
+                    )
                 rows.append(row)
     return rows
 
 
 def print_tables(curves, tasks, quick: bool, slack: float, epochs: int) -> None:
-    print(f"\nEach method at its best learning rate (lowest mean loss over the last {LAST_EPOCHS} epochs): that mean; "
-          f"the final training loss after {epochs} epochs (mean over seeds, [min, max]); epochs for the seed-mean curve "
-          f"to reach {slack:g} × SGD's final loss (balanced init)")
-    print(f"{'task':<16} {'init':<10} {'method':<24} {'best lr':>8} {'last ' + str(LAST_EPOCHS):>8} {'final loss':>11} "
-          f"{'[min, max]':>20} {'epochs':>7}")
+    print(
+        f"\nEach method at its best learning rate (lowest mean loss over the last {LAST_EPOCHS} epochs): that mean; "
+        f"the final training loss after {epochs} epochs (mean over seeds, [min, max]); epochs for the seed-mean curve "
+        f"to reach {slack:g} × SGD's final loss (balanced init)"
+    )
+    print(
+        f"{'task':<16} {'init':<10} {'method':<24} {'best lr':>8} {'last ' + str(LAST_EPOCHS):>8} {'final loss':>11} "
+        f"{'[min, max]':>20} {'epochs':>7}"
+    )
     for row in summary_rows(curves, tasks, quick, slack):
         if row["lr"] is None:
             print(f"{row['task']:<16} {row['init']:<10} {LABELS[row['method']]:<24} {'—':>8} {'diverged':>11}")
             continue
         spread = f"[{row['low']:.4g}, {row['high']:.4g}]"
         reached = "never" if row["epochs"] is None else str(row["epochs"])
-        print(f"{row['task']:<16} {row['init']:<10} {LABELS[row['method']]:<24} {row['lr']:>8g} {row['last']:>8.4g} "
-              f"{row['final']:>11.4g} "
-              f"{spread:>20} {reached:>7}")
+        print(
+            f"{row['task']:<16} {row['init']:<10} {LABELS[row['method']]:<24} {row['lr']:>8g} {row['last']:>8.4g} "
+            f"{row['final']:>11.4g} "
+            f"{spread:>20} {reached:>7}"
+        )
     print("\nFinal loss per learning rate (mean over seeds; nan: diverged on at least one seed)")
     for task in tasks:
         for method in METHODS:
             cells = []
             for init in INITS:
-                finals = [f"{lr:g}: {curves[(task.name, init, method, lr)][:, -1].mean():.4g}"
-                          for lr in learning_rates(method, quick)]
+                finals = [
+                    f"{lr:g}: {curves[(task.name, init, method, lr)][:, -1].mean():.4g}"
+                    for lr in learning_rates(method, quick)
+                ]
                 cells.append(f"{init} " + ", ".join(finals))
             print(f"{task.name:<16} {LABELS[method]:<24} " + " | ".join(cells))
 
@@ -239,8 +274,9 @@ def print_tables(curves, tasks, quick: bool, slack: float, epochs: int) -> None:
 def skeleton_spread(task: Task, seeds: list[int]) -> tuple[float, float, float]:
     """|v_S| of the skeleton paths at initialisation, over all seeds: min, median, max (the same
     for both initialisations: v does not change under rescaling)."""
-    values = torch.cat([pathcond.GSGD(kaiming_init(mlp(task.widths), seed), lr=1.0).basis_values().skeleton.abs()
-                        for seed in seeds])
+    values = torch.cat(
+        [pathcond.GSGD(kaiming_init(mlp(task.widths), seed), lr=1.0).basis_values().skeleton.abs() for seed in seeds]
+    )
     return float(values.min()), float(values.median()), float(values.max())
 
 
@@ -253,11 +289,15 @@ def invariance_check(curves, task: Task, quick: bool, epochs: int, batch: int) -
         return None
     images, labels = digits()
     balanced = kaiming_init(mlp(task.widths), 0).double()
-    runs = [np.array(train(model, "gsgd", task.task, images.double(), labels, lr=lr, epochs=epochs, batch=batch, seed=0))
-            for model in (balanced, unbalanced(balanced, 0))]
+    runs = [
+        np.array(train(model, "gsgd", task.task, images.double(), labels, lr=lr, epochs=epochs, batch=batch, seed=0))
+        for model in (balanced, unbalanced(balanced, 0))
+    ]
     single = [curves[(task.name, init, "gsgd", lr)][0] for init in INITS]
-    return {"float32": np.abs(single[0] - single[1]) / np.abs(single[0]),
-            "float64": np.abs(runs[0] - runs[1]) / np.abs(runs[0])}
+    return {
+        "float32": np.abs(single[0] - single[1]) / np.abs(single[0]),
+        "float64": np.abs(runs[0] - runs[1]) / np.abs(runs[0]),
+    }
 
 
 def plot(curves, task: Task, quick: bool, path: Path) -> None:
@@ -278,21 +318,28 @@ def plot(curves, task: Task, quick: bool, path: Path) -> None:
             ax.plot(epochs, runs.mean(axis=0), color=COLOURS[method], lw=1.8, label=f"{LABELS[method]} (lr {lr:g})")
             ax.fill_between(epochs, runs.min(axis=0), runs.max(axis=0), color=COLOURS[method], alpha=0.15, lw=0)
         ax.set_yscale("log")
-        ax.set_title(f"{init} initialisation" + (f" (hidden neurons × e^±{UNBALANCE:g})" if init == "unbalanced" else ""))
+        ax.set_title(
+            f"{init} initialisation" + (f" (hidden neurons × e^±{UNBALANCE:g})" if init == "unbalanced" else "")
+        )
         ax.set_xlabel("epoch")
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("training loss (" + ("cross-entropy" if task.task == "classify" else "MSE") + ")")
-    fig.suptitle(f"{task.name} on load_digits: each method at its best learning rate "
-                 f"({curves[(task.name, 'balanced', 'sgd', learning_rates('sgd', quick)[0])].shape[0]} seeds; line: "
-                 "mean, band: min–max)", fontsize=10)
+    fig.suptitle(
+        f"{task.name} on load_digits: each method at its best learning rate "
+        f"({curves[(task.name, 'balanced', 'sgd', learning_rates('sgd', quick)[0])].shape[0]} seeds; line: "
+        "mean, band: min–max)",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="one task, two rates per method, fewer epochs (a smoke run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one task, two rates per method, fewer epochs (a smoke run)"
+    )
     parser.add_argument("--epochs", type=int, help="epochs per run (default 20, quick 4)")
     parser.add_argument("--seeds", type=int, help="seeds (default 2, quick 1)")
     parser.add_argument("--batch", type=int, default=128, help="mini-batch size (default 128: 15 steps per epoch)")
@@ -305,22 +352,41 @@ def main(argv: list[str] | None = None) -> None:
     seeds = list(range(args.seeds or (1 if args.quick else 2)))
     tasks = TASKS[:1] if args.quick else TASKS
     started = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); epochs {epochs}, seeds {len(seeds)}, "
-          f"batch {args.batch}", file=sys.stderr)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); epochs {epochs}, seeds {len(seeds)}, "
+        f"batch {args.batch}",
+        file=sys.stderr,
+    )
     curves = run(tasks, seeds, epochs, args.batch, args.quick)
     print_tables(curves, tasks, args.quick, args.slack, epochs)
-    print("\nG-SGD's coordinates at initialisation, and its invariance: seed 0 at the best rate, balanced against "
-          "unbalanced init, relative difference of the whole-set loss after 1, 5 and all epochs (nan: diverged)")
+    print(
+        "\nG-SGD's coordinates at initialisation, and its invariance: seed 0 at the best rate, balanced against "
+        "unbalanced init, relative difference of the whole-set loss after 1, 5 and all epochs (nan: diverged)"
+    )
     for task in tasks:
         low, median, high = skeleton_spread(task, seeds)
         print(f"{task.name:<16} skeleton-path values |v_S| {low:.2g} … {median:.2g} (median) … {high:.2g}")
         gaps = invariance_check(curves, task, args.quick, epochs, args.batch)
         for dtype, gap in (gaps or {}).items():
-            print(f"{'':<16} {dtype}: " + ", ".join(f"epoch {e} {gap[e]:.2g}" for e in sorted({1, min(5, epochs), epochs})))
+            print(
+                f"{'':<16} {dtype}: "
+                + ", ".join(f"epoch {e} {gap[e]:.2g}" for e in sorted({1, min(5, epochs), epochs}))
+            )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_gsgd_results.json").write_text(json.dumps(
-        [{"task": t, "init": i, "method": m, "lr": lr, "losses": np.vectorize(lambda v: float(f"{v:.6g}"))(c).tolist()}
-         for (t, i, m, lr), c in curves.items()]))
+    (args.out / "train_gsgd_results.json").write_text(
+        json.dumps(
+            [
+                {
+                    "task": t,
+                    "init": i,
+                    "method": m,
+                    "lr": lr,
+                    "losses": np.vectorize(lambda v: float(f"{v:.6g}"))(c).tolist(),
+                }
+                for (t, i, m, lr), c in curves.items()
+            ]
+        )
+    )
     for task in tasks:
         slug = task.name.split()[0].lower()
         plot(curves, task, args.quick, args.out / f"train_gsgd_{slug}.png")

@@ -10,7 +10,8 @@ Training runs (paper §5.1 and §5.3, scaled to a 2-core CPU):
   (mean squared error);
 Kaiming-uniform weights (He et al.: gain √2, fan-in), zero biases, plus one small-variance
 setting (the even MLP with Kaiming/10 weights, a regime the paper's Appendix J predicts
-PathCond to change most); plain SGD (no momentum, no weight decay) with fixed learning rates on a log grid, mini-batches of ``--batch``.
+PathCond to change most); plain SGD (no momentum, no weight decay) with fixed learning rates
+on a log grid, mini-batches of ``--batch``.
 Every seed draws one initialisation; baseline, PathCond and ENorm start from that same θ,
 rescaled once at initialisation with pathcond's Python API
 (``rescale_module(model, input_shape=..., criterion=...)``), and see the same mini-batches.
@@ -54,8 +55,12 @@ import pathcond_cli as pathcond
 METHODS = ("baseline", "pathcond", "placebo", "enorm")
 RESCALINGS = METHODS[1:]
 COLOURS = {"baseline": "#555555", "pathcond": "#d62728", "placebo": "#2ca02c", "enorm": "#1f77b4"}
-LABELS = {"baseline": "baseline (no rescaling)", "pathcond": "PathCond", "placebo": "placebo (u* per-layer mean)",
-          "enorm": "ENorm"}
+LABELS = {
+    "baseline": "baseline (no rescaling)",
+    "pathcond": "PathCond",
+    "placebo": "placebo (u* per-layer mean)",
+    "enorm": "ENorm",
+}
 SHORT = {"baseline": "base", "pathcond": "PC", "placebo": "PL", "enorm": "EN"}
 # ENorm and the placebo dashed/dotted: they often overlap PathCond
 STYLES = {"baseline": ("-", 2.6), "pathcond": ("-", 1.6), "placebo": (":", 1.8), "enorm": ("--", 1.6)}
@@ -75,7 +80,8 @@ class Setting:
     @property
     def title(self) -> str:
         return f"{self.name.split(',')[0]}: {'-'.join(map(str, self.widths))}" + (
-        f", Kaiming × {self.init_scale:g}" if self.init_scale != 1.0 else "")
+            f", Kaiming × {self.init_scale:g}" if self.init_scale != 1.0 else ""
+        )
 
 
 def settings(quick: bool) -> list[Setting]:
@@ -148,8 +154,17 @@ def task_loss(task: str, output: torch.Tensor, images: torch.Tensor, labels: tor
     return F.cross_entropy(output, labels) if task == "classify" else F.mse_loss(output, images)
 
 
-def train(model: torch.nn.Module, task: str, images: torch.Tensor, labels: torch.Tensor, *, lr: float, epochs: int,
-          batch: int, seed: int) -> list[float]:
+def train(
+    model: torch.nn.Module,
+    task: str,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    lr: float,
+    epochs: int,
+    batch: int,
+    seed: int,
+) -> list[float]:
     """Plain SGD; the whole-training-set loss before training and after each epoch.
 
     A diverged run (non-finite loss, or DIVERGED times the initial one) is cut and padded with NaN.
@@ -166,7 +181,7 @@ def train(model: torch.nn.Module, task: str, images: torch.Tensor, labels: torch
     for _ in range(epochs):
         permutation = torch.randperm(n, generator=order)
         for start in range(0, n, batch):
-            index = permutation[start:start + batch]
+            index = permutation[start : start + batch]
             optimiser.zero_grad(set_to_none=True)
             task_loss(task, model(images[index]), images[index], labels[index]).backward()
             optimiser.step()
@@ -194,15 +209,19 @@ class Runs:
 
     def to_json(self) -> dict:
         return {
-            "curves": [{"setting": s, "lr": lr, "method": m, "losses": np.vectorize(lambda v: float(f"{v:.6g}"))(c).tolist()}
-                       for (s, lr, m), c in self.curves.items()],
+            "curves": [
+                {"setting": s, "lr": lr, "method": m, "losses": np.vectorize(lambda v: float(f"{v:.6g}"))(c).tolist()}
+                for (s, lr, m), c in self.curves.items()
+            ],
             "u_inf": [{"setting": s, "method": m, "values": v} for (s, m), v in self.u_inf.items()],
         }
 
     @classmethod
     def from_json(cls, data: dict) -> Runs:
-        return cls({(c["setting"], c["lr"], c["method"]): np.array(c["losses"], dtype=float) for c in data["curves"]},
-                   {(u["setting"], u["method"]): u["values"] for u in data["u_inf"]})
+        return cls(
+            {(c["setting"], c["lr"], c["method"]): np.array(c["losses"], dtype=float) for c in data["curves"]},
+            {(u["setting"], u["method"]): u["values"] for u in data["u_inf"]},
+        )
 
 
 def run_training(all_settings: list[Setting], lrs: list[float], seeds: list[int], epochs: int, batch: int) -> Runs:
@@ -218,8 +237,9 @@ def run_training(all_settings: list[Setting], lrs: list[float], seeds: list[int]
                 model, u_inf = rescaled_copy(initial, method, setting.widths[0])
                 runs.u_inf.setdefault((setting.name, method), []).append(u_inf)
                 for lr in lrs:
-                    curve = train(deepcopy(model), setting.task, images, labels, lr=lr, epochs=epochs, batch=batch,
-                                  seed=seed)
+                    curve = train(
+                        deepcopy(model), setting.task, images, labels, lr=lr, epochs=epochs, batch=batch, seed=seed
+                    )
                     per_method.setdefault((lr, method), []).append(curve)
                     starts.setdefault(lr, []).append(curve[0])
             for lr, values in starts.items():  # same function ⇒ same initial loss
@@ -269,8 +289,12 @@ def seed_table(runs: Runs, all_settings: list[Setting], lrs: list[float], slack:
         for lr in lrs:
             stuck = stalled(runs, setting.name, lr)
             base = runs.curves[(setting.name, lr, "baseline")]
-            row = {"setting": setting.name, "lr": lr, "seeds": base.shape[0],
-                   "stalled": {m: int(stuck[m].sum()) for m in METHODS}}
+            row = {
+                "setting": setting.name,
+                "lr": lr,
+                "seeds": base.shape[0],
+                "stalled": {m: int(stuck[m].sum()) for m in METHODS},
+            }
             for method in RESCALINGS:
                 curves = runs.curves[(setting.name, lr, method)]
                 clean = ~stuck[method] & ~stuck["baseline"]
@@ -290,19 +314,30 @@ def seed_table(runs: Runs, all_settings: list[Setting], lrs: list[float], slack:
 
 
 def print_seed_table(rows: list[dict], slack: float) -> None:
-    print(f"\nPer seed: median over the seeds where neither the method nor the baseline stalled of final loss / "
-          f"baseline final loss (ratio) and of baseline epochs / method epochs to {slack:g} × that seed's baseline "
-          f"final loss (speed-up; 0 = never; — where the baseline did not learn). Stalled (final loss > {STALLED:g} × the best method's on that seed, or "
-          "diverged): seeds per method, counted apart")
-    header = (f"{'setting':<18} {'lr':>7}" + "".join(f" {SHORT[m] + ' ratio':>9} {SHORT[m] + ' speed':>9}"
-                                                     for m in RESCALINGS) + "   stalled " + "/".join(SHORT[m] for m in METHODS))
+    print(
+        f"\nPer seed: median over the seeds where neither the method nor the baseline stalled of final loss / "
+        f"baseline final loss (ratio) and of baseline epochs / method epochs to {slack:g} × that seed's baseline "
+        f"final loss (speed-up; 0 = never; — where the baseline did not learn). "
+        f"Stalled (final loss > {STALLED:g} × the best method's on that seed, or "
+        "diverged): seeds per method, counted apart"
+    )
+    header = (
+        f"{'setting':<18} {'lr':>7}"
+        + "".join(f" {SHORT[m] + ' ratio':>9} {SHORT[m] + ' speed':>9}" for m in RESCALINGS)
+        + "   stalled "
+        + "/".join(SHORT[m] for m in METHODS)
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
-        cells = "".join(f" {_fmt_ratio(row[f'ratio_{m}']):>9} {_fmt_ratio(row[f'speedup_{m}'], '×'):>9}"
-                        for m in RESCALINGS)
-        print(f"{row['setting']:<18} {row['lr']:>7.3g}{cells}   " + "/".join(str(row["stalled"][m]) for m in METHODS)
-              + f" of {row['seeds']}")
+        cells = "".join(
+            f" {_fmt_ratio(row[f'ratio_{m}']):>9} {_fmt_ratio(row[f'speedup_{m}'], '×'):>9}" for m in RESCALINGS
+        )
+        print(
+            f"{row['setting']:<18} {row['lr']:>7.3g}{cells}   "
+            + "/".join(str(row["stalled"][m]) for m in METHODS)
+            + f" of {row['seeds']}"
+        )
 
 
 def _fmt_ratio(value: float | None, unit: str = "") -> str:
@@ -322,21 +357,41 @@ def _speedup(base: int | None, other: int | None) -> str:
 
 
 def print_training(rows: list[dict], runs: Runs, epochs: int, slack: float) -> None:
-    print(f"\nFinal training loss after {epochs} epochs (mean over seeds) and epochs to reach "
-          f"{slack:g} × the baseline's final loss (on the seed-mean curve); speed-up = baseline epochs / method epochs")
-    header = (f"{'setting':<18} {'lr':>7}" + "".join(f" {SHORT[m]:>9}" for m in METHODS) + "  "
-              + "".join(f" {'ep ' + SHORT[m]:>7}" for m in METHODS) + "  "
-              + "".join(f" {SHORT[m] + ' speed-up':>12}" for m in RESCALINGS))
+    print(
+        f"\nFinal training loss after {epochs} epochs (mean over seeds) and epochs to reach "
+        f"{slack:g} × the baseline's final loss (on the seed-mean curve); speed-up = baseline epochs / method epochs"
+    )
+    header = (
+        f"{'setting':<18} {'lr':>7}"
+        + "".join(f" {SHORT[m]:>9}" for m in METHODS)
+        + "  "
+        + "".join(f" {'ep ' + SHORT[m]:>7}" for m in METHODS)
+        + "  "
+        + "".join(f" {SHORT[m] + ' speed-up':>12}" for m in RESCALINGS)
+    )
     print(header)
     print("-" * len(header))
     for row in rows:
-        print(f"{row['setting']:<18} {row['lr']:>7.3g}" + "".join(f" {row[f'final_{m}']:>9.4g}" for m in METHODS) + "  "
-              + "".join(f" {_fmt_epochs(row[f'epochs_{m}']):>7}" for m in METHODS) + "  "
-              + "".join(f" {_speedup(row['epochs_baseline'], row[f'epochs_{m}']):>12}" for m in RESCALINGS))
-    print("\n‖u‖∞ at initialisation (mean over seeds): "
-          + "; ".join(f"{s}: " + ", ".join(f"{LABELS[m].split(' ')[0]} {np.mean(runs.u_inf[(s, m)]):.2f}"
-                                           for m in RESCALINGS if (s, m) in runs.u_inf)
-                      for s in dict.fromkeys(k[0] for k in runs.u_inf)))
+        print(
+            f"{row['setting']:<18} {row['lr']:>7.3g}"
+            + "".join(f" {row[f'final_{m}']:>9.4g}" for m in METHODS)
+            + "  "
+            + "".join(f" {_fmt_epochs(row[f'epochs_{m}']):>7}" for m in METHODS)
+            + "  "
+            + "".join(f" {_speedup(row['epochs_baseline'], row[f'epochs_{m}']):>12}" for m in RESCALINGS)
+        )
+    print(
+        "\n‖u‖∞ at initialisation (mean over seeds): "
+        + "; ".join(
+            f"{s}: "
+            + ", ".join(
+                f"{LABELS[m].split(' ')[0]} {np.mean(runs.u_inf[(s, m)]):.2f}"
+                for m in RESCALINGS
+                if (s, m) in runs.u_inf
+            )
+            for s in dict.fromkeys(k[0] for k in runs.u_inf)
+        )
+    )
 
 
 # -- Fig. 4: ‖u‖∞ against the width ratio ------------------------------------------------------
@@ -367,15 +422,25 @@ def run_width_ratio(alphas: list[float], repeats: int, io_width: int = 32) -> li
             for init, scale in INITS.items():
                 model = kaiming_init(mlp(widths).double(), seed=1000 * repeat + len(rows), scale=scale)
                 result = pathcond.rescale_module(model, input_shape=(io_width,), max_iter=FIG4_MAX_ITER)
-                rows.append({"alpha": alpha, "init": init, "widths": hidden, "ratio": max(hidden) / min(hidden),
-                             "u_inf": result.solve.u_inf, "converged": result.solve.converged,
-                             "kkt_residual": result.solve.kkt_residual})
+                rows.append(
+                    {
+                        "alpha": alpha,
+                        "init": init,
+                        "widths": hidden,
+                        "ratio": max(hidden) / min(hidden),
+                        "u_inf": result.solve.u_inf,
+                        "converged": result.solve.converged,
+                        "kkt_residual": result.solve.kkt_residual,
+                    }
+                )
     return rows
 
 
 def print_width_ratio(rows: list[dict]) -> None:
-    print("\nFig. 4 check: PathCond ‖u‖∞ against the width ratio (max/min hidden width), depth-8 MLPs "
-          "32 → 8 hidden layers (256 neurons) → 32, zero biases")
+    print(
+        "\nFig. 4 check: PathCond ‖u‖∞ against the width ratio (max/min hidden width), depth-8 MLPs "
+        "32 → 8 hidden layers (256 neurons) → 32, zero biases"
+    )
     print(f"{'α':>7} {'width ratio':>11} {'‖u‖∞ Kaiming':>13} {'‖u‖∞ small':>11}   hidden widths")
     kaiming = [r for r in rows if r["init"] == "Kaiming"]
     small = [r for r in rows if r["init"] != "Kaiming"]
@@ -383,9 +448,11 @@ def print_width_ratio(rows: list[dict]) -> None:
         print(f"{a['alpha']:>7.3g} {a['ratio']:>11.1f} {a['u_inf']:>13.2f} {b['u_inf']:>11.2f}   {a['widths']}")
     for name, group in (("Kaiming", kaiming), ("small variance", small)):
         norms = [r["u_inf"] for r in group]
-        print(f"{name}: Pearson correlation of ln(width ratio) and ‖u‖∞ = {_log_correlation(group):.2f}; "
-              f"‖u‖∞ median {np.median(norms):.2f}, range {min(norms):.2f}–{max(norms):.2f}; "
-              f"not converged: {sum(not r['converged'] for r in group)}")
+        print(
+            f"{name}: Pearson correlation of ln(width ratio) and ‖u‖∞ = {_log_correlation(group):.2f}; "
+            f"‖u‖∞ median {np.median(norms):.2f}, range {min(norms):.2f}–{max(norms):.2f}; "
+            f"not converged: {sum(not r['converged'] for r in group)}"
+        )
 
 
 # -- figures -------------------------------------------------------------------------------------
@@ -422,8 +489,11 @@ def plot_curves(runs: Runs, setting: Setting, lrs: list[float], path: Path, slac
     first.set_ylabel("training loss (" + ("cross-entropy" if setting.task == "classify" else "MSE") + ")")
     first.legend(loc="lower left", fontsize=8)
     seeds = runs.curves[(setting.name, lrs[0], "baseline")].shape[0]
-    fig.suptitle(f"{setting.title} on load_digits: SGD, {seeds} seeds (line: mean, band: min–max; dotted: target = "
-                 f"{slack:g} × baseline final, none where the baseline did not learn)", fontsize=10)
+    fig.suptitle(
+        f"{setting.title} on load_digits: SGD, {seeds} seeds (line: mean, band: min–max; dotted: target = "
+        f"{slack:g} × baseline final, none where the baseline did not learn)",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -434,27 +504,40 @@ def plot_summary(rows: list[dict], all_settings: list[Setting], lrs: list[float]
     from matplotlib.colors import TwoSlopeNorm
 
     names = [s.name for s in all_settings]
-    fig, axes = plt.subplots(1, len(RESCALINGS), figsize=(5.5 * len(RESCALINGS), 0.55 * len(names) + 2.2),
-                             constrained_layout=True)
+    fig, axes = plt.subplots(
+        1, len(RESCALINGS), figsize=(5.5 * len(RESCALINGS), 0.55 * len(names) + 2.2), constrained_layout=True
+    )
     lookup = {(r["setting"], r["lr"]): r for r in rows}
     for ax, method in zip(axes, RESCALINGS):
-        ratio = np.array([[lookup[(n, lr)][f"final_{method}"] / lookup[(n, lr)]["final_baseline"] for lr in lrs]
-                          for n in names])
+        ratio = np.array(
+            [[lookup[(n, lr)][f"final_{method}"] / lookup[(n, lr)]["final_baseline"] for lr in lrs] for n in names]
+        )
         log_ratio = np.log2(ratio)
-        image = ax.imshow(np.nan_to_num(log_ratio, nan=0.0), cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -2.0, 2.0),
-                          aspect="auto")
+        image = ax.imshow(
+            np.nan_to_num(log_ratio, nan=0.0), cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -2.0, 2.0), aspect="auto"
+        )
         for i in range(len(names)):
             for j in range(len(lrs)):
                 text = "diverged" if not math.isfinite(ratio[i, j]) else f"{ratio[i, j]:.2f}"
-                ax.text(j, i, text, ha="center", va="center", fontsize=9,
-                        color="white" if math.isfinite(log_ratio[i, j]) and abs(log_ratio[i, j]) > 1.3 else "black")
+                ax.text(
+                    j,
+                    i,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=9,
+                    color="white" if math.isfinite(log_ratio[i, j]) and abs(log_ratio[i, j]) > 1.3 else "black",
+                )
         ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
         ax.set_yticks(range(len(names)), names)
         ax.set_xlabel("learning rate")
         ax.set_title(f"{LABELS[method]}: final loss / baseline final loss\n(< 1, blue: better than no rescaling)")
     fig.colorbar(image, ax=axes, label="log2 of the ratio (clipped at ±2)", shrink=0.9)
-    fig.suptitle(f"load_digits, plain SGD, training loss after {epochs} epochs (mean over seeds); rescaling applied once, "
-                 "at initialisation", fontsize=10)
+    fig.suptitle(
+        f"load_digits, plain SGD, training loss after {epochs} epochs (mean over seeds); rescaling applied once, "
+        "at initialisation",
+        fontsize=10,
+    )
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -471,16 +554,25 @@ def plot_width_ratio(rows: list[dict], path: Path) -> None:
         for converged in (True, False):
             members = [r for r in group if r["converged"] is converged]
             if members:
-                ax.scatter([r["ratio"] for r in members], [r["u_inf"] for r in members], marker=marker, alpha=0.8,
-                           color=colour if converged else "none", edgecolors=colour,
-                           label=f"{init} init (corr. with ln ratio {_log_correlation(group):.2f})" if converged
-                           else f"{init}: not converged")
+                ax.scatter(
+                    [r["ratio"] for r in members],
+                    [r["u_inf"] for r in members],
+                    marker=marker,
+                    alpha=0.8,
+                    color=colour if converged else "none",
+                    edgecolors=colour,
+                    label=f"{init} init (corr. with ln ratio {_log_correlation(group):.2f})"
+                    if converged
+                    else f"{init}: not converged",
+                )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("width ratio (max / min hidden width)")
     ax.set_ylabel("PathCond ‖u*‖∞  (ln of the largest neuron scale)")
-    ax.set_title("Depth-8 MLPs (zero biases), 256 hidden neurons spread by a Dirichlet draw\n(the paper's Fig. 4 check)",
-                 fontsize=10)
+    ax.set_title(
+        "Depth-8 MLPs (zero biases), 256 hidden neurons spread by a Dirichlet draw\n(the paper's Fig. 4 check)",
+        fontsize=10,
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.savefig(path, dpi=110)
@@ -497,8 +589,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slack", type=float, default=1.1, help="target = slack × the baseline's final loss")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest for these small nets)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent, help="where the PNGs go")
-    parser.add_argument("--replot", action="store_true",
-                        help="redraw the tables and figures from the last run's train_speedup_results.json in --out")
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help="redraw the tables and figures from the last run's train_speedup_results.json in --out",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     epochs = args.epochs or (15 if args.quick else 50)
@@ -506,8 +601,11 @@ def main(argv: list[str] | None = None) -> None:
     lrs = args.lrs or ([0.01, 0.1] if args.quick else [0.003, 0.01, 0.03, 0.1, 0.3])
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); epochs {epochs}, seeds {len(seeds)}, "
-          f"batch {args.batch}, learning rates {lrs}", file=sys.stderr)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); epochs {epochs}, seeds {len(seeds)}, "
+        f"batch {args.batch}, learning rates {lrs}",
+        file=sys.stderr,
+    )
 
     results_path = args.out / "train_speedup_results.json"
     all_settings = settings(args.quick)

@@ -9,25 +9,38 @@ runs it before ``__main__`` installs the Ctrl-C handler, and an import here (``t
 20 ms in a fresh virtual environment) was a window in which Ctrl-C printed a traceback.
 """
 
-__version__ = "0.9.0"
-
 _PUBLIC = {
-    "Analysis": "api", "RescaleResult": "api", "analyse": "api", "load": "api", "rescale": "api",
-    "rescale_module": "api", "save": "api", "PathcondError": "errors",
-    "compare_models": "toolkit", "prune": "toolkit", "save_pruned": "toolkit", "set_threads": "threads",
-    "rescale_file": "pipeline", "GSGD": "gsgd",
+    "Analysis": "analysis",
+    "analyse": "analysis",
+    "RescaleResult": "rescaling",
+    "rescale": "rescaling",
+    "rescale_module": "module_route",
+    "load": "model_files",
+    "save": "model_files",
+    "PathcondError": "errors",
+    "compare_models": "toolkit",
+    "prune": "toolkit",
+    "save_pruned": "toolkit",
+    "set_threads": "threads",
+    "rescale_file": "pipeline",
+    "GSGD": "gsgd",
+    "__version__": "version",
 }
 
-__all__ = [*sorted(_PUBLIC), "__version__"]
+__all__ = sorted(_PUBLIC)
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing; type checkers read it as True
 if TYPE_CHECKING:
-    from .api import Analysis, RescaleResult, analyse, load, rescale, rescale_module, save
+    from .analysis import Analysis, analyse
     from .errors import PathcondError
     from .gsgd import GSGD
+    from .model_files import load, save
+    from .module_route import rescale_module
     from .pipeline import rescale_file
+    from .rescaling import RescaleResult, rescale
     from .threads import set_threads
     from .toolkit import compare_models, prune, save_pruned
+    from .version import __version__
 
 
 def __getattr__(name: str) -> object:

@@ -21,8 +21,15 @@ class PathcondError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, problems: Sequence[str] = (), note: str | None = None, *,
-                 follow_on: Sequence[str] = (), follow_on_meaning: str = ""):
+    def __init__(
+        self,
+        message: str,
+        problems: Sequence[str] = (),
+        note: str | None = None,
+        *,
+        follow_on: Sequence[str] = (),
+        follow_on_meaning: str = "",
+    ):
         root = list(problems)
         self.message, self.note, self.follow_on = message, note, list(follow_on)
         self.problems = root + self.follow_on
@@ -30,11 +37,15 @@ class PathcondError(Exception):
         self.complete = "\n".join([message, *(f"  - {p}" for p in self.problems), *closing])
         lines = [f"  - {p}" for p in root[:PROBLEMS_SHOWN]]
         if len(root) > PROBLEMS_SHOWN:
-            lines.append(f"  and {len(root) - PROBLEMS_SHOWN} more problem(s) (all listed with --json; "
-                         "in the API, the error's problems)")
+            lines.append(
+                f"  and {len(root) - PROBLEMS_SHOWN} more problem(s) (all listed with --json; "
+                "in the API, the error's problems)"
+            )
         if self.follow_on:
-            lines.append(f"  and {len(self.follow_on)} more problem(s){follow_on_meaning} (listed with --json; in "
-                         "the API, the error's follow_on)")
+            lines.append(
+                f"  and {len(self.follow_on)} more problem(s){follow_on_meaning} (listed with --json; in "
+                "the API, the error's follow_on)"
+            )
         super().__init__("\n".join([message, *lines, *closing]))
 
 
@@ -56,13 +67,23 @@ class UnsupportedModelError(PathcondError):
 
     exit_code = 4
 
-    def __init__(self, message: str, problems: list[str] | None = None, follow_on: list[str] | None = None,
-                 note: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        problems: list[str] | None = None,
+        follow_on: list[str] | None = None,
+        note: str | None = None,
+    ):
         """``problems`` are the root causes; ``follow_on`` the problems of nodes that only read
         the output of a refused node (counted in the message; ``complete`` lists them all);
         ``note`` a paragraph closing the message (why, and what would help), given once."""
-        super().__init__(message, problems or [], note, follow_on=follow_on or [],
-                         follow_on_meaning=" in nodes that read the output of those above, consequences of them")
+        super().__init__(
+            message,
+            problems or [],
+            note,
+            follow_on=follow_on or [],
+            follow_on_meaning=" in nodes that read the output of those above, consequences of them",
+        )
 
 
 class VerificationError(PathcondError):

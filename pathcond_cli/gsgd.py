@@ -37,8 +37,10 @@ from .io.formats.fx_import import module_import
 # traces in eval mode; in training, dropout multiplies each unit by a non-negative factor, which
 # commutes with every positive rescaling, so the invariance G-SGD relies on still holds).
 _PASS_THROUGH = (Identity,)
-SETTING = ("G-SGD needs a chain x → W_1 → ReLU → W_2 → ReLU → … → W_L (L ≥ 2) of Linear layers whose "
-           "hidden layers all have one width, or of convolutions (groups=1) with one hidden channel count (seed 003)")
+SETTING = (
+    "G-SGD needs a chain x → W_1 → ReLU → W_2 → ReLU → … → W_L (L ≥ 2) of Linear layers whose "
+    "hidden layers all have one width, or of convolutions (groups=1) with one hidden channel count (seed 003)"
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,9 @@ class _Skeleton:
         self.outward = list(reversed(reverse))
         self.value = self.inward[-1] * self.sigma[-1]
 
-    def weight_coefficient(self, k: int, weight: torch.Tensor, inward: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    def weight_coefficient(
+        self, k: int, weight: torch.Tensor, inward: Sequence[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """c_e for every entry of weight k, shaped to broadcast against it: the skeleton weights
         before e's source neuron times those after its destination neuron (``inward`` to use
         other products before the source, as after a step)."""
@@ -140,8 +144,9 @@ class GSGD(torch.optim.Optimizer):
     :class:`SingularBasisError` and leaves the model as it was.
     """
 
-    def __init__(self, model: torch.nn.Module, lr: float, *, weight_decay: float = 0.0,
-                 input_shape: Sequence[int] | None = None):
+    def __init__(
+        self, model: torch.nn.Module, lr: float, *, weight_decay: float = 0.0, input_shape: Sequence[int] | None = None
+    ):
         if not (math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a finite number > 0, not {lr}")
         if not (math.isfinite(weight_decay) and weight_decay >= 0):
@@ -159,8 +164,10 @@ class GSGD(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if self.param_groups:
-            raise UsageError("G-SGD steps the whole chain in one basis-path space; it takes no further parameter groups "
-                             "(give other parameters an optimizer of their own).")
+            raise UsageError(
+                "G-SGD steps the whole chain in one basis-path space; it takes no further parameter groups "
+                "(give other parameters an optimizer of their own)."
+            )
         super().add_param_group(param_group)
 
     @property
@@ -171,8 +178,9 @@ class GSGD(torch.optim.Optimizer):
     def _weights(self) -> list[torch.Tensor]:
         return [layer.weight for layer in self._layers]
 
-    def _paths(self, skeleton_values: torch.Tensor, weight_values: list[torch.Tensor],
-               bias_values: list[torch.Tensor | None]) -> BasisPaths:
+    def _paths(
+        self, skeleton_values: torch.Tensor, weight_values: list[torch.Tensor], bias_values: list[torch.Tensor | None]
+    ) -> BasisPaths:
         per_parameter, masks = {}, {}
         for layer, weight, bias in zip(self._layers, weight_values, bias_values):
             with_skeleton = weight.clone()
@@ -188,8 +196,10 @@ class GSGD(torch.optim.Optimizer):
         """v: the value of every basis path, v_P = Π_{e∈P} θ_e."""
         skeleton = _Skeleton(self._layers, self._weights())
         weights = [layer.weight * skeleton.weight_coefficient(k, layer.weight) for k, layer in enumerate(self._layers)]
-        biases = [None if layer.bias is None else layer.bias * skeleton.bias_coefficient(k, layer.bias)
-                  for k, layer in enumerate(self._layers)]
+        biases = [
+            None if layer.bias is None else layer.bias * skeleton.bias_coefficient(k, layer.bias)
+            for k, layer in enumerate(self._layers)
+        ]
         return self._paths(skeleton.value, weights, biases)
 
     @torch.no_grad()
@@ -290,13 +300,19 @@ def _check_usable(skeleton: _Skeleton, after: Sequence[torch.Tensor], dtype: tor
         raise SingularBasisError(
             f"G-SGD, {when}: the skeleton path value of hidden neuron(s) {_listed(neurons)} {what}; the basis-path "
             "coordinates are singular there (every path value is divided by it). "
-            + ("Give the skeleton weights non-zero values (W_1[i, i mod d], W_l[i, i], W_L[i mod K, i]; the centre "
-               "taps of a convolution)." if zero else "A smaller learning rate steps past it.")
-            + " The model was not changed.")
+            + (
+                "Give the skeleton weights non-zero values (W_1[i, i mod d], W_l[i, i], W_L[i mod K, i]; the centre "
+                "taps of a convolution)."
+                if zero
+                else "A smaller learning rate steps past it."
+            )
+            + " The model was not changed."
+        )
     raise SingularBasisError(
         f"G-SGD, {when}: a product of skeleton weights is not finite or leaves {dtype}'s range (a NaN or infinite "
         "gradient, or skeleton weights too large or too small for the dtype); the basis-path coordinates are singular "
-        "there. The model was not changed.")
+        "there. The model was not changed."
+    )
 
 
 def _listed(indices: Sequence[int]) -> str:
@@ -309,15 +325,18 @@ def _import(model: torch.nn.Module, input_shape: Sequence[int] | None, source: s
     if input_shape is None:
         weights = [p for p in model.parameters() if p.dim() >= 2]
         if not weights or weights[0].dim() != 2:
-            raise UsageError(f"{source}: give GSGD the batch-free input_shape (e.g. input_shape=(3, 32, 32)); it is "
-                             "inferred only for a model whose first layer is a Linear.")
+            raise UsageError(
+                f"{source}: give GSGD the batch-free input_shape (e.g. input_shape=(3, 32, 32)); it is "
+                "inferred only for a model whose first layer is a Linear."
+            )
         input_shape = (weights[0].shape[1],)
     try:
         return module_import(model, tuple(input_shape), source=source)
     except UnsupportedModelError as error:
-        root = error.problems[:len(error.problems) - len(error.follow_on)]
-        raise UnsupportedModelError(f"{source}: {SETTING}; this module is not even a ReLU DAG:", root,
-                                    error.follow_on) from None
+        root = error.problems[: len(error.problems) - len(error.follow_on)]
+        raise UnsupportedModelError(
+            f"{source}: {SETTING}; this module is not even a ReLU DAG:", root, error.follow_on
+        ) from None
 
 
 def _chain(graph: Graph, model: torch.nn.Module, source: str) -> list[_Layer]:
@@ -370,20 +389,28 @@ def _chain(graph: Graph, model: torch.nn.Module, source: str) -> list[_Layer]:
     shared = {id(p) for p in tensors.values()}
     if len(shared) < len(tensors):
         problems.append("the layers share parameter tensors (tied weights)")
-    untrained = [name for name, p in parameters.items() if name not in tensors and p.requires_grad
-                 and id(p) not in shared]
+    untrained = [
+        name for name, p in parameters.items() if name not in tensors and p.requires_grad and id(p) not in shared
+    ]
     if untrained:
-        problems.append(f"parameter(s) {', '.join(untrained[:10])} are read by no layer of the chain; G-SGD would "
-                        "leave them untrained")
+        problems.append(
+            f"parameter(s) {', '.join(untrained[:10])} are read by no layer of the chain; G-SGD would "
+            "leave them untrained"
+        )
     widths = [(parameters[node.weight].shape[0], node.name) for node in weighted[:-1] if node.weight in parameters]
     if len({width for width, _ in widths}) > 1:
-        problems.append("hidden widths " + ", ".join(f"{width} ('{name}')" for width, name in widths)
-                        + " differ; G-SGD needs one width (seed 003)")
+        problems.append(
+            "hidden widths "
+            + ", ".join(f"{width} ('{name}')" for width, name in widths)
+            + " differ; G-SGD needs one width (seed 003)"
+        )
     devices = {p.device for p in tensors.values()}
     dtypes = {p.dtype for p in tensors.values()}
     if len(devices) > 1 or len(dtypes) > 1:
-        problems.append(f"the parameters are on {len(devices)} device(s) in {len(dtypes)} dtype(s); G-SGD steps them "
-                        "together, on one device in one dtype")
+        problems.append(
+            f"the parameters are on {len(devices)} device(s) in {len(dtypes)} dtype(s); G-SGD steps them "
+            "together, on one device in one dtype"
+        )
     if problems:
         raise UnsupportedModelError(f"{source}: {SETTING}:", problems)
     return _layers(weighted, parameters)

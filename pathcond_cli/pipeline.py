@@ -20,14 +20,16 @@ from pathlib import Path
 import torch
 
 # Modules, not their functions: a stage replaced in its module (a test's fault) is the one run here.
-from . import api
-from .api import Analysis, RescaleResult
+from . import analysis, model_files, rescaling
+from .analysis import Analysis
 from .engine.model import LoadedModel
 from .errors import OutputError, UsageError
 from .io import formats
 from .io.destinations import Written, check_destinations, default_output, written
 from .io.fileio import TMP_SUFFIX
 from .io.formats import InputShape
+from .rescaling import RescaleResult
+from .runtime import Stopwatch
 from .solve.options import SolveOptions
 
 
@@ -83,7 +85,7 @@ def rescale_file(
     itself with ``in_place``); it is in
     ``source``'s format, never a file the run reads, and never ``source`` itself unless
     ``in_place``. The file is written into a staging directory, reloaded and verified there
-    (:func:`pathcond_cli.api.save`), and renamed onto ``destination`` only if it computes the
+    (:func:`pathcond_cli.model_files.save`), and renamed onto ``destination`` only if it computes the
     original function. With ``send`` no file is kept: the model is written self-contained into a
     private scratch directory, verified there, and ``send(path)`` is called with the verified
     file before the directory is removed (the CLI's ``-o -`` copies it to stdout); ``send``
@@ -91,41 +93,50 @@ def rescale_file(
     ``also_writes`` are the caller's other outputs (a report, a plot), checked with
     ``destination`` before any work (:func:`~pathcond_cli.io.destinations.check_destinations`,
     whose messages name the CLI's options); their paths come back in ``also_written``.
-    ``options``, ``device`` and ``path_norms`` are :func:`~pathcond_cli.api.rescale`'s and
-    :func:`~pathcond_cli.api.analyse`'s; ``name`` is how messages call ``source``.
+    ``options``, ``device`` and ``path_norms`` are :func:`~pathcond_cli.rescaling.rescale`'s and
+    :func:`~pathcond_cli.analysis.analyse`'s; ``name`` is how messages call ``source``.
     """
     started = time.perf_counter()
     watcher = watcher or Watcher()
     run = FileRescale()
     source = Path(source) if isinstance(source, (str, os.PathLike)) else source
-    run.destination, *run.also_written = checked_outputs(source, destination, arch=arch, in_place=in_place,
-                                                         sent=send is not None, also_writes=also_writes)
+    run.destination, *run.also_written = checked_outputs(
+        source, destination, arch=arch, in_place=in_place, sent=send is not None, also_writes=also_writes
+    )
 
     watcher.stage("loading")
-    load_started = time.perf_counter()
-    run.loaded = formats.load_model(source, arch=arch, input_shape=input_shape, name=name, allow_unused=allow_unused)
-    run.seconds["load"] = time.perf_counter() - load_started
+    run.loaded = Stopwatch(run.seconds)(
+        "load",
+        lambda: formats.load_model(source, arch=arch, input_shape=input_shape, name=name, allow_unused=allow_unused),
+    )
     if send is not None:
         formats.check_streamable(run.loaded)
     watcher.reached(run)
 
     watcher.stage("analysing: groups, diag(G), path count, path norms")
-    run.analysis = api.analyse(run.loaded, device=device, path_norms=path_norms)
+    run.analysis = analysis.analyse(run.loaded, device=device, path_norms=path_norms)
     watcher.reached(run)
     # The storage check shares the write's computation of each rescaled tensor.
-    run.result = api.rescale(run.loaded, options, progress=watcher.solver, verify=False, analysis=run.analysis,
-                         check_storage_when_written=True, device=device)
+    run.result = rescaling.rescale(
+        run.loaded,
+        options,
+        progress=watcher.solver,
+        verify=False,
+        analysis=run.analysis,
+        check_storage_when_written=True,
+        device=device,
+    )
     run.seconds.update(run.result.seconds)
     watcher.reached(run)
 
     watcher.stage("writing and verifying the written file")
     if send is None:
-        api.save(run.result, run.destination, input_shape=input_shape, in_place=in_place, seconds=run.seconds)
+        model_files.save(run.result, run.destination, input_shape=input_shape, in_place=in_place, seconds=run.seconds)
         run.seconds["total"] = time.perf_counter() - started
         return run
     with _scratch_directory() as scratch:
         target = scratch / f"out.{run.loaded.format}"
-        api.save(run.result, target, input_shape=input_shape, seconds=run.seconds, self_contained=True)
+        model_files.save(run.result, target, input_shape=input_shape, seconds=run.seconds, self_contained=True)
         run.seconds["total"] = time.perf_counter() - started
         send(target)
     return run
@@ -160,8 +171,9 @@ def checked_outputs(
         if mismatch:
             raise UsageError(f"{mismatch}.")
     # Checked as given: Path() would drop the slash that names a directory.
-    return check_destinations([written("-o", destination, kind), *also_writes],
-                              formats.files_read(source_path, arch), in_place=in_place)
+    return check_destinations(
+        [written("-o", destination, kind), *also_writes], formats.files_read(source_path, arch), in_place=in_place
+    )
 
 
 @contextmanager

@@ -103,13 +103,15 @@ def compare(
     inputs = {n.name: torch.randn((batch, *n.shape), generator=generator, dtype=torch.float64) for n in graph.inputs}
     # torch computes no train-mode BatchNorm with eps = 0 (a channel's batch variance may be 0).
     train = any(isinstance(n, BatchNorm) for n in graph.nodes) and all(
-        n.eps > 0 for n in graph.nodes if isinstance(n, BatchNorm))
+        n.eps > 0 for n in graph.nodes if isinstance(n, BatchNorm)
+    )
     modes = ("eval", "train") if train else ("eval",)
     # Keys only, found when the rounding floor needs them (each comparison reads both tensors):
     # each tensor is looked up when a run reads it, so a mapped or computed-when-read
     # ``rescaled`` is never held whole.
-    changed = _Selected(rescaled, lambda: [key for key in rescaled if key in original
-                                           and _differs(key, original, rescaled)])
+    changed = _Selected(
+        rescaled, lambda: [key for key in rescaled if key in original and _differs(key, original, rescaled)]
+    )
 
     def run(overrides: Mapping[str, torch.Tensor] | None, train: bool) -> list[torch.Tensor]:
         # The rescaled tensors themselves (not the rounding floor's) run on the written graph;
@@ -155,8 +157,14 @@ class _Selected(Mapping[str, torch.Tensor]):
         return len(self._keys)
 
 
-def _measure(run: Runner, original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor],
-             modes: tuple[str, ...], tolerance: float, seed: int) -> Verification:
+def _measure(
+    run: Runner,
+    original: Mapping[str, torch.Tensor],
+    changed: Mapping[str, torch.Tensor],
+    modes: tuple[str, ...],
+    tolerance: float,
+    seed: int,
+) -> Verification:
     """Errors of the ``changed`` tensors against the original, mode by mode (see :class:`Verification`)."""
     max_abs = max_rel = 0.0
     errors: dict[str, float] = {}
@@ -181,12 +189,20 @@ def _measure(run: Runner, original: Mapping[str, torch.Tensor], changed: Mapping
             limit = max(tolerance, ROUNDING_MARGIN * floor) if math.isfinite(floor) else tolerance
         errors[mode], tolerances[mode] = mode_rel, limit
         max_abs, max_rel = max(max_abs, mode_abs), max(max_rel, mode_rel)
-    return Verification(max_abs, max_rel, max(tolerances.values()), modes, errors=errors, tolerances=tolerances,
-                        original_ignores_input=ignores_input)
+    return Verification(
+        max_abs,
+        max_rel,
+        max(tolerances.values()),
+        modes,
+        errors=errors,
+        tolerances=tolerances,
+        original_ignores_input=ignores_input,
+    )
 
 
-def _rounding_floor(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor],
-                    seed: int) -> dict[str, torch.Tensor]:
+def _rounding_floor(
+    original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor], seed: int
+) -> dict[str, torch.Tensor]:
     """The original tensors of ``changed``, each element moved by one rounding error of the
     rescaled tensor's dtype (relative ±u, random signs, in float64): what merely storing a
     rescaled checkpoint in that dtype can do, whatever the rescaling."""
@@ -234,7 +250,9 @@ def compare_modules(
     """
     device = next((t.device for t in module.state_dict().values()), torch.device("cpu"))
     batch = 2 if math.prod(input_shape) > LARGE_INPUT else 8
-    x = torch.randn((batch, *input_shape), generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device)
+    x = torch.randn((batch, *input_shape), generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(
+        device
+    )
     batchnorms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     modes = ("eval", "train") if batchnorms and all(m.eps > 0 for m in batchnorms) else ("eval",)
     copies: dict[int, torch.nn.Module] = {}
@@ -304,49 +322,52 @@ def independent_check(model: LoadedModel, written: Path, tolerance: float, *, se
     else:
         original = (None, model.files[0]) if model.files else (model.payload.SerializeToString(), None)
         updated = (None, written)
-    reasons = []
-    for runtime, runner in runners:
-        try:
-            before = runner(*original, feeds)
-        except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
-            reasons.append(f"{runtime} cannot evaluate the original model ({exception_line(exc)})")
-            continue
-        try:
-            after = runner(*updated, feeds)
-        except Exception as exc:  # noqa: BLE001 - it evaluates the original: the written file is at fault
-            return {"runtime": runtime, "status": "failed",
-                    "detail": f"it evaluates the original model but cannot load or evaluate the written one "
-                              f"({exception_line(exc)})"}
-        before, after = ([torch.from_numpy(np.asarray(t, dtype=np.float64)) for t in ts] for ts in (before, after))
-        limit = max(tolerance, INDEPENDENT_MIN_TOLERANCE)
-        if fetched:
-            # The file's outputs come first, then the values fetched that are not among them.
-            position = {name: i for i, name in enumerate(_output_names(model, fetched))}
-            dag = [position[value] for value in fetched]
-            max_rel = _max_errors([before[i] for i in dag], [after[i] for i in dag])[1]
-            detail = (f"max relative difference {max_rel:.3g} between the values the DAG outputs in original and "
-                      f"written model (tolerance {limit:g})")
-            files = len(model.payload.graph.output)
-            detail += _near_ties(before[:files], after[:files], limit)
-        else:
-            max_rel = _max_errors(before, after)[1]
-            detail = f"max relative difference {max_rel:.3g} between original and written model (tolerance {limit:g})"
-            if unfetchable:
-                detail += (f", their outputs compared end to end: the values the DAG outputs "
-                           f"({_listed(unfetchable)}) exist only in the model as pathcond converted it to read it, "
-                           "not in the file")
-        status = "passed" if max_rel <= limit else "failed"
-        return {"runtime": runtime, "status": status,
-                "detail": detail + "".join(f"; {reason}" for reason in reasons)}
-    reasons += [why_not] if why_not else []
-    return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
+    runtime, runner, before, reasons = _first_that_runs(runners, lambda runner: runner(*original, feeds), "original")
+    if runner is None:
+        return _unavailable(runners, why_not, reasons)
+    try:
+        after = runner(*updated, feeds)
+    except Exception as exc:  # noqa: BLE001 - it evaluates the original: the written file is at fault
+        return {
+            "runtime": runtime,
+            "status": "failed",
+            "detail": f"it evaluates the original model but cannot load or evaluate the written one "
+            f"({exception_line(exc)})",
+        }
+    before, after = ([torch.from_numpy(np.asarray(t, dtype=np.float64)) for t in ts] for ts in (before, after))
+    limit = max(tolerance, INDEPENDENT_MIN_TOLERANCE)
+    if fetched:
+        # The file's outputs come first, then the values fetched that are not among them.
+        position = {name: i for i, name in enumerate(_output_names(model, fetched))}
+        dag = [position[value] for value in fetched]
+        max_rel = _max_errors([before[i] for i in dag], [after[i] for i in dag])[1]
+        detail = (
+            f"max relative difference {max_rel:.3g} between the values the DAG outputs in original and "
+            f"written model (tolerance {limit:g})"
+        )
+        files = len(model.payload.graph.output)
+        detail += _near_ties(before[:files], after[:files], limit)
+    else:
+        max_rel = _max_errors(before, after)[1]
+        detail = f"max relative difference {max_rel:.3g} between original and written model (tolerance {limit:g})"
+        if unfetchable:
+            detail += (
+                f", their outputs compared end to end: the values the DAG outputs "
+                f"({_listed(unfetchable)}) exist only in the model as pathcond converted it to read it, "
+                "not in the file"
+            )
+    status = "passed" if max_rel <= limit else "failed"
+    return {"runtime": runtime, "status": status, "detail": detail + "".join(f"; {reason}" for reason in reasons)}
 
 
 def _not_in_file(proto: Any, values: tuple[str, ...]) -> list[str]:
     """The ``values`` that the ONNX model ``proto`` neither takes as input nor computes nor stores."""
     graph = proto.graph
-    present = {out for node in graph.node for out in node.output} | {v.name for v in graph.input} | \
-        {t.name for t in graph.initializer}
+    present = (
+        {out for node in graph.node for out in node.output}
+        | {v.name for v in graph.input}
+        | {t.name for t in graph.initializer}
+    )
     return [value for value in dict.fromkeys(values) if value not in present]
 
 
@@ -367,9 +388,11 @@ def _near_ties(before: list[torch.Tensor], after: list[torch.Tensor], limit: flo
     if not differing:
         return "; the file's outputs agree too"
     elements = sum(int((before[i] != after[i]).sum()) for i in differing)
-    return (f"; {elements} element(s) of the file's output(s) {', '.join(str(i) for i in differing)} differ, computed "
-            "by unchanged post-processing from values that agree: near-ties (e.g. an ArgMax between nearly equal "
-            "values)")
+    return (
+        f"; {elements} element(s) of the file's output(s) {', '.join(str(i) for i in differing)} differ, computed "
+        "by unchanged post-processing from values that agree: near-ties (e.g. an ArgMax between nearly equal "
+        "values)"
+    )
 
 
 def _fetching(source: Path | Any, values: tuple[str, ...]) -> tuple[bytes, list[str]]:
@@ -411,60 +434,82 @@ def independent_agreement(written: LoadedModel, path: Path, *, seed: int = 1) ->
     data, names = _fetching(path, fetched) if fetched else (None, [])
     file = None if fetched else path
     tolerance = max(tolerance_for(written.params, written.graph.parameter_keys()), INDEPENDENT_MIN_TOLERANCE)
-    reasons = []
-    for runtime, runner in runners:
-        try:
-            theirs = runner(data, file, feeds)
-        except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
-            reasons.append(f"{runtime} cannot evaluate the written model ({exception_line(exc)})")
-            continue
-        theirs = [torch.from_numpy(np.asarray(t, dtype=np.float64)) for t in theirs]
-        if fetched:
-            dag_values = dict(zip(names, theirs))
-            fed = {name: dag_values[value] for name, value in carried.dag_inputs.items()}
-            theirs = [dag_values[value] for value in carried.dag_outputs]
-        else:
-            fed = {name: torch.from_numpy(value.astype(np.float64)) for name, value in feeds.items()}
-        with torch.no_grad():
-            ours = forward(written.graph, written.params, fed)
-        expected = [ours[name] for name in written.graph.outputs]
-        if [tuple(t.shape) for t in theirs] != [tuple(t.shape) for t in expected]:
-            return {"runtime": runtime, "status": "failed",
-                    "detail": f"its outputs have shapes {[list(t.shape) for t in theirs]}, pathcond's "
-                              f"{[list(t.shape) for t in expected]}"}
-        _, max_rel = _max_errors(expected, theirs)
-        status = "passed" if max_rel <= tolerance else "failed"
-        return {"runtime": runtime, "status": status,
-                "detail": f"max relative difference {max_rel:.3g} between {runtime} and pathcond on the written "
-                          f"model (tolerance {tolerance:g})" + "".join(f"; {reason}" for reason in reasons)}
-    reasons += [why_not] if why_not else []
-    return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
+    runtime, runner, theirs, reasons = _first_that_runs(runners, lambda runner: runner(data, file, feeds), "written")
+    if runner is None:
+        return _unavailable(runners, why_not, reasons)
+    theirs = [torch.from_numpy(np.asarray(t, dtype=np.float64)) for t in theirs]
+    if fetched:
+        dag_values = dict(zip(names, theirs))
+        fed = {name: dag_values[value] for name, value in carried.dag_inputs.items()}
+        theirs = [dag_values[value] for value in carried.dag_outputs]
+    else:
+        fed = {name: torch.from_numpy(value.astype(np.float64)) for name, value in feeds.items()}
+    with torch.no_grad():
+        ours = forward(written.graph, written.params, fed)
+    expected = [ours[name] for name in written.graph.outputs]
+    if [tuple(t.shape) for t in theirs] != [tuple(t.shape) for t in expected]:
+        return {
+            "runtime": runtime,
+            "status": "failed",
+            "detail": f"its outputs have shapes {[list(t.shape) for t in theirs]}, pathcond's "
+            f"{[list(t.shape) for t in expected]}",
+        }
+    _, max_rel = _max_errors(expected, theirs)
+    status = "passed" if max_rel <= tolerance else "failed"
+    return {
+        "runtime": runtime,
+        "status": status,
+        "detail": f"max relative difference {max_rel:.3g} between {runtime} and pathcond on the written "
+        f"model (tolerance {tolerance:g})" + "".join(f"; {reason}" for reason in reasons),
+    }
 
 
-def _runs_only(runners: list[tuple[str, Callable]], why_not: str, path: Path, feeds: dict[str, Any],
-               unfetchable: list[str]) -> dict[str, Any]:
+def _runs_only(
+    runners: list[tuple[str, Callable]], why_not: str, path: Path, feeds: dict[str, Any], unfetchable: list[str]
+) -> dict[str, Any]:
     """What a runtime says of a written file whose DAG values it cannot fetch: that it runs it,
     its agreement with pathcond unchecked (unavailable, and why)."""
+    runtime, runner, _, reasons = _first_that_runs(runners, lambda runner: runner(None, path, feeds), "written")
+    if runner is None:
+        return _unavailable(runners, why_not, reasons)
+    return {
+        "runtime": runtime,
+        "status": "unavailable",
+        "detail": f"{runtime} runs the written model, but "
+        f"the values the DAG reads and outputs ({_listed(unfetchable)}) exist only in the model as "
+        "pathcond converted it to read it, not in the file, so its agreement with pathcond's "
+        "evaluation was not checked" + "".join(f"; {reason}" for reason in reasons),
+    }
+
+
+def _first_that_runs(
+    runners: list[tuple[str, Callable]], attempt: Callable[[Callable], Any], which: str
+) -> tuple[str | None, Callable | None, Any, list[str]]:
+    """The runtimes in turn until ``attempt(runner)`` succeeds: that one's name, runner and what
+    the attempt returned (None, None, None when none succeeds), and why each one before it
+    failed to evaluate the ``which`` model."""
     reasons = []
     for runtime, runner in runners:
         try:
-            runner(None, path, feeds)
+            return runtime, runner, attempt(runner), reasons
         except Exception as exc:  # noqa: BLE001 - a third-party runtime fails in its own ways: try the next
-            reasons.append(f"{runtime} cannot evaluate the written model ({exception_line(exc)})")
-            continue
-        return {"runtime": runtime, "status": "unavailable",
-                "detail": f"{runtime} runs the written model, but "
-                          f"the values the DAG reads and outputs ({_listed(unfetchable)}) exist only in the model as "
-                          "pathcond converted it to read it, not in the file, so its agreement with pathcond's "
-                          "evaluation was not checked" + "".join(f"; {reason}" for reason in reasons)}
-    reasons += [why_not] if why_not else []
+            reasons.append(f"{runtime} cannot evaluate the {which} model ({exception_line(exc)})")
+    return None, None, None, reasons
+
+
+def _unavailable(runners: list[tuple[str, Callable]], why_not: str, reasons: list[str]) -> dict[str, Any]:
+    """No runtime evaluated the model: why, runtime by runtime, and why one is missing."""
+    reasons = reasons + ([why_not] if why_not else [])
     return {"runtime": runners[-1][0] if runners else None, "status": "unavailable", "detail": "; ".join(reasons)}
 
 
 def _no_independent_runtime(model: LoadedModel) -> dict[str, Any]:
-    return {"runtime": None, "status": "unavailable",
-            "detail": f"no independent runtime reads {model.format} checkpoints; the reloaded file was "
-                      "checked by pathcond's own evaluator"}
+    return {
+        "runtime": None,
+        "status": "unavailable",
+        "detail": f"no independent runtime reads {model.format} checkpoints; the reloaded file was "
+        "checked by pathcond's own evaluator",
+    }
 
 
 def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
@@ -481,8 +526,12 @@ def _random_feeds(model: LoadedModel, seed: int) -> dict[str, Any]:
     # The importer names each input node after its ONNX input; with pre- or post-processing
     # the file's inputs need not be the DAG's, and the model keeps their shapes.
     shapes = model.carried.inputs or {i.name: model.graph[i.name].shape for i in graph_inputs}
-    return {i.name: generator.standard_normal((batch, *shapes[i.name])).astype(
-        onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph_inputs}
+    return {
+        i.name: generator.standard_normal((batch, *shapes[i.name])).astype(
+            onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+        )
+        for i in graph_inputs
+    }
 
 
 def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
@@ -495,22 +544,26 @@ def _onnx_runners(model: LoadedModel) -> tuple[list[tuple[str, Callable]], str]:
     except ImportError:
         onnxruntime = None
     if onnxruntime is not None:
+
         def run_ort(data, path, feeds):
             options = onnxruntime.SessionOptions()
             options.log_severity_level = 3
             # The graph as written, without fusions: the model the file holds is what is checked,
             # and on a large model the session is built in a third of the time.
             options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-            session = onnxruntime.InferenceSession(data if data is not None else str(path), options,
-                                                   providers=["CPUExecutionProvider"])
+            session = onnxruntime.InferenceSession(
+                data if data is not None else str(path), options, providers=["CPUExecutionProvider"]
+            )
             return session.run(None, feeds)
 
         runners.append(("onnxruntime", run_ort))
     stored = sum(t.numel() for t in model.params.values())
     if stored > REFERENCE_EVALUATOR_MAX_ELEMENTS:
         missing = "onnxruntime is not installed and " if onnxruntime is None else ""
-        return runners, (f"{missing}onnx.reference is too slow for {stored} stored elements"
-                         + (" (install pathcond[onnx-check])" if onnxruntime is None else ""))
+        return runners, (
+            f"{missing}onnx.reference is too slow for {stored} stored elements"
+            + (" (install pathcond[onnx-check])" if onnxruntime is None else "")
+        )
 
     def run_reference(data, path, feeds):
         import onnx

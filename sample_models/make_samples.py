@@ -42,16 +42,30 @@ def mlp() -> nn.Module:
 def cifar_nv_small(width: tuple[int, int, int] = (32, 64, 80)) -> nn.Module:
     a, b, c = width
     return nn.Sequential(
-        nn.Conv2d(3, a, 3, padding=1, bias=False), nn.ReLU(),
-        nn.Conv2d(a, a, 3, padding=1, bias=False), nn.ReLU(),
-        nn.Conv2d(a, a, 3, padding=1, bias=False), nn.BatchNorm2d(a), nn.ReLU(), nn.MaxPool2d(3, 2),
-        nn.Conv2d(a, b, 3, padding=1, bias=False), nn.ReLU(),
-        nn.Conv2d(b, b, 3, padding=1, bias=False), nn.ReLU(),
-        nn.Conv2d(b, b, 3, padding=1, bias=False), nn.BatchNorm2d(b), nn.ReLU(), nn.MaxPool2d(3, 2),
-        nn.Conv2d(b, c, 3, bias=False), nn.ReLU(),
-        nn.Conv2d(c, c, 1, bias=False), nn.ReLU(),
-        nn.Conv2d(c, 10, 1, bias=False), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(3, a, 3, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(a, a, 3, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(a, a, 3, padding=1, bias=False),
+        nn.BatchNorm2d(a),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2),
+        nn.Conv2d(a, b, 3, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(b, b, 3, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(b, b, 3, padding=1, bias=False),
+        nn.BatchNorm2d(b),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 2),
+        nn.Conv2d(b, c, 3, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(c, c, 1, bias=False),
+        nn.ReLU(),
+        nn.Conv2d(c, 10, 1, bias=False),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
     )
 
 
@@ -66,7 +80,8 @@ class BasicBlock(nn.Module):
         self.relu2 = nn.ReLU()
         self.shortcut = (
             nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-            if stride != 1 or cin != cout else nn.Identity()
+            if stride != 1 or cin != cout
+            else nn.Identity()
         )
 
     def forward(self, x):
@@ -75,10 +90,16 @@ class BasicBlock(nn.Module):
 
 def resnet_small(width: int = 16) -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-        BasicBlock(width, width, 1), BasicBlock(width, width, 1),
-        BasicBlock(width, 2 * width, 2), BasicBlock(2 * width, 2 * width, 1),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, 10),
+        nn.Conv2d(3, width, 3, 1, 1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        BasicBlock(width, width, 1),
+        BasicBlock(width, width, 1),
+        BasicBlock(width, 2 * width, 2),
+        BasicBlock(2 * width, 2 * width, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, 10),
     )
 
 
@@ -95,9 +116,17 @@ def main() -> None:
     save_with_spec(mlp().eval(), (784,), "mlp")
     save_with_spec(_randomise_batchnorm(cifar_nv_small(), generator), (3, 32, 32), "cifar_nv_small")
     resnet = _randomise_batchnorm(resnet_small(), generator)
-    torch.onnx.export(resnet, (torch.randn(1, 3, 32, 32),), str(HERE / "resnet_small.onnx"), dynamo=False,
-                      input_names=["input"], output_names=["logits"], dynamic_axes={"input": {0: "batch"}},
-                      opset_version=17, do_constant_folding=False)
+    torch.onnx.export(
+        resnet,
+        (torch.randn(1, 3, 32, 32),),
+        str(HERE / "resnet_small.onnx"),
+        dynamo=False,
+        input_names=["input"],
+        output_names=["logits"],
+        dynamic_axes={"input": {0: "batch"}},
+        opset_version=17,
+        do_constant_folding=False,
+    )
     for path in sorted(HERE.glob("*.*")):
         if path.suffix in (".safetensors", ".onnx", ".yaml"):
             print(f"{path.name}: {path.stat().st_size / 1024:.0f} KiB")

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import fake_cuda
 import numpy as np
 import onnx
 import safetensors.torch
@@ -22,8 +23,6 @@ import torch
 import yaml
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
-
-import fake_cuda
 
 from pathcond_cli.cli.app import app
 
@@ -33,8 +32,11 @@ TMP_MARK = ".pathcond-tmp"
 DOCUMENTED_ERRORS = {3, 4, 5, 6, 7, 8}
 
 # Environment for subprocesses: no forced colours or terminal, whatever the caller's shell says.
-CLEAN_ENV = {k: v for k, v in os.environ.items()
-             if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "CLICOLOR_FORCE", "PATHCOND_DEBUG")}
+CLEAN_ENV = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "CLICOLOR_FORCE", "PATHCOND_DEBUG")
+}
 
 
 def invoke(*args: object, input: bytes | None = None):
@@ -51,17 +53,20 @@ def module_command(*args: object) -> list[str]:
 
 def assert_clean_exit(result, code: int, *needles: str) -> str:
     """Exit ``code`` through the CLI's own handling (no escaped exception, no traceback);
-    returns stderr. Each of ``needles`` must appear in it (case-insensitive)."""
+    returns stderr. Each of ``needles`` must appear in it (case-insensitive, whitespace runs as one
+    space: where rich wraps a table cell depends on the terminal's width)."""
     escaped = result.exception if not isinstance(result.exception, SystemExit) else None
     assert escaped is None, f"exception escaped the CLI: {escaped!r}\nstderr: {result.stderr}"
-    assert result.exit_code == code, f"exit {result.exit_code}, expected {code}\nstderr: {result.stderr}\nstdout: {result.stdout[:2000]}"
+    assert result.exit_code == code, (
+        f"exit {result.exit_code}, expected {code}\nstderr: {result.stderr}\nstdout: {result.stdout[:2000]}"
+    )
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
     if code != 0:
         assert result.stderr.strip(), "a failure must say why on stderr"
         check_error_output(result)
-    lowered = result.stderr.lower()
+    lowered = " ".join(result.stderr.lower().split())
     for needle in needles:
-        assert needle.lower() in lowered, f"{needle!r} not in stderr:\n{result.stderr}"
+        assert " ".join(needle.lower().split()) in lowered, f"{needle!r} not in stderr:\n{result.stderr}"
     return result.stderr
 
 
@@ -136,8 +141,11 @@ def write_mlp(
     """``<name>.safetensors`` and its spec ``<name>.arch.yaml`` (not a sidecar name: pass --arch)."""
     checkpoint = directory / f"{name}.safetensors"
     spec_path = directory / f"{name}.arch.yaml"
-    safetensors.torch.save_file(dict(tensors if tensors is not None else mlp_tensors(dims)), str(checkpoint),
-                                metadata=dict(metadata) if metadata else None)
+    safetensors.torch.save_file(
+        dict(tensors if tensors is not None else mlp_tensors(dims)),
+        str(checkpoint),
+        metadata=dict(metadata) if metadata else None,
+    )
     spec_path.write_text(yaml.safe_dump(spec if spec is not None else mlp_spec(dims)))
     return checkpoint, spec_path
 
@@ -145,13 +153,16 @@ def write_mlp(
 def write_sharded_mlp(directory: Path) -> tuple[Path, Path]:
     """The MLP as a two-shard checkpoint (``model.safetensors.index.json``) and its spec ``model.arch.yaml``."""
     tensors = mlp_tensors()
-    layout = {"model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
-              "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"]}
+    layout = {
+        "model-00001-of-00002.safetensors": ["fc1.weight", "fc1.bias", "fc2.weight"],
+        "model-00002-of-00002.safetensors": ["fc2.bias", "fc3.weight", "fc3.bias"],
+    }
     for file, keys in layout.items():
         safetensors.torch.save_file({k: tensors[k] for k in keys}, str(directory / file), metadata={"format": "pt"})
     index = directory / "model.safetensors.index.json"
-    index.write_text(json.dumps({"metadata": {"total_size": 0},
-                                 "weight_map": {k: f for f, keys in layout.items() for k in keys}}))
+    index.write_text(
+        json.dumps({"metadata": {"total_size": 0}, "weight_map": {k: f for f, keys in layout.items() for k in keys}})
+    )
     spec = directory / "model.arch.yaml"
     spec.write_text(yaml.safe_dump(mlp_spec()))
     return index, spec
@@ -181,13 +192,19 @@ def onnx_mlp_model(
             nodes.append(helper.make_node("Relu", [value], [f"r{i}"], name=f"relu{i}"))
             value = f"r{i}"
     graph = helper.make_graph(
-        nodes, "tiny_mlp",
+        nodes,
+        "tiny_mlp",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", dims[0]])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", dims[-1]])],
         initializers,
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="pathcond-cli-tests",
-                              producer_version="1.0", doc_string="a tiny ReLU MLP for the CLI tests")
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17)],
+        producer_name="pathcond-cli-tests",
+        producer_version="1.0",
+        doc_string="a tiny ReLU MLP for the CLI tests",
+    )
     model.ir_version = 8
     for key, text in (metadata if metadata is not None else {"author": "cli tests", "license": "MIT"}).items():
         model.metadata_props.add(key=key, value=text)
@@ -247,21 +264,24 @@ def check_report(report: dict, *, rescale: bool) -> None:
     assert list(report["path_norms_after"]) == list(report["path_norms"])
     for key, before in report["path_norms"].items():
         after = report["path_norms_after"][key]["log10"]
-        assert after == before["log10"] or math.isclose(after, before["log10"], rel_tol=1e-6, abs_tol=1e-6), \
+        assert after == before["log10"] or math.isclose(after, before["log10"], rel_tol=1e-6, abs_tol=1e-6), (
             "rescaling leaves every path norm unchanged"
+        )
     conditioning = report["conditioning"]
     _check_conditioning(conditioning["after"], report["dag_parameters"])
     assert conditioning["after"]["zeros"] == conditioning["before"]["zeros"], "rescaling never changes which g are 0"
     assert _is_number(conditioning["decrease"])
-    assert math.isclose(conditioning["decrease"], conditioning["before"]["D"] - conditioning["after"]["D"],
-                        rel_tol=1e-12, abs_tol=1e-9)
+    assert math.isclose(
+        conditioning["decrease"], conditioning["before"]["D"] - conditioning["after"]["D"], rel_tol=1e-12, abs_tol=1e-9
+    )
     closed = conditioning["fraction_of_gap_closed"]
     assert closed is None or (_is_number(closed) and closed <= 1 + 1e-12)
     after = report["diag_g_after"]
     _check_diag(after, report["dag_parameters"])
     assert [row["layer"] for row in after["per_layer"]] == [row["layer"] for row in report["diag_g"]["per_layer"]]
-    assert [(b["log10_low"], b["log10_high"]) for b in after["histogram"]] == \
-        [(b["log10_low"], b["log10_high"]) for b in report["diag_g"]["histogram"]], "before and after share the bins"
+    assert [(b["log10_low"], b["log10_high"]) for b in after["histogram"]] == [
+        (b["log10_low"], b["log10_high"]) for b in report["diag_g"]["histogram"]
+    ], "before and after share the bins"
     assert sum(b["count"] for b in after["histogram"]) == sum(b["count"] for b in report["diag_g"]["histogram"])
     _check_rescale(report, seconds)
 
@@ -281,8 +301,9 @@ def _check_conditioning(measure: dict, p: int) -> None:
     assert isinstance(measure["D"], float) and measure["D"] >= 0
     assert isinstance(measure["D_per_parameter"], float) and measure["D_per_parameter"] >= 0
     # D's p is the support g > 0 (SPEC §4), the parameters it counts
-    assert math.isclose(measure["D"], measure["parameters_counted"] * measure["D_per_parameter"], rel_tol=1e-12,
-                        abs_tol=1e-12)
+    assert math.isclose(
+        measure["D"], measure["parameters_counted"] * measure["D_per_parameter"], rel_tol=1e-12, abs_tol=1e-12
+    )
     assert _is_int(measure["parameters_counted"]) and _is_int(measure["zeros"])
     assert measure["parameters_counted"] + measure["zeros"] == p
 
@@ -330,7 +351,9 @@ def _check_rescale(report: dict, seconds: dict) -> None:
         assert share == 1.0 and unbounded == report["u_inf"]
     if share is not None:
         assert 0 <= share <= 1 + 1e-9
-    assert isinstance(report["degenerate_groups"], list) and all(isinstance(g, str) for g in report["degenerate_groups"])
+    assert isinstance(report["degenerate_groups"], list) and all(
+        isinstance(g, str) for g in report["degenerate_groups"]
+    )
     verification = report["verification"]
     for key in ("max_abs_error", "max_rel_error", "tolerance"):
         assert isinstance(verification[key], float), key
@@ -341,8 +364,18 @@ def _check_rescale(report: dict, seconds: dict) -> None:
     for mode in verification["by_mode"].values():
         assert mode["max_rel_error"] <= mode["tolerance"] <= verification["tolerance"]
     assert isinstance(report["output"], str)
-    for stage in ("load", "groups", "diag_g", "path_count", "path_norms", "solve", "apply", "write", "verify_written",
-                  "total"):
+    for stage in (
+        "load",
+        "groups",
+        "diag_g",
+        "path_count",
+        "path_norms",
+        "solve",
+        "apply",
+        "write",
+        "verify_written",
+        "total",
+    ):
         assert stage in seconds, stage
 
 

@@ -8,25 +8,54 @@ catalogue of named tiny networks, each small enough for explicit path enumeratio
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 
+import fake_cuda
 import pytest
 import torch
 import torch.nn.functional as F
 
-import fake_cuda
-
 from pathcond_cli.engine.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
-    Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
-    ReLU, Scale, Sub, Upsample,
+    AdaptiveAvgPool,
+    Add,
+    AvgPool,
+    BatchNorm,
+    ChannelAffine,
+    ChannelBias,
+    ChannelGather,
+    ChannelShuffle,
+    ChannelSlice,
+    Concat,
+    Conv,
+    ConvTranspose,
+    FixedFilter,
+    Flatten,
+    Graph,
+    Identity,
+    Input,
+    LeakyReLU,
+    Linear,
+    MaxPool,
+    Pad,
+    PReLU,
+    ReLU,
+    Scale,
+    Sub,
+    Upsample,
 )
-
 
 
 def pytest_configure(config):
     """With ``PATHCOND_FAKE_CUDA=1`` the whole session runs as on a machine with one CUDA device,
-    the fake one of :mod:`fake_cuda`, which raises on any device mix a real GPU would refuse."""
+    the fake one of :mod:`fake_cuda`, which raises on any device mix a real GPU would refuse.
+
+    Under pytest-xdist (pyproject's ``-n auto``: one worker per core) each worker, and each
+    ``pathcond`` it starts, computes on one thread: OpenMP threads of two workers waiting on the
+    same cores for each other made single tests 60 times slower."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     if fake_cuda.requested():
         config.fake_cuda = fake_cuda.installed()
         config.fake_cuda.__enter__()
@@ -51,8 +80,7 @@ _ADAP = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_p
 class NetBuilder:
     """Append nodes one by one; tracks shapes with a dummy torch forward; draws random params."""
 
-    def __init__(self, shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float64,
-                 scale: float = 1.0):
+    def __init__(self, shape: tuple[int, ...], seed: int = 0, dtype: torch.dtype = torch.float64, scale: float = 1.0):
         self.gen = torch.Generator().manual_seed(seed)
         self.dtype = dtype
         self.scale = scale
@@ -89,12 +117,14 @@ class NetBuilder:
         self.params[f"{name}.weight"] = w.t().contiguous() if transposed else w
         if bias:
             self.params[f"{name}.bias"] = self._rand(out, scale=0.5 * self.scale)
-        node = Linear(name, (src,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None,
-                      weight_transposed=transposed)
+        node = Linear(
+            name, (src,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None, weight_transposed=transposed
+        )
         return self._push(node, torch.zeros(1, out))
 
-    def conv(self, out: int, k, stride=1, padding=0, dilation=1, groups: int = 1, bias: bool = True,
-             src: str | None = None) -> str:
+    def conv(
+        self, out: int, k, stride=1, padding=0, dilation=1, groups: int = 1, bias: bool = True, src: str | None = None
+    ) -> str:
         src = src or self.cur
         name = self._name("conv")
         shp = self.shape(src)
@@ -105,14 +135,30 @@ class NetBuilder:
         self.params[f"{name}.weight"] = self._rand(out, shp[0] // groups, *k, scale=self.scale / math.sqrt(fan_in))
         if bias:
             self.params[f"{name}.bias"] = self._rand(out, scale=0.5 * self.scale)
-        node = Conv(name, (src,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None,
-                    stride=tup(stride), padding=tup(padding), dilation=tup(dilation), groups=groups)
-        y = _CONV[r](self.dummy[src], torch.zeros(out, shp[0] // groups, *k), None, node.stride, node.padding,
-                     node.dilation, groups)
+        node = Conv(
+            name,
+            (src,),
+            weight=f"{name}.weight",
+            bias=f"{name}.bias" if bias else None,
+            stride=tup(stride),
+            padding=tup(padding),
+            dilation=tup(dilation),
+            groups=groups,
+        )
+        y = _CONV[r](
+            self.dummy[src],
+            torch.zeros(out, shp[0] // groups, *k),
+            None,
+            node.stride,
+            node.padding,
+            node.dilation,
+            groups,
+        )
         return self._push(node, y)
 
-    def conv_transpose(self, out: int, k, stride=1, padding=0, output_padding=0, dilation=1, groups: int = 1,
-                       bias: bool = True) -> str:
+    def conv_transpose(
+        self, out: int, k, stride=1, padding=0, output_padding=0, dilation=1, groups: int = 1, bias: bool = True
+    ) -> str:
         name = self._name("convt")
         shp = self.shape()
         r = len(shp) - 1
@@ -122,17 +168,35 @@ class NetBuilder:
         self.params[f"{name}.weight"] = self._rand(shp[0], out // groups, *k, scale=self.scale / math.sqrt(fan_in))
         if bias:
             self.params[f"{name}.bias"] = self._rand(out, scale=0.5 * self.scale)
-        node = ConvTranspose(name, (self.cur,), weight=f"{name}.weight", bias=f"{name}.bias" if bias else None,
-                             stride=tup(stride), padding=tup(padding), output_padding=tup(output_padding),
-                             dilation=tup(dilation), groups=groups)
-        y = _CONV_T[r](self.dummy[self.cur], torch.zeros(shp[0], out // groups, *k), None, node.stride, node.padding,
-                       node.output_padding, groups, node.dilation)
+        node = ConvTranspose(
+            name,
+            (self.cur,),
+            weight=f"{name}.weight",
+            bias=f"{name}.bias" if bias else None,
+            stride=tup(stride),
+            padding=tup(padding),
+            output_padding=tup(output_padding),
+            dilation=tup(dilation),
+            groups=groups,
+        )
+        y = _CONV_T[r](
+            self.dummy[self.cur],
+            torch.zeros(shp[0], out // groups, *k),
+            None,
+            node.stride,
+            node.padding,
+            node.output_padding,
+            groups,
+            node.dilation,
+        )
         return self._push(node, y)
 
     def prelu(self, per_channel: bool = True) -> str:
         name = self._name("prelu")
         count = self.shape()[0] if per_channel else 1
-        self.params[f"{name}.weight"] = (torch.rand(count, generator=self.gen, dtype=torch.float64) * 0.6 - 0.1).to(self.dtype)
+        self.params[f"{name}.weight"] = (torch.rand(count, generator=self.gen, dtype=torch.float64) * 0.6 - 0.1).to(
+            self.dtype
+        )
         return self._push(PReLU(name, (self.cur,), weight=f"{name}.weight"), self.dummy[self.cur])
 
     def scale_by(self, factor: float) -> str:
@@ -161,10 +225,18 @@ class NetBuilder:
         k = tup(k)
         coefficients = self._rand(shp[0] * math.prod(k)).double()
         coefficients[:zero_taps] = 0.0
-        node = FixedFilter(self._name("filter"), (self.cur,), kernel=k, coefficients=tuple(coefficients.tolist()),
-                           stride=tup(stride), padding=tup(padding), dilation=tup(dilation))
-        y = _CONV[r](self.dummy[self.cur], torch.zeros(shp[0], 1, *k), None, node.stride, node.padding,
-                     node.dilation, shp[0])
+        node = FixedFilter(
+            self._name("filter"),
+            (self.cur,),
+            kernel=k,
+            coefficients=tuple(coefficients.tolist()),
+            stride=tup(stride),
+            padding=tup(padding),
+            dilation=tup(dilation),
+        )
+        y = _CONV[r](
+            self.dummy[self.cur], torch.zeros(shp[0], 1, *k), None, node.stride, node.padding, node.dilation, shp[0]
+        )
         return self._push(node, y)
 
     def channel_affine(self, bias: bool = True, src: str | None = None) -> str:
@@ -182,10 +254,21 @@ class NetBuilder:
         x = self.dummy[self.cur]
         r = x.dim() - 2
         torch_mode = "nearest" if mode == "nearest" else {1: "linear", 2: "bilinear", 3: "trilinear"}[r]
-        y = F.interpolate(x, size=tuple(size) or None, scale_factor=tuple(scale_factor) or None, mode=torch_mode,
-                          align_corners=align_corners if mode == "linear" else None)
-        node = Upsample(self._name("up"), (self.cur,), mode=mode, size=tuple(size), scale_factor=tuple(scale_factor),
-                        align_corners=align_corners)
+        y = F.interpolate(
+            x,
+            size=tuple(size) or None,
+            scale_factor=tuple(scale_factor) or None,
+            mode=torch_mode,
+            align_corners=align_corners if mode == "linear" else None,
+        )
+        node = Upsample(
+            self._name("up"),
+            (self.cur,),
+            mode=mode,
+            size=tuple(size),
+            scale_factor=tuple(scale_factor),
+            align_corners=align_corners,
+        )
         return self._push(node, y)
 
     def shuffle(self, groups: int) -> str:
@@ -193,25 +276,36 @@ class NetBuilder:
 
     def slice(self, start: int, stop: int, src: str | None = None) -> str:
         src = src or self.cur
-        return self._push(ChannelSlice(self._name("slice"), (src,), start=start, stop=stop),
-                          self.dummy[src][:, start:stop])
+        return self._push(
+            ChannelSlice(self._name("slice"), (src,), start=start, stop=stop), self.dummy[src][:, start:stop]
+        )
 
     def gather(self, channels: tuple[int, ...], src: str | None = None) -> str:
         src = src or self.cur
-        return self._push(ChannelGather(self._name("gather"), (src,), channels=tuple(channels)),
-                          self.dummy[src][:, list(channels)])
+        return self._push(
+            ChannelGather(self._name("gather"), (src,), channels=tuple(channels)), self.dummy[src][:, list(channels)]
+        )
 
     def bn(self, eps: float = 1e-5) -> str:
         name = self._name("bn")
         C = self.shape()[0]
         g = self.gen
-        self.params[f"{name}.weight"] = ((torch.rand(C, generator=g, dtype=torch.float64) + 0.5)
-                                         * torch.where(torch.rand(C, generator=g) < 0.2, -1.0, 1.0)).to(self.dtype)
+        self.params[f"{name}.weight"] = (
+            (torch.rand(C, generator=g, dtype=torch.float64) + 0.5)
+            * torch.where(torch.rand(C, generator=g) < 0.2, -1.0, 1.0)
+        ).to(self.dtype)
         self.params[f"{name}.bias"] = self._rand(C, scale=0.3)
         self.params[f"{name}.running_mean"] = self._rand(C, scale=0.3)
         self.params[f"{name}.running_var"] = (torch.rand(C, generator=g, dtype=torch.float64) + 0.5).to(self.dtype)
-        node = BatchNorm(name, (self.cur,), weight=f"{name}.weight", bias=f"{name}.bias",
-                         running_mean=f"{name}.running_mean", running_var=f"{name}.running_var", eps=eps)
+        node = BatchNorm(
+            name,
+            (self.cur,),
+            weight=f"{name}.weight",
+            bias=f"{name}.bias",
+            running_mean=f"{name}.running_mean",
+            running_var=f"{name}.running_var",
+            eps=eps,
+        )
         return self._push(node, self.dummy[self.cur])
 
     def relu(self, src: str | None = None) -> str:
@@ -228,8 +322,15 @@ class NetBuilder:
         r = len(self.shape()) - 1
         tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
         stride = k if stride is None else stride
-        node = MaxPool(self._name("maxpool"), (self.cur,), kernel=tup(k), stride=tup(stride), padding=tup(padding),
-                       dilation=tup(dilation), ceil_mode=ceil_mode)
+        node = MaxPool(
+            self._name("maxpool"),
+            (self.cur,),
+            kernel=tup(k),
+            stride=tup(stride),
+            padding=tup(padding),
+            dilation=tup(dilation),
+            ceil_mode=ceil_mode,
+        )
         y = _MAXP[r](self.dummy[self.cur], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=ceil_mode)
         return self._push(node, y)
 
@@ -237,16 +338,24 @@ class NetBuilder:
         r = len(self.shape()) - 1
         tup = lambda v: (v,) * r if isinstance(v, int) else tuple(v)  # noqa: E731
         stride = k if stride is None else stride
-        node = AvgPool(self._name("avgpool"), (self.cur,), kernel=tup(k), stride=tup(stride), padding=tup(padding),
-                       ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+        node = AvgPool(
+            self._name("avgpool"),
+            (self.cur,),
+            kernel=tup(k),
+            stride=tup(stride),
+            padding=tup(padding),
+            ceil_mode=ceil_mode,
+            count_include_pad=count_include_pad,
+        )
         y = _AVGP[r](self.dummy[self.cur], node.kernel, node.stride, node.padding, ceil_mode, count_include_pad)
         return self._push(node, y)
 
     def adaptive(self, size) -> str:
         r = len(self.shape()) - 1
         size = (size,) * r if isinstance(size, int) else tuple(size)
-        return self._push(AdaptiveAvgPool(self._name("apool"), (self.cur,), output_size=size),
-                          _ADAP[r](self.dummy[self.cur], size))
+        return self._push(
+            AdaptiveAvgPool(self._name("apool"), (self.cur,), output_size=size), _ADAP[r](self.dummy[self.cur], size)
+        )
 
     def flatten(self) -> str:
         return self._push(Flatten(self._name("flat"), (self.cur,)), self.dummy[self.cur].flatten(1))
@@ -268,6 +377,7 @@ class NetBuilder:
 # Catalogue of tiny networks: name -> builder(seed, dtype) -> (graph, params)
 # ----------------------------------------------------------------------------------------------
 
+
 def mlp(seed=0, dtype=torch.float64, widths=(3, 4, 3, 2), bias=True, transposed=False, scale=1.0):
     b = NetBuilder((widths[0],), seed, dtype, scale)
     for i, w in enumerate(widths[1:]):
@@ -279,20 +389,31 @@ def mlp(seed=0, dtype=torch.float64, widths=(3, 4, 3, 2), bias=True, transposed=
 
 def mlp_leaky(seed=0, dtype=torch.float64):
     b = NetBuilder((3,), seed, dtype)
-    b.linear(4); b.leaky(0.2); b.linear(3, bias=False); b.leaky(0.05); b.linear(2)
+    b.linear(4)
+    b.leaky(0.2)
+    b.linear(3, bias=False)
+    b.leaky(0.05)
+    b.linear(2)
     return b.build()
 
 
 def conv_maxpool(seed=0, dtype=torch.float64):
     b = NetBuilder((1, 4, 4), seed, dtype)
-    b.conv(2, 3, padding=1); b.relu(); b.maxpool(2); b.flatten(); b.linear(2)
+    b.conv(2, 3, padding=1)
+    b.relu()
+    b.maxpool(2)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def conv_maxpool_strided(seed=0, dtype=torch.float64):
     b = NetBuilder((2, 5, 5), seed, dtype)
-    b.conv(2, 2, stride=1, dilation=2, padding=1); b.relu()
-    b.maxpool(3, stride=2, padding=1, ceil_mode=True); b.flatten(); b.linear(2)
+    b.conv(2, 2, stride=1, dilation=2, padding=1)
+    b.relu()
+    b.maxpool(3, stride=2, padding=1, ceil_mode=True)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -312,18 +433,23 @@ def residual(seed=0, dtype=torch.float64):
 def conv_residual(seed=0, dtype=torch.float64):
     b = NetBuilder((1, 3, 3), seed, dtype)
     stem = b.relu(b.conv(2, 1))
-    b.conv(2, 3, padding=1); b.relu()
+    b.conv(2, 3, padding=1)
+    b.relu()
     y = b.conv(2, 1)
     b.relu(b.add(stem, y))
-    b.adaptive(1); b.flatten(); b.linear(2)
+    b.adaptive(1)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def avgpool_net(seed=0, dtype=torch.float64, count_include_pad=True, ceil_mode=False):
     b = NetBuilder((1, 5, 5), seed, dtype)
-    b.conv(2, 2, padding=1); b.relu()
+    b.conv(2, 2, padding=1)
+    b.relu()
     b.avgpool(3, stride=2, padding=1, ceil_mode=ceil_mode, count_include_pad=count_include_pad)
-    b.flatten(); b.linear(2)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -332,36 +458,58 @@ def concat_net(seed=0, dtype=torch.float64):
     a = b.relu(b.conv(2, 2))
     c = b.relu(b.conv(1, 3, padding=1, src="x"))
     c = b.maxpool(2, stride=1)
-    b.concat(a, c); b.conv(2, 1); b.relu(); b.flatten(); b.linear(2)
+    b.concat(a, c)
+    b.conv(2, 1)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def conv_bn(seed=0, dtype=torch.float64):
     b = NetBuilder((2, 4, 4), seed, dtype)
-    b.conv(3, 3, bias=False); b.bn(); b.relu()
-    b.conv(2, 2, bias=True); b.bn(); b.relu()
-    b.flatten(); b.linear(2)
+    b.conv(3, 3, bias=False)
+    b.bn()
+    b.relu()
+    b.conv(2, 2, bias=True)
+    b.bn()
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def grouped_conv(seed=0, dtype=torch.float64):
     b = NetBuilder((4, 3, 3), seed, dtype)
-    b.conv(4, 2, groups=2, padding=1); b.relu()
-    b.conv(2, 2, groups=2); b.relu(); b.flatten(); b.linear(2)
+    b.conv(4, 2, groups=2, padding=1)
+    b.relu()
+    b.conv(2, 2, groups=2)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def adaptive_net(seed=0, dtype=torch.float64):
     b = NetBuilder((1, 5, 4), seed, dtype)
-    b.conv(2, 2); b.relu(); b.adaptive((3, 2)); b.flatten(); b.linear(2)
+    b.conv(2, 2)
+    b.relu()
+    b.adaptive((3, 2))
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def conv1d_net(seed=0, dtype=torch.float64):
     b = NetBuilder((2, 7), seed, dtype)
-    b.conv(3, 3, stride=2, padding=1); b.relu(); b.maxpool(2, ceil_mode=True)
-    b.conv(2, 2, dilation=1); b.relu(); b.avgpool(2, stride=1, padding=1, count_include_pad=False)
-    b.flatten(); b.linear(2)
+    b.conv(3, 3, stride=2, padding=1)
+    b.relu()
+    b.maxpool(2, ceil_mode=True)
+    b.conv(2, 2, dilation=1)
+    b.relu()
+    b.avgpool(2, stride=1, padding=1, count_include_pad=False)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -369,11 +517,15 @@ def bottleneck(seed=0, dtype=torch.float64):
     """A residual stream S with a 3-conv bottleneck S→A→B→S: the colouring needs 3 colours."""
     b = NetBuilder((1, 2, 2), seed, dtype)
     s = b.relu(b.conv(2, 1))
-    b.conv(2, 1); b.relu()
-    b.conv(2, 3, padding=1); b.relu()
+    b.conv(2, 1)
+    b.relu()
+    b.conv(2, 3, padding=1)
+    b.relu()
     y = b.conv(2, 1)
     b.relu(b.add(s, y))
-    b.adaptive(1); b.flatten(); b.linear(2)
+    b.adaptive(1)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -407,37 +559,61 @@ def self_loop(seed=0, dtype=torch.float64):
 
 def maxpool_dilated(seed=0, dtype=torch.float64):
     b = NetBuilder((1, 5, 5), seed, dtype)
-    b.conv(2, 2); b.relu(); b.maxpool(2, stride=1, padding=1, dilation=2); b.flatten(); b.linear(2)
+    b.conv(2, 2)
+    b.relu()
+    b.maxpool(2, stride=1, padding=1, dilation=2)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def cnn_bn_residual(seed=0, dtype=torch.float64):
     """A small CNN with BatchNorm everywhere, an identity skip and pooling (invariance tests)."""
     b = NetBuilder((2, 6, 6), seed, dtype)
-    b.conv(3, 3, padding=1, bias=False); b.bn()
+    b.conv(3, 3, padding=1, bias=False)
+    b.bn()
     s = b.relu()
-    b.conv(3, 3, padding=1); b.bn(); b.relu()
-    b.conv(3, 3, padding=1, bias=False); y = b.bn()
+    b.conv(3, 3, padding=1)
+    b.bn()
+    b.relu()
+    b.conv(3, 3, padding=1, bias=False)
+    y = b.bn()
     b.relu(b.add(s, y))
     b.maxpool(2)
-    b.conv(4, 3, padding=1); b.bn(); b.relu()
-    b.adaptive(1); b.flatten(); b.linear(3)
+    b.conv(4, 3, padding=1)
+    b.bn()
+    b.relu()
+    b.adaptive(1)
+    b.flatten()
+    b.linear(3)
     return b.build()
 
 
 def prelu_scale_net(seed=0, dtype=torch.float64):
     """PReLU (per channel and shared), Mul/Div by constants (a negative one included)."""
     b = NetBuilder((1, 4, 4), seed, dtype)
-    b.conv(2, 2); b.prelu(); b.scale_by(0.5); b.maxpool(2, stride=1)
-    b.flatten(); b.linear(3); b.prelu(per_channel=False); b.scale_by(-3.0); b.linear(2)
+    b.conv(2, 2)
+    b.prelu()
+    b.scale_by(0.5)
+    b.maxpool(2, stride=1)
+    b.flatten()
+    b.linear(3)
+    b.prelu(per_channel=False)
+    b.scale_by(-3.0)
+    b.linear(2)
     return b.build()
 
 
 def pad_net(seed=0, dtype=torch.float64):
     """Zero padding (asymmetric) before a conv and before a max-pool."""
     b = NetBuilder((1, 3, 3), seed, dtype)
-    b.pad((1, 0), (0, 2)); b.conv(2, 2); b.relu(); b.pad(1, 1); b.maxpool(2, stride=2, ceil_mode=True)
-    b.flatten(); b.linear(2)
+    b.pad((1, 0), (0, 2))
+    b.conv(2, 2)
+    b.relu()
+    b.pad(1, 1)
+    b.maxpool(2, stride=2, ceil_mode=True)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -446,10 +622,16 @@ def crop_net(seed=0, dtype=torch.float64):
     then a zero pad, a reflect pad of a cropped axis, a crop then −inf padding before a max-pool."""
     b = NetBuilder((1, 4, 5), seed, dtype)
     b.relu(b.conv(2, 1))
-    b.pad((-1, -1), (1, 1)); b.conv(2, 3, padding=1); b.relu()
-    b.pad((1, -2), (-1, 1), mode="reflect"); b.conv(2, 1); b.relu()
-    b.pad((0, -1), (-1, 1), mode="-inf"); b.maxpool(2, stride=1)
-    b.flatten(); b.linear(2)
+    b.pad((-1, -1), (1, 1))
+    b.conv(2, 3, padding=1)
+    b.relu()
+    b.pad((1, -2), (-1, 1), mode="reflect")
+    b.conv(2, 1)
+    b.relu()
+    b.pad((0, -1), (-1, 1), mode="-inf")
+    b.maxpool(2, stride=1)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -460,8 +642,14 @@ def channel_bias_net(seed=0, dtype=torch.float64):
     shifted = b.channel_bias()
     left = b.conv(3, 3, padding=1, bias=False)
     right = b.conv(3, 1, bias=False, src=shifted)
-    b.add(left, right); b.channel_bias(); b.relu()
-    b.conv(2, 1, bias=False); b.channel_bias(); b.relu(); b.flatten(); b.linear(2)
+    b.add(left, right)
+    b.channel_bias()
+    b.relu()
+    b.conv(2, 1, bias=False)
+    b.channel_bias()
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -470,9 +658,15 @@ def fixed_filter_net(seed=0, dtype=torch.float64):
     of constants (signed here, one tap 0), and a dilated one in a residual branch."""
     b = NetBuilder((1, 4, 4), seed, dtype)
     b.relu(b.conv(2, 1))
-    b.pad(1, 1, mode="reflect"); b.fixed_filter(3, stride=2, zero_taps=1); b.conv(3, 1); stem = b.relu()
+    b.pad(1, 1, mode="reflect")
+    b.fixed_filter(3, stride=2, zero_taps=1)
+    b.conv(3, 1)
+    stem = b.relu()
     b.fixed_filter(2, padding=1, dilation=2)
-    b.add(b.cur, stem); b.relu(); b.flatten(); b.linear(2)
+    b.add(b.cur, stem)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -485,8 +679,12 @@ def sub_net(seed=0, dtype=torch.float64):
     wide = b.conv(3, 3, padding=1, src=stem)
     narrow = b.conv(1, 1, src=stem)
     diff = b.relu(b.sub(wide, narrow))
-    b.conv(3, 1, src=diff); b.scale_by(-1.0)
-    b.sub(diff, b.cur); b.relu(); b.flatten(); b.linear(2)
+    b.conv(3, 1, src=diff)
+    b.scale_by(-1.0)
+    b.sub(diff, b.cur)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -496,9 +694,16 @@ def shuffle_split_net(seed=0, dtype=torch.float64):
     stem = b.relu(b.conv(4, 1))
     left = b.slice(0, 2, src=stem)
     right = b.slice(2, 4, src=stem)
-    b.conv(2, 1, src=right); b.relu(); b.conv(2, 3, padding=1, groups=2); right = b.relu()
-    b.concat(left, right); b.shuffle(2)
-    b.conv(2, 1); b.relu(); b.flatten(); b.linear(2)
+    b.conv(2, 1, src=right)
+    b.relu()
+    b.conv(2, 3, padding=1, groups=2)
+    right = b.relu()
+    b.concat(left, right)
+    b.shuffle(2)
+    b.conv(2, 1)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -507,32 +712,49 @@ def gather_net(seed=0, dtype=torch.float64):
     b = NetBuilder((1, 3, 3), seed, dtype)
     stem = b.relu(b.conv(4, 1))
     odd = b.gather((1, 3), src=stem)
-    b.conv(2, 1, src=b.gather((2, 0, 2), src=stem)); right = b.relu()
-    b.concat(odd, right); b.conv(2, 3, padding=1); b.relu(); b.flatten(); b.linear(2)
+    b.conv(2, 1, src=b.gather((2, 0, 2), src=stem))
+    right = b.relu()
+    b.concat(odd, right)
+    b.conv(2, 3, padding=1)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def conv_transpose_net(seed=0, dtype=torch.float64):
     """U-Net-style decoder: a grouped strided ConvTranspose with BatchNorm, then a dilated one."""
     b = NetBuilder((2, 2, 2), seed, dtype)
-    b.conv_transpose(4, 3, stride=2, padding=1, output_padding=1, groups=2, bias=False); b.bn(); b.relu()
-    b.conv_transpose(2, 2, dilation=2); b.relu(); b.flatten(); b.linear(2)
+    b.conv_transpose(4, 3, stride=2, padding=1, output_padding=1, groups=2, bias=False)
+    b.bn()
+    b.relu()
+    b.conv_transpose(2, 2, dilation=2)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def conv_transpose_1d_net(seed=0, dtype=torch.float64):
     b = NetBuilder((2, 3), seed, dtype)
-    b.conv_transpose(2, 3, stride=2, padding=1); b.relu(); b.flatten(); b.linear(2)
+    b.conv_transpose(2, 3, stride=2, padding=1)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 def upsample_net(seed=0, dtype=torch.float64, shape=(1, 2, 3), resizes=(("nearest", (), (2.0, 2.0), False),)):
     """Resizes between a conv and a conv (the rescaled channels feed and leave fixed edges)."""
     b = NetBuilder(shape, seed, dtype)
-    b.conv(2, 1); b.relu()
+    b.conv(2, 1)
+    b.relu()
     for mode, size, scale_factor, align_corners in resizes:
         b.upsample(mode, size, scale_factor, align_corners)
-    b.conv(2, 2); b.relu(); b.flatten(); b.linear(2)
+    b.conv(2, 2)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -542,18 +764,24 @@ UPSAMPLES = {
     "upsample_bilinear_frac": ((1, 3, 2), (("linear", (), (1.5, 2.0), False),)),
     "upsample_bilinear_corners_size": ((1, 2, 3), (("linear", (3, 5), (), True),)),
     "upsample_linear1d_down_up": ((1, 5), (("linear", (3,), (), False), ("linear", (), (2.5,), False))),
-    "upsample_trilinear_nearest": ((1, 2, 1, 2), (("linear", (3, 2, 3), (), False), ("nearest", (), (1.0, 2.0, 1.0), False))),
+    "upsample_trilinear_nearest": (
+        (1, 2, 1, 2),
+        (("linear", (3, 2, 3), (), False), ("nearest", (), (1.0, 2.0, 1.0), False)),
+    ),
 }
 
 
 def conv3d_net(seed=0, dtype=torch.float64, ceil_mode=True, count_include_pad=False):
     """3-D conv, ConvTranspose, max and average pooling (ceil mode, padding)."""
     b = NetBuilder((1, 3, 3, 2), seed, dtype)
-    b.conv(2, (2, 2, 1), padding=(1, 0, 0)); b.relu()
+    b.conv(2, (2, 2, 1), padding=(1, 0, 0))
+    b.relu()
     b.maxpool((3, 2, 2), stride=2, ceil_mode=ceil_mode)
-    b.conv_transpose(2, (2, 1, 1), stride=(2, 1, 1)); b.relu()
+    b.conv_transpose(2, (2, 1, 1), stride=(2, 1, 1))
+    b.relu()
     b.avgpool((2, 1, 1), stride=(2, 1, 1), padding=(1, 0, 0), ceil_mode=ceil_mode, count_include_pad=count_include_pad)
-    b.flatten(); b.linear(2)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -561,32 +789,47 @@ def ceil_pool_net(seed=0, dtype=torch.float64, rank=2, is_max=True, padding=0, c
     """A pooling whose last ceil-mode window starts inside the input or hangs over the edge."""
     shape = {1: (1, 6), 2: (1, 6, 5), 3: (1, 4, 4, 3)}[rank]
     b = NetBuilder(shape, seed, dtype)
-    b.conv(2, 1); b.relu()
+    b.conv(2, 1)
+    b.relu()
     if is_max:
         b.maxpool(3, stride=2, padding=padding, ceil_mode=True)
     else:
         b.avgpool(3, stride=2, padding=padding, ceil_mode=True, count_include_pad=count_include_pad)
-    b.flatten(); b.linear(2)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
 CEIL_POOLS = {
-    f"ceil_{'max' if is_max else 'avg'}{rank}d_pad{padding}{'' if is_max else ('_incl' if incl else '_excl')}":
-        (lambda seed=0, dtype=torch.float64, rank=rank, is_max=is_max, padding=padding, incl=incl:
-         ceil_pool_net(seed, dtype, rank, is_max, padding, incl))
-    for rank in (1, 2, 3) for is_max in (True, False) for padding in (0, 1)
+    f"ceil_{'max' if is_max else 'avg'}{rank}d_pad{padding}{'' if is_max else ('_incl' if incl else '_excl')}": (
+        lambda seed=0, dtype=torch.float64, rank=rank, is_max=is_max, padding=padding, incl=incl: ceil_pool_net(
+            seed, dtype, rank, is_max, padding, incl
+        )
+    )
+    for rank in (1, 2, 3)
+    for is_max in (True, False)
+    for padding in (0, 1)
     for incl in ((True,) if is_max else (True, False))
 }
+
 
 def pad_modes_net(seed=0, dtype=torch.float64, rank=2):
     """Reflect, replicate and circular padding (each output pixel copies one input pixel of its
     channel), asymmetric, between convs, before a max-pool and a residual sum."""
     b = NetBuilder({1: (1, 5), 2: (1, 3, 2)}[rank], seed, dtype)
     stem = b.relu(b.conv(2, 1))
-    b.pad((2, 0)[:rank], 0, mode="reflect"); b.conv(2, 3 if rank == 1 else (3, 1)); b.relu()
-    b.pad((0, 1)[:rank], (1, 0)[:rank], mode="replicate"); b.conv(2, 2, bias=False); b.relu()
-    b.pad(1, 0, mode="circular"); b.maxpool(2, stride=1)
-    b.add(b.cur, stem); b.relu(); b.flatten(); b.linear(2)
+    b.pad((2, 0)[:rank], 0, mode="reflect")
+    b.conv(2, 3 if rank == 1 else (3, 1))
+    b.relu()
+    b.pad((0, 1)[:rank], (1, 0)[:rank], mode="replicate")
+    b.conv(2, 2, bias=False)
+    b.relu()
+    b.pad(1, 0, mode="circular")
+    b.maxpool(2, stride=1)
+    b.add(b.cur, stem)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -595,9 +838,14 @@ def neg_inf_pad_net(seed=0, dtype=torch.float64):
     values, so −inf and 0 differ), then a max-pool; a second one after a zero-padded one."""
     b = NetBuilder((1, 4, 5), seed, dtype)
     b.conv(2, 2)
-    b.pad((0, 1), (1, 1), mode="-inf"); b.maxpool(3, stride=2)
-    b.relu(); b.conv(3, 1); b.pad(1, (0, 1), mode="-inf"); b.maxpool(2, stride=1)
-    b.flatten(); b.linear(2)
+    b.pad((0, 1), (1, 1), mode="-inf")
+    b.maxpool(3, stride=2)
+    b.relu()
+    b.conv(3, 1)
+    b.pad(1, (0, 1), mode="-inf")
+    b.maxpool(2, stride=1)
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -608,9 +856,15 @@ def channel_affine_net(seed=0, dtype=torch.float64):
     stem = b.relu(b.conv(2, 1))
     identity = b.channel_affine(src=stem)
     b.conv(2, 1, src=stem)
-    b.add(b.cur, identity); b.relu()
-    b.channel_affine(); b.relu(); b.conv(2, 2); b.channel_affine(bias=False)
-    b.relu(); b.flatten(); b.linear(2)
+    b.add(b.cur, identity)
+    b.relu()
+    b.channel_affine()
+    b.relu()
+    b.conv(2, 2)
+    b.channel_affine(bias=False)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -623,7 +877,10 @@ def broadcast_add_net(seed=0, dtype=torch.float64):
     narrow = b.conv(1, 3, src=x)
     summed = b.relu(b.add(wide, narrow))
     pooled = b.adaptive(1)
-    b.add(summed, pooled); b.relu(); b.flatten(); b.linear(2)
+    b.add(summed, pooled)
+    b.relu()
+    b.flatten()
+    b.linear(2)
     return b.build()
 
 
@@ -646,8 +903,12 @@ NEW_OPS = {
     "conv3d": conv3d_net,
     "conv3d_floor_incl": lambda seed=0, dtype=torch.float64: conv3d_net(seed, dtype, False, True),
     **CEIL_POOLS,
-    **{name: (lambda seed=0, dtype=torch.float64, shape=shape, resizes=resizes: upsample_net(seed, dtype, shape, resizes))
-       for name, (shape, resizes) in UPSAMPLES.items()},
+    **{
+        name: (
+            lambda seed=0, dtype=torch.float64, shape=shape, resizes=resizes: upsample_net(seed, dtype, shape, resizes)
+        )
+        for name, (shape, resizes) in UPSAMPLES.items()
+    },
 }
 
 CATALOGUE = {

@@ -31,9 +31,10 @@ def blocks(page: Path) -> list[Block]:
     for match, after in reversed(list(zip(matches, [*matches[1:], None]))):
         indent = len(match.group(1))
         text = "".join(line[indent:] + "\n" for line in match.group(3).splitlines())
-        adjacent = after is not None and not source[match.end():after.start()].strip()
-        built.append(Block(page, source.count("\n", 0, match.start()) + 1, match.group(2), text,
-                           built[-1] if adjacent else None))
+        adjacent = after is not None and not source[match.end() : after.start()].strip()
+        built.append(
+            Block(page, source.count("\n", 0, match.start()) + 1, match.group(2), text, built[-1] if adjacent else None)
+        )
     return built[::-1]
 
 
@@ -48,7 +49,7 @@ def section(heading: str) -> str:
         text = page.read_text(encoding="utf-8")
         match = re.search(rf"^(#+) {re.escape(heading)}\n", text, re.M)
         if match:
-            rest = text[match.end():]
+            rest = text[match.end() :]
             end = re.search(rf"^#{{1,{len(match.group(1))}}} ", rest, re.M)
-            return rest[:end.start()] if end else rest
+            return rest[: end.start()] if end else rest
     raise AssertionError(f"no section {heading!r} in README.md or docs/")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -32,11 +32,32 @@ FAKE = torch.device("cuda", 0)
 _TAG = "_pathcond_fake_cuda"
 
 # Reading a value on the host: a transfer and a host–device synchronisation on a real GPU.
-_SYNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__format__", "__repr__", "nonzero",
-          "equal"}
+_SYNCS = {
+    "item",
+    "tolist",
+    "__bool__",
+    "__float__",
+    "__int__",
+    "__index__",
+    "__format__",
+    "__repr__",
+    "nonzero",
+    "equal",
+}
 # Methods that legitimately take tensors from two devices.
-_TRANSFERS = {"to", "cpu", "cuda", "copy_", "__set__", "__setitem__", "type_as", "new_tensor", "swap_tensors",
-              "_has_compatible_shallow_copy_type", "is_same_size"}
+_TRANSFERS = {
+    "to",
+    "cpu",
+    "cuda",
+    "copy_",
+    "__set__",
+    "__setitem__",
+    "type_as",
+    "new_tensor",
+    "swap_tensors",
+    "_has_compatible_shallow_copy_type",
+    "is_same_size",
+}
 # Indexing a CUDA tensor with CPU indices is allowed by torch (it moves them).
 _INDEXING = {"__getitem__", "__setitem__"}
 # Reductions whose CUDA kernels have no boolean version (the CPU's have one), as seen on an H200
@@ -90,24 +111,36 @@ def _is_cuda(device) -> bool:
 
 
 class FakeCuda(TorchFunctionMode):
-    """The fake device (see the module docstring); ``syncs`` counts host reads by kind."""
+    """The fake device (see the module docstring); ``syncs`` counts host reads by kind, and
+    ``on_sync``, when set, is called with the kind at each one (while the read's caller is still
+    on the Python stack, so that a benchmark can name the code that waited)."""
 
     def __init__(self):
         super().__init__()
         self.syncs: Counter[str] = Counter()
+        self.on_sync: Callable[[str], None] | None = None
+
+    def _synced(self, kind: str) -> None:
+        self.syncs[kind] += 1
+        if self.on_sync is not None:
+            self.on_sync(kind)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        descriptor = getattr(getattr(func, "__self__", None), "__name__", None) if name in ("__get__", "__set__") else None
+        descriptor = (
+            getattr(getattr(func, "__self__", None), "__name__", None) if name in ("__get__", "__set__") else None
+        )
         if descriptor is not None:
             return self._descriptor(func, descriptor, name, args)
         tagged = [t for t in _tensors((args, kwargs)) if on_fake(t)]
         if name in _SYNCS and tagged:
-            self.syncs[name] += 1
+            self._synced(name)
         if name in ("numpy", "__array__") and tagged:
-            raise TypeError(f"can't convert {FAKE} device type tensor to numpy. "
-                            "Use Tensor.cpu() to copy the tensor to host memory first.")
+            raise TypeError(
+                f"can't convert {FAKE} device type tensor to numpy. "
+                "Use Tensor.cpu() to copy the tensor to host memory first."
+            )
         if name in ("to", "cuda", "cpu"):
             return self._move(func, name, args, kwargs)
         if name == "get_device" and tagged:
@@ -121,8 +154,9 @@ class FakeCuda(TorchFunctionMode):
         elif tagged and name not in _TRANSFERS:
             self._check_mix(name, args, kwargs)
         if tagged and name in _NO_BOOL_ON_CUDA and any(t.dtype == torch.bool for t in tagged):
-            raise NotImplementedError("\"cuda_scatter_gather_base_kernel_func\" not implemented for 'Bool' "
-                                      f"[fake CUDA: {name}]")
+            raise NotImplementedError(
+                f"\"cuda_scatter_gather_base_kernel_func\" not implemented for 'Bool' [fake CUDA: {name}]"
+            )
         out = func(*args, **kwargs)
         on = _is_cuda(target) if target is not None else bool(tagged)
         if name in _INDEXING and args and isinstance(args[0], torch.Tensor):
@@ -155,7 +189,7 @@ class FakeCuda(TorchFunctionMode):
         if name == "cpu":
             if not on_fake(source):
                 return func(*args, **kwargs)
-            self.syncs["cpu"] += 1
+            self._synced("cpu")
             return _tag(source.clone(), False)
         target, rest = None, []
         for value in args[1:]:
@@ -174,7 +208,7 @@ class FakeCuda(TorchFunctionMode):
         if target is None or _is_cuda(target) == on_fake(source):
             return out if out is source else _tag(out, on_fake(source))
         if not _is_cuda(target):
-            self.syncs["cpu"] += 1
+            self._synced("cpu")
         return _tag(source.clone() if out is source else out, _is_cuda(target))
 
     def _check_mix(self, name: str, args, kwargs) -> None:
@@ -182,13 +216,16 @@ class FakeCuda(TorchFunctionMode):
         if name in _INDEXING:
             if on_fake(args[0]):
                 return
-            raise RuntimeError(f"indices should be either on cpu or on the same device as the indexed tensor (cpu) "
-                               f"[fake CUDA: {name}]")
+            raise RuntimeError(
+                f"indices should be either on cpu or on the same device as the indexed tensor (cpu) [fake CUDA: {name}]"
+            )
         stray = [t for t in _tensors((args, kwargs)) if not on_fake(t) and t.dim() > 0 and t.device.type == "cpu"]
         if stray:
-            raise RuntimeError(f"Expected all tensors to be on the same device, but got a tensor of shape "
-                               f"{tuple(stray[0].shape)} on cpu, different from other tensors on {FAKE} "
-                               f"[fake CUDA: {name}]")
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but got a tensor of shape "
+                f"{tuple(stray[0].shape)} on cpu, different from other tensors on {FAKE} "
+                f"[fake CUDA: {name}]"
+            )
 
 
 def _no_op(*args, **kwargs):
@@ -196,10 +233,17 @@ def _no_op(*args, **kwargs):
 
 
 # What torch.cuda answers while the fake device is installed.
-_CUDA_ANSWERS = {"is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-                 "get_device_name": lambda *a, **k: "fake CUDA (pathcond tests)", "synchronize": _no_op,
-                 "reset_peak_memory_stats": _no_op, "max_memory_allocated": lambda *a, **k: 0,
-                 "memory_allocated": lambda *a, **k: 0, "empty_cache": _no_op}
+_CUDA_ANSWERS = {
+    "is_available": lambda: True,
+    "device_count": lambda: 1,
+    "current_device": lambda: 0,
+    "get_device_name": lambda *a, **k: "fake CUDA (pathcond tests)",
+    "synchronize": _no_op,
+    "reset_peak_memory_stats": _no_op,
+    "max_memory_allocated": lambda *a, **k: 0,
+    "memory_allocated": lambda *a, **k: 0,
+    "empty_cache": _no_op,
+}
 # torch.cuda's own answers, as imported.
 _REAL_CUDA = {name: getattr(torch.cuda, name) for name in _CUDA_ANSWERS}
 

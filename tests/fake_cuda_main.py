@@ -6,9 +6,9 @@ runs under the fake device (``PATHCOND_FAKE_CUDA=1``).
 
 import sys
 
-import pathcond_cli.__main__ as entry  # first: its Ctrl-C handler is installed before torch is imported
-
 from fake_cuda import installed
+
+import pathcond_cli.__main__ as entry  # first: its Ctrl-C handler is installed before torch is imported
 
 if __name__ == "__main__":
     del sys.path[0]  # this tests folder: its helper modules must not shadow anything pathcond imports

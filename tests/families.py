@@ -35,8 +35,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from reference_models import (
     VGG,
     AlexNet,
@@ -55,6 +53,7 @@ from reference_models import (
     small_mnasnet,
     small_resnet,
 )
+from torch import Tensor, nn
 
 _Width = Callable[[int], int]
 
@@ -69,8 +68,7 @@ def _scaled(width: float) -> _Width:
 # --------------------------------------------------------------------------
 
 VGG11_CFG: list[int | str] = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
-VGG16_CFG: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M",
-                              512, 512, 512, "M", 512, 512, 512, "M"]
+VGG16_CFG: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
 
 
 def vgg11_bn(num_classes: int = 1000, random_bn: bool = False) -> nn.Module:
@@ -93,8 +91,12 @@ class SmallVGG(nn.Module):
         channels = [c for c in cfg if c != "M"][-1]
         self.avgpool = nn.AdaptiveAvgPool2d((pooled, pooled))
         self.classifier = nn.Sequential(
-            nn.Linear(int(channels) * pooled * pooled, hidden), nn.ReLU(), nn.Dropout(),
-            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(),
+            nn.Linear(int(channels) * pooled * pooled, hidden),
+            nn.ReLU(),
+            nn.Dropout(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(),
             nn.Linear(hidden, num_classes),
         )
 
@@ -128,19 +130,28 @@ class ScaledAlexNet(nn.Module):
         super().__init__()
         w = _scaled(width)
         self.features = nn.Sequential(
-            nn.Conv2d(3, w(64), kernel_size=11, stride=4, padding=2), nn.ReLU(),
+            nn.Conv2d(3, w(64), kernel_size=11, stride=4, padding=2),
+            nn.ReLU(),
             nn.MaxPool2d(kernel_size=3, stride=2),
-            nn.Conv2d(w(64), w(192), kernel_size=5, padding=2), nn.ReLU(),
+            nn.Conv2d(w(64), w(192), kernel_size=5, padding=2),
+            nn.ReLU(),
             nn.MaxPool2d(kernel_size=3, stride=2),
-            nn.Conv2d(w(192), w(384), kernel_size=3, padding=1), nn.ReLU(),
-            nn.Conv2d(w(384), w(256), kernel_size=3, padding=1), nn.ReLU(),
-            nn.Conv2d(w(256), w(256), kernel_size=3, padding=1), nn.ReLU(),
+            nn.Conv2d(w(192), w(384), kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(w(384), w(256), kernel_size=3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(w(256), w(256), kernel_size=3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(kernel_size=3, stride=2),
         )
         self.avgpool = nn.AdaptiveAvgPool2d((6, 6))
         self.classifier = nn.Sequential(
-            nn.Dropout(), nn.Linear(w(256) * 6 * 6, hidden), nn.ReLU(),
-            nn.Dropout(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Dropout(),
+            nn.Linear(w(256) * 6 * 6, hidden),
+            nn.ReLU(),
+            nn.Dropout(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )
 
@@ -161,8 +172,7 @@ def grouped_bottleneck(groups: int, width_per_group: int) -> type[Bottleneck]:
     (32, 4); Wide-ResNet-50-2 is (1, 128)."""
 
     class GroupedBottleneck(Bottleneck):
-        def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                     downsample: Optional[nn.Module] = None) -> None:
+        def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None) -> None:
             super().__init__(inplanes, planes, stride, downsample)
             width = int(planes * width_per_group / 64) * groups
             self.conv1 = _conv1x1(inplanes, width)
@@ -186,8 +196,9 @@ def wide_resnet50_2(num_classes: int = 1000, random_bn: bool = False) -> nn.Modu
 
 
 def _small_bottleneck_net(block: type[Bottleneck], num_classes: int, random_bn: bool) -> nn.Module:
-    model = ResNet(block, [1, 1], num_classes, widths=(8, 16), stem_kernel=3, stem_stride=1,
-                   stem_pool=True, stem_width=16)
+    model = ResNet(
+        block, [1, 1], num_classes, widths=(8, 16), stem_kernel=3, stem_stride=1, stem_pool=True, stem_width=16
+    )
     return _finish(model, random_bn)
 
 
@@ -310,8 +321,14 @@ class DenseNet(nn.Module):
     """torchvision's DenseNet: conv7x7/2-BN-ReLU-maxpool stem, dense blocks with halving
     transitions, final BN, ReLU, global average pool, classifier."""
 
-    def __init__(self, growth_rate: int, block_config: Sequence[int], num_init_features: int,
-                 bn_size: int = 4, num_classes: int = 1000) -> None:
+    def __init__(
+        self,
+        growth_rate: int,
+        block_config: Sequence[int],
+        num_init_features: int,
+        bn_size: int = 4,
+        num_classes: int = 1000,
+    ) -> None:
         super().__init__()
         self.features = nn.Sequential()
         self.features.add_module("conv0", nn.Conv2d(3, num_init_features, 7, stride=2, padding=3, bias=False))
@@ -367,8 +384,9 @@ class Fire(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.squeeze_activation(self.squeeze(x))
-        return torch.cat([self.expand1x1_activation(self.expand1x1(x)),
-                          self.expand3x3_activation(self.expand3x3(x))], 1)
+        return torch.cat(
+            [self.expand1x1_activation(self.expand1x1(x)), self.expand3x3_activation(self.expand3x3(x))], 1
+        )
 
 
 class SqueezeNet(nn.Module):
@@ -458,15 +476,24 @@ class ShuffleUnit(nn.Module):
         branch = oup // 2
         if stride > 1:
             self.branch1 = nn.Sequential(
-                _depthwise(inp, stride), nn.BatchNorm2d(inp),
-                nn.Conv2d(inp, branch, 1, bias=False), nn.BatchNorm2d(branch), nn.ReLU(inplace=True))
+                _depthwise(inp, stride),
+                nn.BatchNorm2d(inp),
+                nn.Conv2d(inp, branch, 1, bias=False),
+                nn.BatchNorm2d(branch),
+                nn.ReLU(inplace=True),
+            )
         else:
             self.branch1 = nn.Sequential()
         self.branch2 = nn.Sequential(
-            nn.Conv2d(inp if stride > 1 else branch, branch, 1, bias=False), nn.BatchNorm2d(branch),
+            nn.Conv2d(inp if stride > 1 else branch, branch, 1, bias=False),
+            nn.BatchNorm2d(branch),
             nn.ReLU(inplace=True),
-            _depthwise(branch, stride), nn.BatchNorm2d(branch),
-            nn.Conv2d(branch, branch, 1, bias=False), nn.BatchNorm2d(branch), nn.ReLU(inplace=True))
+            _depthwise(branch, stride),
+            nn.BatchNorm2d(branch),
+            nn.Conv2d(branch, branch, 1, bias=False),
+            nn.BatchNorm2d(branch),
+            nn.ReLU(inplace=True),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if self.stride == 1:
@@ -478,8 +505,9 @@ class ShuffleUnit(nn.Module):
 
 
 class ShuffleNetV2(nn.Module):
-    def __init__(self, stages_repeats: Sequence[int], stages_out_channels: Sequence[int],
-                 num_classes: int = 1000) -> None:
+    def __init__(
+        self, stages_repeats: Sequence[int], stages_out_channels: Sequence[int], num_classes: int = 1000
+    ) -> None:
         super().__init__()
         c = stages_out_channels[0]
         self.conv1 = nn.Sequential(nn.Conv2d(3, c, 3, 2, 1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
@@ -518,16 +546,20 @@ class GoogLeNetInception(nn.Module):
     """torchvision's GoogLeNet Inception block: 1x1 / 1x1-3x3 / 1x1-3x3 (torchvision's
     "5x5" branch is a 3x3) / ceil-mode 3x3 max pool-1x1, concatenated."""
 
-    def __init__(self, in_channels: int, ch1x1: int, ch3x3red: int, ch3x3: int, ch5x5red: int,
-                 ch5x5: int, pool_proj: int) -> None:
+    def __init__(
+        self, in_channels: int, ch1x1: int, ch3x3red: int, ch3x3: int, ch5x5red: int, ch5x5: int, pool_proj: int
+    ) -> None:
         super().__init__()
         self.branch1 = _BasicConv2d(in_channels, ch1x1, kernel_size=1)
-        self.branch2 = nn.Sequential(_BasicConv2d(in_channels, ch3x3red, kernel_size=1),
-                                     _BasicConv2d(ch3x3red, ch3x3, kernel_size=3, padding=1))
-        self.branch3 = nn.Sequential(_BasicConv2d(in_channels, ch5x5red, kernel_size=1),
-                                     _BasicConv2d(ch5x5red, ch5x5, kernel_size=3, padding=1))
-        self.branch4 = nn.Sequential(nn.MaxPool2d(3, stride=1, padding=1, ceil_mode=True),
-                                     _BasicConv2d(in_channels, pool_proj, kernel_size=1))
+        self.branch2 = nn.Sequential(
+            _BasicConv2d(in_channels, ch3x3red, kernel_size=1), _BasicConv2d(ch3x3red, ch3x3, kernel_size=3, padding=1)
+        )
+        self.branch3 = nn.Sequential(
+            _BasicConv2d(in_channels, ch5x5red, kernel_size=1), _BasicConv2d(ch5x5red, ch5x5, kernel_size=3, padding=1)
+        )
+        self.branch4 = nn.Sequential(
+            nn.MaxPool2d(3, stride=1, padding=1, ceil_mode=True), _BasicConv2d(in_channels, pool_proj, kernel_size=1)
+        )
         self.out_channels = ch1x1 + ch3x3 + ch5x5 + pool_proj
 
     def forward(self, x: Tensor) -> Tensor:
@@ -538,10 +570,14 @@ class GoogLeNet(nn.Module):
     """torchvision's GoogLeNet without auxiliary heads, every channel count scaled by ``width``."""
 
     _BLOCKS = {
-        "inception3a": (64, 96, 128, 16, 32, 32), "inception3b": (128, 128, 192, 32, 96, 64),
-        "inception4a": (192, 96, 208, 16, 48, 64), "inception4b": (160, 112, 224, 24, 64, 64),
-        "inception4c": (128, 128, 256, 24, 64, 64), "inception4d": (112, 144, 288, 32, 64, 64),
-        "inception4e": (256, 160, 320, 32, 128, 128), "inception5a": (256, 160, 320, 32, 128, 128),
+        "inception3a": (64, 96, 128, 16, 32, 32),
+        "inception3b": (128, 128, 192, 32, 96, 64),
+        "inception4a": (192, 96, 208, 16, 48, 64),
+        "inception4b": (160, 112, 224, 24, 64, 64),
+        "inception4c": (128, 128, 256, 24, 64, 64),
+        "inception4d": (112, 144, 288, 32, 64, 64),
+        "inception4e": (256, 160, 320, 32, 128, 128),
+        "inception5a": (256, 160, 320, 32, 128, 128),
         "inception5b": (384, 192, 384, 48, 128, 128),
     }
 
@@ -624,13 +660,21 @@ class RegNetBlock(nn.Module):
 
     def __init__(self, width_in: int, width_out: int, stride: int, group_width: int) -> None:
         super().__init__()
-        self.proj = (nn.Sequential(nn.Conv2d(width_in, width_out, 1, stride=stride, bias=False), nn.BatchNorm2d(width_out))
-                     if width_in != width_out or stride != 1 else None)
+        self.proj = (
+            nn.Sequential(nn.Conv2d(width_in, width_out, 1, stride=stride, bias=False), nn.BatchNorm2d(width_out))
+            if width_in != width_out or stride != 1
+            else None
+        )
         self.f = nn.Sequential(
-            nn.Conv2d(width_in, width_out, 1, bias=False), nn.BatchNorm2d(width_out), nn.ReLU(inplace=True),
+            nn.Conv2d(width_in, width_out, 1, bias=False),
+            nn.BatchNorm2d(width_out),
+            nn.ReLU(inplace=True),
             nn.Conv2d(width_out, width_out, 3, stride=stride, padding=1, groups=width_out // group_width, bias=False),
-            nn.BatchNorm2d(width_out), nn.ReLU(inplace=True),
-            nn.Conv2d(width_out, width_out, 1, bias=False), nn.BatchNorm2d(width_out))
+            nn.BatchNorm2d(width_out),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(width_out, width_out, 1, bias=False),
+            nn.BatchNorm2d(width_out),
+        )
         self.activation = nn.ReLU(inplace=True)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -644,8 +688,11 @@ class RegNet(nn.Module):
 
     def __init__(self, stages: Sequence[tuple[int, int, int]], stem_width: int = 32, num_classes: int = 1000) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, stem_width, 3, stride=2, padding=1, bias=False),
-                                  nn.BatchNorm2d(stem_width), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, stem_width, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(stem_width),
+            nn.ReLU(inplace=True),
+        )
         blocks: list[nn.Module] = []
         c = stem_width
         for width, count, group in stages:
@@ -657,7 +704,9 @@ class RegNet(nn.Module):
         self.fc = nn.Linear(c, num_classes)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
-                nn.init.normal_(m.weight, mean=0.0, std=math.sqrt(2.0 / (m.kernel_size[0] * m.kernel_size[1] * m.out_channels)))
+                nn.init.normal_(
+                    m.weight, mean=0.0, std=math.sqrt(2.0 / (m.kernel_size[0] * m.kernel_size[1] * m.out_channels))
+                )
             elif isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, mean=0.0, std=0.01)
                 nn.init.zeros_(m.bias)
@@ -694,8 +743,13 @@ class DoubleConv(nn.Sequential):
     def __init__(self, in_channels: int, out_channels: int, mid_channels: Optional[int] = None) -> None:
         mid = mid_channels or out_channels
         super().__init__(
-            nn.Conv2d(in_channels, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
-            nn.Conv2d(mid, out_channels, 3, padding=1, bias=False), nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True))
+            nn.Conv2d(in_channels, mid, 3, padding=1, bias=False),
+            nn.BatchNorm2d(mid),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(mid, out_channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(out_channels),
+            nn.ReLU(inplace=True),
+        )
 
 
 class Down(nn.Sequential):
@@ -726,16 +780,19 @@ class UNet(nn.Module):
     widely used PyTorch implementation (milesial/Pytorch-UNet). Input sides must be
     multiples of 2**depth."""
 
-    def __init__(self, in_channels: int = 3, num_classes: int = 2, base: int = 64, depth: int = 4,
-                 bilinear: bool = False) -> None:
+    def __init__(
+        self, in_channels: int = 3, num_classes: int = 2, base: int = 64, depth: int = 4, bilinear: bool = False
+    ) -> None:
         super().__init__()
         factor = 2 if bilinear else 1
-        widths = [base * 2 ** i for i in range(depth + 1)]
+        widths = [base * 2**i for i in range(depth + 1)]
         self.inc = DoubleConv(in_channels, base)
-        self.downs = nn.ModuleList(Down(widths[i], widths[i + 1] // (factor if i == depth - 1 else 1))
-                                   for i in range(depth))
-        self.ups = nn.ModuleList(Up(widths[i + 1], widths[i] // (factor if i > 0 else 1), bilinear)
-                                 for i in reversed(range(depth)))
+        self.downs = nn.ModuleList(
+            Down(widths[i], widths[i + 1] // (factor if i == depth - 1 else 1)) for i in range(depth)
+        )
+        self.ups = nn.ModuleList(
+            Up(widths[i + 1], widths[i] // (factor if i > 0 else 1), bilinear) for i in reversed(range(depth))
+        )
         self.outc = nn.Conv2d(base, num_classes, 1)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -768,8 +825,9 @@ class M5(nn.Module):
     """Conv1d(80, stride)-BN-ReLU-MaxPool1d(4), then three conv3-BN-ReLU-MaxPool1d(4), global
     average pool over time, Linear."""
 
-    def __init__(self, widths: Sequence[int] = (128, 128, 256, 512), stride: int = 4, num_classes: int = 10,
-                 in_channels: int = 1) -> None:
+    def __init__(
+        self, widths: Sequence[int] = (128, 128, 256, 512), stride: int = 4, num_classes: int = 10, in_channels: int = 1
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         c = in_channels
@@ -806,8 +864,14 @@ class C3D(nn.Module):
     (1,2,2) after stage 1 and 2x2x2 after the others (the last padded (0,1,1)), then
     fc6-fc7-fc8 with dropout. ``average_last_pool`` makes pool5 an AvgPool3d."""
 
-    def __init__(self, widths: Sequence[int] = (64, 128, 256, 512, 512), hidden: int = 4096,
-                 num_classes: int = 487, clip: Sequence[int] = (16, 112, 112), average_last_pool: bool = False) -> None:
+    def __init__(
+        self,
+        widths: Sequence[int] = (64, 128, 256, 512, 512),
+        hidden: int = 4096,
+        num_classes: int = 487,
+        clip: Sequence[int] = (16, 112, 112),
+        average_last_pool: bool = False,
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         c = 3
@@ -826,9 +890,14 @@ class C3D(nn.Module):
         with torch.no_grad():
             flat = self.features(torch.zeros(1, 3, *clip)).numel()
         self.classifier = nn.Sequential(
-            nn.Linear(flat, hidden), nn.ReLU(), nn.Dropout(0.5),
-            nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(0.5),
-            nn.Linear(hidden, num_classes))
+            nn.Linear(flat, hidden),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Dropout(0.5),
+            nn.Linear(hidden, num_classes),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(torch.flatten(self.features(x), 1))

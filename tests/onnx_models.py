@@ -8,11 +8,10 @@ import logging
 import warnings
 from collections.abc import Callable
 
+import fake_cuda
 import pytest
 import torch
 from torch import nn
-
-import fake_cuda
 
 EXPORTERS = ("torchscript", "torchscript-unfolded", "dynamo")
 
@@ -84,32 +83,54 @@ def mlp() -> nn.Module:
 
 def cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(4, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(6 * 2 * 2, 5),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1, bias=False),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(6 * 2 * 2, 5),
     )
 
 
 def avgpool() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
         nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=False, ceil_mode=True),
-        nn.Conv2d(4, 4, 3), nn.ReLU(), nn.AvgPool2d(2),
-        nn.Flatten(), nn.Linear(4, 3),
+        nn.Conv2d(4, 4, 3),
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4, 3),
     )
 
 
 def conv1d() -> nn.Module:
     return nn.Sequential(
-        nn.Conv1d(2, 4, 5, stride=2, padding=2), nn.BatchNorm1d(4), nn.ReLU(), nn.MaxPool1d(2),
-        nn.Conv1d(4, 4, 3, padding=2, dilation=2, groups=2), nn.ReLU(),
-        nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 3),
+        nn.Conv1d(2, 4, 5, stride=2, padding=2),
+        nn.BatchNorm1d(4),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(4, 4, 3, padding=2, dilation=2, groups=2),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool1d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
     )
 
 
 def leaky() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.LeakyReLU(0.1), nn.Linear(6, 6), nn.LeakyReLU(0.3), nn.Linear(6, 2),
+        nn.Linear(5, 6),
+        nn.BatchNorm1d(6),
+        nn.LeakyReLU(0.1),
+        nn.Linear(6, 6),
+        nn.LeakyReLU(0.3),
+        nn.Linear(6, 2),
     )
 
 
@@ -154,7 +175,12 @@ def export(module: nn.Module, example: torch.Tensor, exporter: str) -> bytes:
         buffer = io.BytesIO()
         with fake_cuda.suspended():  # nor can the TorchScript tracer
             torch.onnx.export(
-                module, (example,), buffer, dynamo=False, input_names=["x"], output_names=["y"],
+                module,
+                (example,),
+                buffer,
+                dynamo=False,
+                input_names=["x"],
+                output_names=["y"],
                 dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
                 do_constant_folding=exporter == "torchscript",
             )
@@ -167,7 +193,10 @@ def _export_dynamo(module: nn.Module, example: torch.Tensor) -> bytes:
     try:
         with fake_cuda.suspended():  # torch.export cannot trace under a torch function mode
             program = torch.onnx.export(
-                module, (example,), dynamo=True, verbose=False,
+                module,
+                (example,),
+                dynamo=True,
+                verbose=False,
                 dynamic_shapes=({0: torch.export.Dim("batch")},),
             )
     except Exception as exc:  # noqa: BLE001 - any failure here is the environment's, not pathcond's

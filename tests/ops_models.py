@@ -44,16 +44,29 @@ class ShuffleUnit(nn.Module):
         half = channels // 2
         self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
         self.branch = nn.Sequential(
-            nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(),
-            nn.Conv2d(half, half, 3, padding=1, groups=half, bias=False), nn.BatchNorm2d(half),
-            nn.Conv2d(half, half, 1, bias=False), nn.BatchNorm2d(half), nn.ReLU(),
+            nn.Conv2d(half, half, 1, bias=False),
+            nn.BatchNorm2d(half),
+            nn.ReLU(),
+            nn.Conv2d(half, half, 3, padding=1, groups=half, bias=False),
+            nn.BatchNorm2d(half),
+            nn.Conv2d(half, half, 1, bias=False),
+            nn.BatchNorm2d(half),
+            nn.ReLU(),
         )
-        self.down1 = nn.Sequential(nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels, bias=False),
-                                   nn.BatchNorm2d(channels), nn.Conv2d(channels, channels, 1, bias=False),
-                                   nn.BatchNorm2d(channels), nn.ReLU())
-        self.down2 = nn.Sequential(nn.Conv2d(channels, channels, 1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
-                                   nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels, bias=False),
-                                   nn.BatchNorm2d(channels))
+        self.down1 = nn.Sequential(
+            nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.Conv2d(channels, channels, 1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+        )
+        self.down2 = nn.Sequential(
+            nn.Conv2d(channels, channels, 1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, stride=2, padding=1, groups=channels, bias=False),
+            nn.BatchNorm2d(channels),
+        )
         self.fc = nn.Linear(2 * channels, 5)
 
     def forward(self, x):
@@ -83,8 +96,15 @@ class SliceScalePad(nn.Module):
         b, c = torch.split(y[:, 2:], [3, 1], dim=1)
         a = F.relu(self.conv2(self.pad(a))) * 0.5
         b = self.act2(self.conv3(F.pad(b, (1, 1, 0, 0)))) / 4
-        pooled = torch.cat([a.mean((2, 3), keepdim=True), b.mean([2, 3], keepdim=True) * -2.0,
-                            F.relu(torch.mean(c, dim=(2, 3), keepdim=True)), F.adaptive_avg_pool2d(a, 1)], dim=1)
+        pooled = torch.cat(
+            [
+                a.mean((2, 3), keepdim=True),
+                b.mean([2, 3], keepdim=True) * -2.0,
+                F.relu(torch.mean(c, dim=(2, 3), keepdim=True)),
+                F.adaptive_avg_pool2d(a, 1),
+            ],
+            dim=1,
+        )
         return self.fc(pooled.flatten(1))
 
 
@@ -94,7 +114,9 @@ class TinyUNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.enc1 = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU())
-        self.enc2 = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.enc2 = nn.Sequential(
+            nn.MaxPool2d(2), nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()
+        )
         self.up = nn.ConvTranspose2d(8, 4, 2, stride=2, bias=False)
         self.up_bn = nn.BatchNorm2d(4)
         self.dec = nn.Sequential(nn.Conv2d(8, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1))
@@ -111,11 +133,16 @@ class Conv3dNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv3d(1, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4), nn.ReLU(),
+            nn.Conv3d(1, 4, 3, padding=1, bias=False),
+            nn.BatchNorm3d(4),
+            nn.ReLU(),
             nn.MaxPool3d(3, stride=2, ceil_mode=True),
-            nn.ConvTranspose3d(4, 4, 2, stride=2, groups=2, output_padding=1, padding=1), nn.ReLU(),
+            nn.ConvTranspose3d(4, 4, 2, stride=2, groups=2, output_padding=1, padding=1),
+            nn.ReLU(),
             nn.AvgPool3d(2, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
-            nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 3),
+            nn.AdaptiveAvgPool3d(1),
+            nn.Flatten(),
+            nn.Linear(4, 3),
         )
 
     def forward(self, x):
@@ -128,9 +155,12 @@ class AudioNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv1d(2, 4, 5, stride=2, padding=2), nn.BatchNorm1d(4), nn.ReLU(),
+            nn.Conv1d(2, 4, 5, stride=2, padding=2),
+            nn.BatchNorm1d(4),
+            nn.ReLU(),
             nn.MaxPool1d(3, stride=2, ceil_mode=True),
-            nn.ConvTranspose1d(4, 3, 3, stride=2, padding=1), nn.LeakyReLU(0.1),
+            nn.ConvTranspose1d(4, 3, 3, stride=2, padding=1),
+            nn.LeakyReLU(0.1),
             nn.AvgPool1d(3, stride=2, padding=1, ceil_mode=True),
         )
         self.fc = nn.Linear(3, 2)
@@ -157,8 +187,15 @@ class UpsampleUNet(nn.Module):
         skip = self.enc1(x)
         deep = self.enc2(skip)
         wide = F.interpolate(deep, scale_factor=1.5, mode="bilinear")
-        y = torch.cat([skip, self.up_nearest(deep), self.up_corners(deep),
-                       F.interpolate(wide, size=skip.shape[2:], mode="bilinear", align_corners=False)], dim=1)
+        y = torch.cat(
+            [
+                skip,
+                self.up_nearest(deep),
+                self.up_corners(deep),
+                F.interpolate(wide, size=skip.shape[2:], mode="bilinear", align_corners=False),
+            ],
+            dim=1,
+        )
         return self.head(self.dec(y))
 
 

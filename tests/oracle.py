@@ -31,10 +31,33 @@ import torch
 import torch.nn.functional as F
 
 from pathcond_cli.engine.graph import (
-    AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather, ChannelShuffle, ChannelSlice,
+    AdaptiveAvgPool,
+    Add,
+    AvgPool,
+    BatchNorm,
+    ChannelAffine,
+    ChannelBias,
+    ChannelGather,
+    ChannelShuffle,
+    ChannelSlice,
     Concat,
-    Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input, LeakyReLU, Linear, MaxPool, Pad, PReLU,
-    Rearrange, ReLU, Scale, Sub, Upsample,
+    Conv,
+    ConvTranspose,
+    FixedFilter,
+    Flatten,
+    Graph,
+    Identity,
+    Input,
+    LeakyReLU,
+    Linear,
+    MaxPool,
+    Pad,
+    PReLU,
+    Rearrange,
+    ReLU,
+    Scale,
+    Sub,
+    Upsample,
 )
 
 _CONV = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
@@ -47,6 +70,7 @@ _ADAP = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_p
 # ----------------------------------------------------------------------------------------------
 # Plain torch forward (reference semantics, independent of pathcond_cli.engine.evaluate)
 # ----------------------------------------------------------------------------------------------
+
 
 def _bn_for(graph: Graph, name: str) -> BatchNorm | None:
     consumers = [n for n in graph.nodes if name in n.inputs]
@@ -69,15 +93,32 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             y = F.linear(xs[0], w, P[node.bias] if node.bias else None)
         elif isinstance(node, Conv):
             w = P[node.weight]
-            y = _CONV[w.dim()](xs[0], w, P[node.bias] if node.bias else None, node.stride, node.padding, node.dilation,
-                               node.groups)
+            y = _CONV[w.dim()](
+                xs[0], w, P[node.bias] if node.bias else None, node.stride, node.padding, node.dilation, node.groups
+            )
         elif isinstance(node, ConvTranspose):
             w = P[node.weight]
-            y = _CONV_T[w.dim()](xs[0], w, P[node.bias] if node.bias else None, node.stride, node.padding,
-                                 node.output_padding, node.groups, node.dilation)
+            y = _CONV_T[w.dim()](
+                xs[0],
+                w,
+                P[node.bias] if node.bias else None,
+                node.stride,
+                node.padding,
+                node.output_padding,
+                node.groups,
+                node.dilation,
+            )
         elif isinstance(node, BatchNorm):
-            y = F.batch_norm(xs[0], P[node.running_mean].clone(), P[node.running_var].clone(), P[node.weight],
-                             P[node.bias], training=train, momentum=0.0, eps=node.eps)
+            y = F.batch_norm(
+                xs[0],
+                P[node.running_mean].clone(),
+                P[node.running_var].clone(),
+                P[node.weight],
+                P[node.bias],
+                training=train,
+                momentum=0.0,
+                eps=node.eps,
+            )
         elif isinstance(node, ReLU):
             y = F.relu(xs[0])
         elif isinstance(node, LeakyReLU):
@@ -110,15 +151,19 @@ def torch_forward(graph: Graph, params, x: torch.Tensor, *, train: bool = False)
             n, c = xs[0].shape[:2]
             y = xs[0].reshape(n, node.groups, c // node.groups, *xs[0].shape[2:]).transpose(1, 2).reshape(xs[0].shape)
         elif isinstance(node, ChannelSlice):
-            y = xs[0][:, node.start:node.stop]
+            y = xs[0][:, node.start : node.stop]
         elif isinstance(node, ChannelGather):
             y = xs[0][:, list(node.channels)]
         elif isinstance(node, Upsample):
             y = _interpolate(node, xs[0])
         elif isinstance(node, MaxPool):
-            y = _MAXP[xs[0].dim()](xs[0], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode)
+            y = _MAXP[xs[0].dim()](
+                xs[0], node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode
+            )
         elif isinstance(node, AvgPool):
-            y = _AVGP[xs[0].dim()](xs[0], node.kernel, node.stride, node.padding, node.ceil_mode, node.count_include_pad)
+            y = _AVGP[xs[0].dim()](
+                xs[0], node.kernel, node.stride, node.padding, node.ceil_mode, node.count_include_pad
+            )
         elif isinstance(node, AdaptiveAvgPool):
             y = _ADAP[xs[0].dim()](xs[0], node.output_size)
         elif isinstance(node, Flatten):
@@ -145,9 +190,13 @@ def _interpolate(node: Upsample, x: torch.Tensor) -> torch.Tensor:
     values = node.size or node.scale_factor
     values = tuple(values) * (r // len(values))
     linear = node.mode == "linear"
-    return F.interpolate(x, size=values if node.size else None, scale_factor=None if node.size else values,
-                         mode={1: "linear", 2: "bilinear", 3: "trilinear"}[r] if linear else "nearest",
-                         align_corners=node.align_corners if linear else None)
+    return F.interpolate(
+        x,
+        size=values if node.size else None,
+        scale_factor=None if node.size else values,
+        mode={1: "linear", 2: "bilinear", 3: "trilinear"}[r] if linear else "nearest",
+        align_corners=node.align_corners if linear else None,
+    )
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -159,6 +208,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # ----------------------------------------------------------------------------------------------
 # Index arithmetic for windows
 # ----------------------------------------------------------------------------------------------
+
 
 def conv_out_size(n: int, k: int, s: int, p: int, d: int) -> int:
     return (n + 2 * p - d * (k - 1) - 1) // s + 1
@@ -182,8 +232,10 @@ def copied_elements(node: Rearrange) -> list[int]:
     directly: the listed elements, or the strided view enumerated index by index."""
     if node.elements:
         return list(node.elements)
-    return [node.offset + sum(i * s for i, s in zip(position, node.strides))
-            for position in itertools.product(*(range(n) for n in node.sizes))]
+    return [
+        node.offset + sum(i * s for i, s in zip(position, node.strides))
+        for position in itertools.product(*(range(n) for n in node.sizes))
+    ]
 
 
 def _flat(idx: tuple[int, ...], shape: tuple[int, ...]) -> int:
@@ -196,6 +248,7 @@ def _flat(idx: tuple[int, ...], shape: tuple[int, ...]) -> int:
 # ----------------------------------------------------------------------------------------------
 # The neuron DAG
 # ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ParamBlock:
@@ -372,7 +425,7 @@ class NeuronDAG:
                 C = self.shapes[node.name][0]
                 per = len(elems) // C
                 for c in range(C):
-                    for e in elems[c * per + 1:(c + 1) * per]:
+                    for e in elems[c * per + 1 : (c + 1) * per]:
                         union(elems[c * per], e)
         # weight sharing on the input side: a conv reads every position of an input channel
         # through the same kernel, so those positions share one λ
@@ -382,7 +435,7 @@ class NeuronDAG:
                 C = self.shapes[node.inputs[0]][0]
                 per = len(elems) // C
                 for c in range(C):
-                    for e in elems[c * per + 1:(c + 1) * per]:
+                    for e in elems[c * per + 1 : (c + 1) * per]:
                         union(elems[c * per], e)
         # fixed edges tie their two ends
         for a, b, e in self.G.edges(data=True):
@@ -449,6 +502,7 @@ class NeuronDAG:
 # ----------------------------------------------------------------------------------------------
 # Construction
 # ----------------------------------------------------------------------------------------------
+
 
 def fold(graph: Graph, node, params) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SPEC §1 folding, written out: W' = a·W, b' = a·(b − μ) + β, a = γ/√(var+eps)."""
@@ -609,10 +663,12 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             # Negative widths crop first, and the mode pads what is left.
             numpy_mode = {"reflect": "reflect", "replicate": "edge", "circular": "wrap"}.get(node.mode)
             out = new_neurons(node.name, (C, *osp), "sum")
-            kept = [np.arange(n)[max(-b, 0): n - max(-e, 0)] for n, b, e in zip(sp, node.begin, node.end)]
+            kept = [np.arange(n)[max(-b, 0) : n - max(-e, 0)] for n, b, e in zip(sp, node.begin, node.end)]
             widths = [(max(b, 0), max(e, 0)) for b, e in zip(node.begin, node.end)]
-            sources_of = [np.pad(k, w, mode=numpy_mode) if numpy_mode else np.pad(k, w, constant_values=-1)
-                          for k, w in zip(kept, widths)]
+            sources_of = [
+                np.pad(k, w, mode=numpy_mode) if numpy_mode else np.pad(k, w, constant_values=-1)
+                for k, w in zip(kept, widths)
+            ]
             for c in range(C):
                 for opos in itertools.product(*(range(n) for n in osp)):
                     ipos = tuple(int(sources_of[j][opos[j]]) for j in range(r))
@@ -641,8 +697,11 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
                     for opos in itertools.product(*(range(n) for n in osp)):
                         ipos = tuple(opos[j] * s[j] - p[j] + kpos[j] * d[j] for j in range(r))
                         if all(0 <= ipos[j] < sp[j] for j in range(r)):
-                            edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))],
-                                 const=float(taps[(c, *kpos)]))
+                            edge(
+                                src[_flat((c, *ipos), (C, *sp))],
+                                out[_flat((c, *opos), (C, *osp))],
+                                const=float(taps[(c, *kpos)]),
+                            )
         elif isinstance(node, (ChannelShuffle, ChannelSlice, ChannelGather)):
             C, sp = ishape[0], ishape[1:]
             per = math.prod(sp)
@@ -670,8 +729,11 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
             for c in range(C):
                 for ipos, response in responses.items():
                     for opos in response.nonzero().tolist():
-                        edge(src[_flat((c, *ipos), (C, *sp))], out[_flat((c, *opos), (C, *osp))],
-                             const=float(response[tuple(opos)]))
+                        edge(
+                            src[_flat((c, *ipos), (C, *sp))],
+                            out[_flat((c, *opos), (C, *osp))],
+                            const=float(response[tuple(opos)]),
+                        )
         elif isinstance(node, Rearrange):
             # output element j copies input element copied_elements(node)[j]: a fixed edge of 1
             out = new_neurons(node.name, tuple(node.shape), "sum")
@@ -765,6 +827,7 @@ def build_neuron_dag(graph: Graph, params) -> NeuronDAG:
 # Mapping engine quantities onto the oracle's θ ordering
 # ----------------------------------------------------------------------------------------------
 
+
 def engine_blocks(dag: NeuronDAG, engine_groups) -> list[ParamBlock]:
     """The oracle block of each engine DagParam (per layer: weight first, then bias; a layer the
     oracle gives no weight has its bias alone), checking that the engine's canonical,
@@ -777,8 +840,10 @@ def engine_blocks(dag: NeuronDAG, engine_groups) -> list[ParamBlock]:
         blk = dag.block(dp.layer, "weight" if k == 0 and dag.block(dp.layer, "weight") is not None else "bias")
         assert blk is not None, f"engine DAG parameter {dp.name} has no oracle counterpart"
         assert tuple(dp.value.shape) == blk.shape, (dp.name, tuple(dp.value.shape), blk.shape)
-        mine = dag.theta[blk.start: blk.start + blk.size]
-        assert torch.allclose(dp.value.flatten().to(torch.float64), mine, rtol=1e-12, atol=0), f"{dp.name}: folded values differ"
+        mine = dag.theta[blk.start : blk.start + blk.size]
+        assert torch.allclose(dp.value.flatten().to(torch.float64), mine, rtol=1e-12, atol=0), (
+            f"{dp.name}: folded values differ"
+        )
         out.append(blk)
     assert sum(b.size for b in out) == dag.p, "engine and oracle disagree on p"
     return out
@@ -788,7 +853,7 @@ def to_theta_order(dag: NeuronDAG, engine_groups, tensors: list[torch.Tensor], f
     """Flatten per-DagParam tensors (canonical layout) into the oracle's θ order."""
     out = torch.full((dag.p,), float("nan"), dtype=torch.float64)
     for blk, t in zip(engine_blocks(dag, engine_groups), tensors):
-        out[blk.start: blk.start + blk.size] = t.detach().to(torch.float64).reshape(-1)
+        out[blk.start : blk.start + blk.size] = t.detach().to(torch.float64).reshape(-1)
     assert not torch.isnan(out).any()
     return out
 
@@ -796,6 +861,7 @@ def to_theta_order(dag: NeuronDAG, engine_groups, tensors: list[torch.Tensor], f
 # ----------------------------------------------------------------------------------------------
 # The objective F (SPEC §4), from an explicit dense B
 # ----------------------------------------------------------------------------------------------
+
 
 def _logsumexp(x: np.ndarray) -> float:
     m = np.max(x)
@@ -851,8 +917,9 @@ class DenseObjective:
         f = lambda v: self.value(full(v))  # noqa: E731
         g = lambda v: self.grad(full(v))[mask]  # noqa: E731
         v0 = np.zeros(int(mask.sum())) if x0 is None else np.asarray(x0)[mask]
-        res = minimize(f, v0, jac=g, method="L-BFGS-B",
-                       options={"maxiter": 20000, "maxcor": 50, "ftol": 1e-16, "gtol": 1e-12})
+        res = minimize(
+            f, v0, jac=g, method="L-BFGS-B", options={"maxiter": 20000, "maxcor": 50, "ftol": 1e-16, "gtol": 1e-12}
+        )
         # polish with a few Newton steps on the exact Hessian (tiny H): F* to machine precision
         v = res.x
         for _ in range(30):

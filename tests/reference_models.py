@@ -151,8 +151,7 @@ def _finish(model: nn.Module, random_bn: bool = False) -> nn.Module:
 
 
 def _conv3x3(in_planes: int, out_planes: int, stride: int = 1, groups: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1,
-                     groups=groups, bias=False)
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, groups=groups, bias=False)
 
 
 def _conv1x1(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -164,8 +163,7 @@ class BasicBlock(nn.Module):
 
     expansion = 1
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.Module] = None) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.conv1 = _conv3x3(inplanes, planes, stride)
         self.bn1 = nn.BatchNorm2d(planes)
@@ -191,8 +189,7 @@ class Bottleneck(nn.Module):
 
     expansion = 4
 
-    def __init__(self, inplanes: int, planes: int, stride: int = 1,
-                 downsample: Optional[nn.Module] = None) -> None:
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: Optional[nn.Module] = None) -> None:
         super().__init__()
         width = planes
         self.conv1 = _conv1x1(inplanes, width)
@@ -230,20 +227,33 @@ class ResNet(nn.Module):
     beta=0, default nn.Linear init for fc.
     """
 
-    def __init__(self, block: _Block, layers: Sequence[int], num_classes: int = 1000,
-                 in_channels: int = 3, widths: Sequence[int] = (64, 128, 256, 512),
-                 stem_kernel: int = 7, stem_stride: int = 2, stem_pool: bool = True,
-                 stem_width: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        block: _Block,
+        layers: Sequence[int],
+        num_classes: int = 1000,
+        in_channels: int = 3,
+        widths: Sequence[int] = (64, 128, 256, 512),
+        stem_kernel: int = 7,
+        stem_stride: int = 2,
+        stem_pool: bool = True,
+        stem_width: Optional[int] = None,
+    ) -> None:
         super().__init__()
         if len(widths) != len(layers):
             raise ValueError("widths and layers must have the same length")
         self.inplanes = stem_width if stem_width is not None else widths[0]
-        self.conv1 = nn.Conv2d(in_channels, self.inplanes, kernel_size=stem_kernel,
-                               stride=stem_stride, padding=stem_kernel // 2, bias=False)
+        self.conv1 = nn.Conv2d(
+            in_channels,
+            self.inplanes,
+            kernel_size=stem_kernel,
+            stride=stem_stride,
+            padding=stem_kernel // 2,
+            bias=False,
+        )
         self.bn1 = nn.BatchNorm2d(self.inplanes)
         self.relu = nn.ReLU()
-        self.maxpool = (nn.MaxPool2d(kernel_size=3, stride=2, padding=1) if stem_pool
-                        else nn.Identity())
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1) if stem_pool else nn.Identity()
         for i, (w, n) in enumerate(zip(widths, layers)):
             stride = 1 if i == 0 else 2
             setattr(self, f"layer{i + 1}", self._make_layer(block, w, n, stride))
@@ -299,12 +309,29 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
 # VGG-16 and AlexNet (torchvision layout)
 # --------------------------------------------------------------------------
 
-_VGG16_CFG: List[Union[int, str]] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M",
-                                     512, 512, 512, "M", 512, 512, 512, "M"]
+_VGG16_CFG: List[Union[int, str]] = [
+    64,
+    64,
+    "M",
+    128,
+    128,
+    "M",
+    256,
+    256,
+    256,
+    "M",
+    512,
+    512,
+    512,
+    "M",
+    512,
+    512,
+    512,
+    "M",
+]
 
 
-def _vgg_features(cfg: Sequence[Union[int, str]], in_channels: int = 3,
-                  batch_norm: bool = False) -> nn.Sequential:
+def _vgg_features(cfg: Sequence[Union[int, str]], in_channels: int = 3, batch_norm: bool = False) -> nn.Sequential:
     layers: List[nn.Module] = []
     c = in_channels
     for v in cfg:
@@ -323,8 +350,7 @@ def _vgg_features(cfg: Sequence[Union[int, str]], in_channels: int = 3,
 class VGG(nn.Module):
     """torchvision VGG (features / avgpool / classifier), same init as torchvision."""
 
-    def __init__(self, features: nn.Sequential, num_classes: int = 1000,
-                 dropout: float = 0.5) -> None:
+    def __init__(self, features: nn.Sequential, num_classes: int = 1000, dropout: float = 0.5) -> None:
         super().__init__()
         self.features = features
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
@@ -458,8 +484,9 @@ class CifarNV(nn.Module):
     PathCond paper ("Kaiming's initialization scheme"); BN gamma=1, beta=0.
     """
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3,
-                 final_relu: bool = True, final_bn: bool = False) -> None:
+    def __init__(
+        self, num_classes: int = 10, in_channels: int = 3, final_relu: bool = True, final_bn: bool = False
+    ) -> None:
         super().__init__()
         # block 1
         self.conv1 = nn.Conv2d(in_channels, 128, 3, 1, 1, bias=False)
@@ -540,27 +567,43 @@ def mlp(depth: int, width: int = 500, in_features: int = 3072, num_classes: int 
 # --------------------------------------------------------------------------
 
 
-def small_resnet(in_channels: int = 3, num_classes: int = 10, width: int = 8,
-                 random_bn: bool = True) -> nn.Module:
+def small_resnet(in_channels: int = 3, num_classes: int = 10, width: int = 8, random_bn: bool = True) -> nn.Module:
     """Two-stage BasicBlock ResNet (CIFAR-style 3x3 stem, no stem pool).
 
     stage 1: one BasicBlock width->width (identity skip);
     stage 2: BasicBlock width->2*width stride 2 (1x1 conv + BN projection) then
     one BasicBlock 2*width->2*width (identity skip); global avg pool; fc.
     """
-    model = ResNet(BasicBlock, [1, 2], num_classes, in_channels=in_channels,
-                   widths=(width, 2 * width), stem_kernel=3, stem_stride=1, stem_pool=False)
+    model = ResNet(
+        BasicBlock,
+        [1, 2],
+        num_classes,
+        in_channels=in_channels,
+        widths=(width, 2 * width),
+        stem_kernel=3,
+        stem_stride=1,
+        stem_pool=False,
+    )
     return _finish(model, random_bn)
 
 
-def small_bottleneck_resnet(in_channels: int = 3, num_classes: int = 10, planes: int = 8,
-                            random_bn: bool = True) -> nn.Module:
+def small_bottleneck_resnet(
+    in_channels: int = 3, num_classes: int = 10, planes: int = 8, random_bn: bool = True
+) -> nn.Module:
     """Stem conv 3x3 (16 ch) + BN + ReLU + maxpool, then two Bottlenecks:
     16 -> (planes, planes, 4*planes) with a 1x1 projection, then an identity one;
     global avg pool; fc."""
-    model = ResNet(Bottleneck, [2], num_classes, in_channels=in_channels,
-                   widths=(planes,), stem_kernel=3, stem_stride=1, stem_pool=True,
-                   stem_width=2 * planes)
+    model = ResNet(
+        Bottleneck,
+        [2],
+        num_classes,
+        in_channels=in_channels,
+        widths=(planes,),
+        stem_kernel=3,
+        stem_stride=1,
+        stem_pool=True,
+        stem_width=2 * planes,
+    )
     return _finish(model, random_bn)
 
 
@@ -570,22 +613,21 @@ class _SmallVGG(nn.Module):
         layers: List[nn.Module] = []
         c = in_channels
         for w in widths:
-            layers += [nn.Conv2d(c, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(),
-                       nn.MaxPool2d(2, 2)]
+            layers += [nn.Conv2d(c, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(), nn.MaxPool2d(2, 2)]
             c = w
         self.features = nn.Sequential(*layers)
         self.flatten = nn.Flatten(1)
         # 32x32 input -> 32 / 2**len(widths)
         side = 32 // (2 ** len(widths))
-        self.classifier = nn.Sequential(
-            nn.Linear(c * side * side, 32), nn.ReLU(), nn.Linear(32, num_classes))
+        self.classifier = nn.Sequential(nn.Linear(c * side * side, 32), nn.ReLU(), nn.Linear(32, num_classes))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.classifier(self.flatten(self.features(x)))
 
 
-def small_vgg(in_channels: int = 3, num_classes: int = 10, widths: Sequence[int] = (8, 16, 16),
-              random_bn: bool = True) -> nn.Module:
+def small_vgg(
+    in_channels: int = 3, num_classes: int = 10, widths: Sequence[int] = (8, 16, 16), random_bn: bool = True
+) -> nn.Module:
     """[conv3x3(bias) - BN - ReLU - maxpool2] x 3, flatten, Linear-ReLU-Linear head.
     Expects 32x32 inputs (the head's input size is computed for 32x32)."""
     return _finish(_SmallVGG(in_channels, num_classes, widths), random_bn)
@@ -606,8 +648,7 @@ class _DenseLayer(nn.Module):
 
 
 class _SmallDenseNet(nn.Module):
-    def __init__(self, in_channels: int, num_classes: int, stem: int, growth: int,
-                 n_layers: int) -> None:
+    def __init__(self, in_channels: int, num_classes: int, stem: int, growth: int, n_layers: int) -> None:
         super().__init__()
         self.conv0 = nn.Conv2d(in_channels, stem, 3, padding=1, bias=False)
         c = stem
@@ -640,8 +681,14 @@ class _SmallDenseNet(nn.Module):
         return self.classifier(torch.flatten(x, 1))
 
 
-def small_densenet(in_channels: int = 3, num_classes: int = 10, stem: int = 8, growth: int = 4,
-                   n_layers: int = 3, random_bn: bool = True) -> nn.Module:
+def small_densenet(
+    in_channels: int = 3,
+    num_classes: int = 10,
+    stem: int = 8,
+    growth: int = 4,
+    n_layers: int = 3,
+    random_bn: bool = True,
+) -> nn.Module:
     """Pre-activation DenseNet: stem conv, dense block (BN-ReLU-conv3x3, torch.cat
     along channels), transition (BN-ReLU-conv1x1-AvgPool2d(2)), second dense
     block, BN-ReLU, global avg pool, Linear. BatchNorms here follow a concat or
@@ -655,14 +702,21 @@ class _InceptionBlock(nn.Module):
 
     def __init__(self, in_channels: int, c1: int, c3_reduce: int, c3: int, cpool: int) -> None:
         super().__init__()
-        self.b1 = nn.Sequential(nn.Conv2d(in_channels, c1, 1, bias=False), nn.BatchNorm2d(c1),
-                                nn.ReLU())
+        self.b1 = nn.Sequential(nn.Conv2d(in_channels, c1, 1, bias=False), nn.BatchNorm2d(c1), nn.ReLU())
         self.b3 = nn.Sequential(
-            nn.Conv2d(in_channels, c3_reduce, 1, bias=False), nn.BatchNorm2d(c3_reduce), nn.ReLU(),
-            nn.Conv2d(c3_reduce, c3, 3, padding=1, bias=False), nn.BatchNorm2d(c3), nn.ReLU())
+            nn.Conv2d(in_channels, c3_reduce, 1, bias=False),
+            nn.BatchNorm2d(c3_reduce),
+            nn.ReLU(),
+            nn.Conv2d(c3_reduce, c3, 3, padding=1, bias=False),
+            nn.BatchNorm2d(c3),
+            nn.ReLU(),
+        )
         self.bpool = nn.Sequential(
             nn.MaxPool2d(3, stride=1, padding=1),
-            nn.Conv2d(in_channels, cpool, 1, bias=False), nn.BatchNorm2d(cpool), nn.ReLU())
+            nn.Conv2d(in_channels, cpool, 1, bias=False),
+            nn.BatchNorm2d(cpool),
+            nn.ReLU(),
+        )
         self.out_channels = c1 + c3 + cpool
 
     def forward(self, x: Tensor) -> Tensor:
@@ -672,8 +726,9 @@ class _InceptionBlock(nn.Module):
 class _SmallInception(nn.Module):
     def __init__(self, in_channels: int, num_classes: int) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2, 2))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2, 2)
+        )
         self.inc1 = _InceptionBlock(16, 8, 8, 12, 4)
         self.pool = nn.MaxPool2d(2, 2)
         self.inc2 = _InceptionBlock(self.inc1.out_channels, 12, 8, 16, 4)
@@ -685,8 +740,7 @@ class _SmallInception(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def small_inception(in_channels: int = 3, num_classes: int = 10,
-                    random_bn: bool = True) -> nn.Module:
+def small_inception(in_channels: int = 3, num_classes: int = 10, random_bn: bool = True) -> nn.Module:
     """Stem conv-BN-ReLU-maxpool, two inception blocks (1x1 / 1x1->3x3 /
     maxpool->1x1 branches, torch.cat) separated by a max-pool, global avg pool, fc."""
     return _finish(_SmallInception(in_channels, num_classes), random_bn)
@@ -697,13 +751,13 @@ class _GroupedConvNet(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 8, 3, padding=1)
         self.act1 = nn.LeakyReLU(slope)
-        self.conv2 = nn.Conv2d(8, 16, 3, padding=1, groups=2)      # grouped, groups=2
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1, groups=2)  # grouped, groups=2
         self.bn2 = nn.BatchNorm2d(16)
         self.act2 = nn.LeakyReLU(slope)
         self.pool = nn.MaxPool2d(2, 2)
-        self.conv3 = nn.Conv2d(16, 16, 3, padding=1, groups=16)    # depthwise, groups=C
+        self.conv3 = nn.Conv2d(16, 16, 3, padding=1, groups=16)  # depthwise, groups=C
         self.act3 = nn.LeakyReLU(slope)
-        self.conv4 = nn.Conv2d(16, 32, 1)                          # pointwise
+        self.conv4 = nn.Conv2d(16, 32, 1)  # pointwise
         self.act4 = nn.LeakyReLU(slope)
         self.conv5 = nn.Conv2d(32, 32, 3, stride=2, padding=1, groups=32, bias=False)
         self.bn5 = nn.BatchNorm2d(32)
@@ -720,8 +774,9 @@ class _GroupedConvNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def grouped_conv_net(in_channels: int = 3, num_classes: int = 10, negative_slope: float = 0.1,
-                     random_bn: bool = True) -> nn.Module:
+def grouped_conv_net(
+    in_channels: int = 3, num_classes: int = 10, negative_slope: float = 0.1, random_bn: bool = True
+) -> nn.Module:
     """conv -> grouped conv (groups=2) + BN -> maxpool -> depthwise conv (groups=16)
     -> pointwise 1x1 -> strided depthwise conv (groups=32, bias-free) + BN, all
     with LeakyReLU(negative_slope); global avg pool; fc."""
@@ -779,10 +834,15 @@ class _InvertedResidual(nn.Module):
         self.apply_residual = in_ch == out_ch and stride == 1
         momentum = _MNASNET_BN_MOMENTUM
         self.layers = nn.Sequential(
-            nn.Conv2d(in_ch, mid, 1, bias=False), nn.BatchNorm2d(mid, momentum=momentum), nn.ReLU(inplace=True),
+            nn.Conv2d(in_ch, mid, 1, bias=False),
+            nn.BatchNorm2d(mid, momentum=momentum),
+            nn.ReLU(inplace=True),
             nn.Conv2d(mid, mid, kernel_size, padding=kernel_size // 2, stride=stride, groups=mid, bias=False),
-            nn.BatchNorm2d(mid, momentum=momentum), nn.ReLU(inplace=True),
-            nn.Conv2d(mid, out_ch, 1, bias=False), nn.BatchNorm2d(out_ch, momentum=momentum))
+            nn.BatchNorm2d(mid, momentum=momentum),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(mid, out_ch, 1, bias=False),
+            nn.BatchNorm2d(out_ch, momentum=momentum),
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         if self.apply_residual:
@@ -790,8 +850,9 @@ class _InvertedResidual(nn.Module):
         return self.layers(x)
 
 
-def _inverted_stack(in_ch: int, out_ch: int, kernel_size: int, stride: int, expansion: int,
-                    repeats: int) -> nn.Sequential:
+def _inverted_stack(
+    in_ch: int, out_ch: int, kernel_size: int, stride: int, expansion: int, repeats: int
+) -> nn.Sequential:
     first = _InvertedResidual(in_ch, out_ch, kernel_size, stride, expansion)
     rest = [_InvertedResidual(out_ch, out_ch, kernel_size, 1, expansion) for _ in range(1, repeats)]
     return nn.Sequential(first, *rest)
@@ -805,24 +866,34 @@ class MNASNet(nn.Module):
     torchvision does; ``False`` uses ``AdaptiveAvgPool2d(1)`` + flatten (same function).
     """
 
-    def __init__(self, alpha: float, num_classes: int = 1000, in_channels: int = 3,
-                 last_width: int = 1280, mean_pool: bool = True) -> None:
+    def __init__(
+        self,
+        alpha: float,
+        num_classes: int = 1000,
+        in_channels: int = 3,
+        last_width: int = 1280,
+        mean_pool: bool = True,
+    ) -> None:
         super().__init__()
         depths = [_round_to_multiple_of(d * alpha, 8) for d in (32, 16, 24, 40, 80, 96, 192, 320)]
         momentum = _MNASNET_BN_MOMENTUM
         self.layers = nn.Sequential(
             nn.Conv2d(in_channels, depths[0], 3, padding=1, stride=2, bias=False),
-            nn.BatchNorm2d(depths[0], momentum=momentum), nn.ReLU(inplace=True),
+            nn.BatchNorm2d(depths[0], momentum=momentum),
+            nn.ReLU(inplace=True),
             nn.Conv2d(depths[0], depths[0], 3, padding=1, groups=depths[0], bias=False),
-            nn.BatchNorm2d(depths[0], momentum=momentum), nn.ReLU(inplace=True),
-            nn.Conv2d(depths[0], depths[1], 1, bias=False), nn.BatchNorm2d(depths[1], momentum=momentum),
+            nn.BatchNorm2d(depths[0], momentum=momentum),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(depths[0], depths[1], 1, bias=False),
+            nn.BatchNorm2d(depths[1], momentum=momentum),
             _inverted_stack(depths[1], depths[2], 3, 2, 3, 3),
             _inverted_stack(depths[2], depths[3], 5, 2, 3, 3),
             _inverted_stack(depths[3], depths[4], 5, 2, 6, 3),
             _inverted_stack(depths[4], depths[5], 3, 1, 6, 2),
             _inverted_stack(depths[5], depths[6], 5, 2, 6, 4),
             _inverted_stack(depths[6], depths[7], 3, 1, 6, 1),
-            nn.Conv2d(depths[7], last_width, 1, bias=False), nn.BatchNorm2d(last_width, momentum=momentum),
+            nn.Conv2d(depths[7], last_width, 1, bias=False),
+            nn.BatchNorm2d(last_width, momentum=momentum),
             nn.ReLU(inplace=True),
         )
         self.mean_pool = mean_pool
@@ -835,8 +906,7 @@ class MNASNet(nn.Module):
         return self.classifier(x)
 
 
-def mnasnet(alpha: float = 0.5, num_classes: int = 1000, mean_pool: bool = True,
-            random_bn: bool = False) -> nn.Module:
+def mnasnet(alpha: float = 0.5, num_classes: int = 1000, mean_pool: bool = True, random_bn: bool = False) -> nn.Module:
     """MnasNet-style inverted residuals with ReLU (torchvision ``mnasnet0_5`` at alpha=0.5)."""
     return _finish(MNASNet(alpha, num_classes, mean_pool=mean_pool), random_bn)
 
@@ -1081,8 +1151,9 @@ SMALL_MODELS: Tuple[str, ...] = (
 
 
 @torch.no_grad()
-def calibrate_batchnorm(module: nn.Module, input_shape: Sequence[int], batches: int = 2,
-                        batch_size: int = 8) -> nn.Module:
+def calibrate_batchnorm(
+    module: nn.Module, input_shape: Sequence[int], batches: int = 2, batch_size: int = 8
+) -> nn.Module:
     """Give every BatchNorm random affine terms (:func:`randomize_batchnorm`) and the running
     statistics training would leave: measured on random inputs (cumulative average over
     ``batches`` train-mode passes), so each layer's statistics match its actual scale.

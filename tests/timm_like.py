@@ -29,9 +29,14 @@ class BatchNormAct2d(nn.BatchNorm2d):
         momentum = 0.0 if self.momentum is None else self.momentum
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         x = F.batch_norm(
-            x, self.running_mean if not self.training or self.track_running_stats else None,
+            x,
+            self.running_mean if not self.training or self.track_running_stats else None,
             self.running_var if not self.training or self.track_running_stats else None,
-            self.weight, self.bias, bn_training, momentum, self.eps,
+            self.weight,
+            self.bias,
+            bn_training,
+            momentum,
+            self.eps,
         )
         return self.act(self.drop(x))
 
@@ -120,8 +125,11 @@ class NasnetCropNet(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
         self.path_1 = nn.Sequential(nn.AvgPool2d(1, stride=2, count_include_pad=False), nn.Conv2d(4, 3, 1, bias=False))
-        self.path_2 = nn.Sequential(nn.ZeroPad2d((-1, 1, -1, 1)), nn.AvgPool2d(1, stride=2, count_include_pad=False),
-                                    nn.Conv2d(4, 3, 1, bias=False))
+        self.path_2 = nn.Sequential(
+            nn.ZeroPad2d((-1, 1, -1, 1)),
+            nn.AvgPool2d(1, stride=2, count_include_pad=False),
+            nn.Conv2d(4, 3, 1, bias=False),
+        )
         self.final = nn.Conv2d(4, 2, 3)
         self.fc = nn.Linear(9, 2)
 

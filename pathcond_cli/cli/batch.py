@@ -17,27 +17,45 @@ import typer
 
 from ..errors import PathcondError, batch_exit_code
 from ..io.fileio import (
-    PlannedOutput, check_batch_destinations, check_output_directory, describe, interrupts_deferred,
-    interrupts_held_once_written, resolve_destination, written_files,
+    PlannedOutput,
+    check_batch_destinations,
+    check_output_directory,
+    describe,
+    interrupts_deferred,
+    interrupts_held_once_written,
+    resolve_destination,
+    written_files,
 )
 from .guard import CommandGuard, shown_message, stream_closed
 
 
-def check_batch_options(models: list[str], *, as_json: bool, output: str | None = None,
-                        report_file: str | None = None, plot: str | None = None) -> None:
+def check_batch_options(
+    models: list[str],
+    *,
+    as_json: bool,
+    output: str | None = None,
+    report_file: str | None = None,
+    plot: str | None = None,
+) -> None:
     """The usage errors of a run over several MODELs (or with --output-dir), before any work."""
     if "-" in models:
-        raise typer.BadParameter("'-' reads one model from stdin; it cannot be one of several MODELs or go to "
-                                 "--output-dir", param_hint="MODEL")
+        raise typer.BadParameter(
+            "'-' reads one model from stdin; it cannot be one of several MODELs or go to --output-dir",
+            param_hint="MODEL",
+        )
     if output is not None:
-        raise typer.BadParameter("-o names the output of one MODEL; with several (or --output-dir), use "
-                                 "--output-dir DIR", param_hint="-o")
+        raise typer.BadParameter(
+            "-o names the output of one MODEL; with several (or --output-dir), use --output-dir DIR", param_hint="-o"
+        )
     if report_file is not None:
-        raise typer.BadParameter("--report FILE holds one report; with several MODELs, --json prints one per line: "
-                                 "--json > FILE", param_hint="--report")
+        raise typer.BadParameter(
+            "--report FILE holds one report; with several MODELs, --json prints one per line: --json > FILE",
+            param_hint="--report",
+        )
     if plot is not None:
-        raise typer.BadParameter("--plot draws one model; with several MODELs, plot them one at a time",
-                                 param_hint="--plot")
+        raise typer.BadParameter(
+            "--plot draws one model; with several MODELs, plot them one at a time", param_hint="--plot"
+        )
     if as_json and stream_closed(sys.stdout):
         raise typer.BadParameter("stdout is closed, but --json writes the reports to it", param_hint="--json")
 
@@ -69,8 +87,15 @@ def batch_plan(models: list[str], output_dir: Path | None, arch: str | None, in_
     return planned
 
 
-def run_batch(guard: CommandGuard, command: str, models: list[str], process: Callable[[int], dict[str, Any]], *,
-              as_json: bool, quiet: bool) -> None:
+def run_batch(
+    guard: CommandGuard,
+    command: str,
+    models: list[str],
+    process: Callable[[int], dict[str, Any]],
+    *,
+    as_json: bool,
+    quiet: bool,
+) -> None:
     """Process each MODEL in turn (``process(i)`` returns the report of ``models[i]``): with --json
     one JSON line per file, in order; on stderr a line per file; a failure is reported with its
     exit code and the next file processed; the exit status is :func:`batch_exit_code`'s."""
@@ -123,8 +148,11 @@ def _batch_summary(command: str, total: int, failures: list[int]) -> str:
     text = f"pathcond {command}: {total - len(failures)} of {total} {done}"
     if failures:
         counts = sorted(Counter(failures).items())
-        text += ("; failed: " + ", ".join(f"{count} with exit {code}" for code, count in counts)
-                 + f"; exit status {batch_exit_code(failures)}")
+        text += (
+            "; failed: "
+            + ", ".join(f"{count} with exit {code}" for code, count in counts)
+            + f"; exit status {batch_exit_code(failures)}"
+        )
     return text + "."
 
 
@@ -134,8 +162,10 @@ def _batch_on_disk(command: str, position: int, total: int, reported: int) -> st
         return f"{max(position - 1, 0)} of {total} models were inspected before the interrupt; nothing was written."
     if not written_files:
         return "nothing was written; the inputs are unchanged."
-    text = (f"{len(written_files)} of {total} outputs were completely written and verified before the interrupt "
-            f"(the last: '{describe(written_files[-1])}'); nothing else was written.")
+    text = (
+        f"{len(written_files)} of {total} outputs were completely written and verified before the interrupt "
+        f"(the last: '{describe(written_files[-1])}'); nothing else was written."
+    )
     if len(written_files) > reported:
         text += " The interrupt came before the last one's report was printed."
     return text

@@ -23,16 +23,16 @@ import rich.markup
 import typer
 from rich.console import Console
 
-from .. import __version__
 from ..errors import EXIT_CODES, OutputError, PathcondError
 from ..io.fileio import NOTHING_WRITTEN, describe, interrupts_deferred, printable, written_files
+from ..version import __version__
 
 DEBUG_VARIABLE = "PATHCOND_DEBUG"
 # A message quotes at most this many characters of a line (a name read from a file may be a megabyte long):
 # a longer line loses its middle, never its end, where a message says what to do.
 MESSAGE_LINE_CHARS = 1000
 # What every command's work needs, torch first: imported before the command runs, Ctrl-C held back.
-LIBRARY_MODULES = ("torch", "pathcond_cli.api", "pathcond_cli.io.formats", "pathcond_cli.report.render")
+LIBRARY_MODULES = ("torch", "pathcond_cli.pipeline", "pathcond_cli.io.formats", "pathcond_cli.report.render")
 
 ReportSoFar = dict[str, Any] | Callable[[], dict[str, Any]] | None
 
@@ -98,8 +98,12 @@ class CommandGuard:
         file's ``tag`` and followed by its ``exit_code``."""
         head = f"{tag} " if tag else ""
         tail = f" (exit {exit_code})" if exit_code is not None else ""
-        self.console.print(f"{head}[bold red]{label}[/]{tail}: {printable_message(message)}", highlight=False,
-                           markup=True, soft_wrap=True)
+        self.console.print(
+            f"{head}[bold red]{label}[/]{tail}: {printable_message(message)}",
+            highlight=False,
+            markup=True,
+            soft_wrap=True,
+        )
 
     def failure(self, exc: Exception, *, complete: bool = False) -> tuple[int, str, str]:
         """The exit code, the label (``error`` or ``internal error``) and the paragraph for a failure;
@@ -114,19 +118,31 @@ class CommandGuard:
         if out_of_memory(exc):
             # The network's passes need more than the machine has: a property of the input (exit 3).
             # Under ulimit -v the limit, not the machine, is what ran out.
-            room = ("raise this process's address-space limit (ulimit -v)" if address_space_left() is not None
-                    else "run on a machine with more memory")
-            return EXIT_CODES["unreadable_input"], "error", true_to_disk(
-                f"out of memory: the passes over this network need more memory than is available "
-                f"({exception_line(exc)}); {room}, or, for a network that takes inputs of any size, pass a "
-                f"smaller --input-shape. {NOTHING_WRITTEN}")
+            room = (
+                "raise this process's address-space limit (ulimit -v)"
+                if address_space_left() is not None
+                else "run on a machine with more memory"
+            )
+            return (
+                EXIT_CODES["unreadable_input"],
+                "error",
+                true_to_disk(
+                    f"out of memory: the passes over this network need more memory than is available "
+                    f"({exception_line(exc)}); {room}, or, for a network that takes inputs of any size, pass a "
+                    f"smaller --input-shape. {NOTHING_WRITTEN}"
+                ),
+            )
         if isinstance(exc, typer.TyperException):  # a usage error met while processing one of several files
             return exc.exit_code, "error", exc.format_message()
         if os.environ.get(DEBUG_VARIABLE):
             raise exc
-        return 1, "internal error", (
-            f"{exception_line(exc)}\nThis is a bug in pathcond {__version__}; please report it with the "
-            f"command line. Set {DEBUG_VARIABLE}=1 to see the traceback."
+        return (
+            1,
+            "internal error",
+            (
+                f"{exception_line(exc)}\nThis is a bug in pathcond {__version__}; please report it with the "
+                f"command line. Set {DEBUG_VARIABLE}=1 to see the traceback."
+            ),
         )
 
     def error_document(self, as_json: bool, exc: BaseException, exit_code: int, message: str) -> None:
@@ -164,8 +180,11 @@ class CommandGuard:
     def what_is_on_disk(self) -> str:
         """The truth about the files after an interrupt: which outputs were completely written."""
         if written_files:
-            return ("the output was completely written and verified before the interrupt: "
-                    + ", ".join(f"'{describe(path)}'" for path in written_files) + ".")
+            return (
+                "the output was completely written and verified before the interrupt: "
+                + ", ".join(f"'{describe(path)}'" for path in written_files)
+                + "."
+            )
         if self.stdout_started:
             return "the checkpoint sent to stdout is incomplete; no file was written."
         return "nothing was written; the input is unchanged."
@@ -191,8 +210,9 @@ class CommandGuard:
         except OSError as exc:
             silence_stdout()
             cause = "it was closed" if isinstance(exc, BrokenPipeError) else exc.strerror or str(exc)
-            raise OutputError(f"cannot write {what} to stdout: {cause}; what reached stdout is incomplete. "
-                              f"{NOTHING_WRITTEN}") from None
+            raise OutputError(
+                f"cannot write {what} to stdout: {cause}; what reached stdout is incomplete. {NOTHING_WRITTEN}"
+            ) from None
 
 
 def stream_closed(stream) -> bool:
@@ -239,5 +259,9 @@ def true_to_disk(message: str) -> str:
     of this run (the checkpoint, or with --in-place the input) was renamed into place."""
     if not written_files:
         return message
-    return (message.removesuffix(NOTHING_WRITTEN).rstrip() + " Written in full before this error: "
-            + ", ".join(f"'{describe(path)}'" for path in written_files) + ".")
+    return (
+        message.removesuffix(NOTHING_WRITTEN).rstrip()
+        + " Written in full before this error: "
+        + ", ".join(f"'{describe(path)}'" for path in written_files)
+        + "."
+    )

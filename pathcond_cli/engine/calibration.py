@@ -21,9 +21,11 @@ from .graph import BatchNorm
 from .groups import RescalingGroups
 from .model import LoadedModel
 
-EXTREME_NOTE = ("such optima can be extreme (‖u*‖∞ of 82 and 322 measured on small MnasNet- and GoogLeNet-style "
-                "networks at initialisation), and --max-log-scale auto, the default, bounds them to what the "
-                "checkpoint's dtypes can store")
+EXTREME_NOTE = (
+    "such optima can be extreme (‖u*‖∞ of 82 and 322 measured on small MnasNet- and GoogLeNet-style "
+    "networks at initialisation), and --max-log-scale auto, the default, bounds them to what the "
+    "checkpoint's dtypes can store"
+)
 
 
 def default_statistics(model: LoadedModel) -> list[str]:
@@ -43,8 +45,10 @@ def ignores_input(model: LoadedModel, groups: RescalingGroups, seed: int = 0) ->
     pass of its own, for a run whose verification (which runs the original anyway) does not
     answer it (:func:`outputs_ignore_input`)."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = {node.name: torch.randn((2, *groups.shapes[node.name]), generator=generator, dtype=torch.float64)
-              for node in model.graph.inputs}
+    inputs = {
+        node.name: torch.randn((2, *groups.shapes[node.name]), generator=generator, dtype=torch.float64)
+        for node in model.graph.inputs
+    }
     with torch.no_grad():
         outputs = forward(model.graph, model.params, inputs)
     return outputs_ignore_input(outputs.values())

@@ -10,14 +10,7 @@ computed on a balanced copy Dθ (each layer's incoming squared norm set to 1, an
 rescaling) and mapped back in the log domain: log g(θ) = log g(Dθ) + 2(B u_D). The path
 count renormalises activations as it goes and keeps the scale in a log offset.
 
-Memory: a Linear layer that sees one input vector has g_oi = δ_o x_i (δ its cotangent, x its
-input in the squared network), an outer product; its log g is kept as the two factors
-(:class:`OuterLog`), O + I numbers instead of O·I, so that an MLP's diag(G) and everything the
-solvers keep from it are the size of its neurons, not of its weights. In a network whose log g
-would take more than ``DENSE_LOG_G_BYTES``, a weight whose layer's input and output cotangent
-are smaller than it (a wide convolution on a small feature map) is kept as those two
-(:class:`GradientLog`), its log g recomputed when a report reads it: the solver reads only the
-kernel-summed ḡ, kept beside them.
+How log g is kept (dense, :class:`OuterLog`, :class:`GradientLog`) is :mod:`.log_g`.
 """
 
 from __future__ import annotations
@@ -31,6 +24,16 @@ import torch
 
 from .graph import Graph, Input, Node, Scale
 from .groups import DagParam, RescalingGroups, blocks
+from .log_g import (
+    DiagG,
+    GradientLog,
+    LayerGradient,
+    LogG,
+    OuterLog,
+    dense,
+    mapped_back,
+    zero_counts,
+)
 from .rules import LinearRule, per_channel, rule_for, vjp
 
 EXACT_LIMIT = 2**53
@@ -38,263 +41,6 @@ EXACT_LIMIT = 2**53
 # bytes, a share of the memory bound's constant; beyond, each weight whose LayerGradient is
 # smaller than its log g is kept as that, and its log g recomputed when a report reads it.
 DENSE_LOG_G_BYTES = 2**28
-
-
-@dataclass(frozen=True)
-class OuterLog:
-    """log g of a weight whose g is an outer product: ln g_oi = rows_o + cols_i (float64,
-    −inf for g = 0), standing for the ``[O, I]`` tensor ``rows[:, None] + cols[None, :]``."""
-
-    rows: torch.Tensor
-    cols: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows.numel(), self.cols.numel())
-
-    @property
-    def device(self) -> torch.device:
-        return self.rows.device
-
-    def numel(self) -> int:
-        return self.rows.numel() * self.cols.numel()
-
-    def dense(self) -> torch.Tensor:
-        """The ``[O, I]`` tensor itself (O·I float64 values: for small tensors and tests)."""
-        return self.rows[:, None] + self.cols[None, :]
-
-    def histc(self, bins: int, low: float, high: float) -> torch.Tensor:
-        """``torch.histc`` of the finite entries of the dense tensor (int64 counts, on the
-        device), without the dense tensor.
-
-        An entry x goes to bin ⌊(x − low)·bins / (high − low)⌋, the last bin also holding x =
-        high, as in histc's kernels; that index, computed as they compute it, is monotone in
-        x, hence in cols_i for each row. So for each row and each k, a binary search among the
-        row's sums with the sorted finite columns finds how many entries fall below bin k:
-        O·bins·log I work for O·I entries. ``low`` ≤ every finite entry ≤ ``high``, low < high."""
-        rows = self.rows[torch.isfinite(self.rows)]
-        cols = torch.sort(self.cols[torch.isfinite(self.cols)]).values
-        first = torch.zeros((rows.numel(), bins - 1), dtype=torch.long, device=rows.device)
-        if rows.numel() and cols.numel():
-            bounds = torch.arange(1, bins, dtype=torch.float64, device=rows.device)
-            span = high - low
-            # first[o, k − 1]: the first column whose entry with row o is in bin k or above
-            last = torch.full_like(first, cols.numel())
-            for _ in range(cols.numel().bit_length()):
-                middle = (first + last) // 2
-                entries = rows[:, None] + cols[middle.clamp(max=cols.numel() - 1)]
-                below = ((entries - low) * bins / span < bounds) & (middle < last)
-                first = torch.where(below, middle + 1, first)
-                last = torch.where(below, last, middle)
-        # entries below bins 1 … bins − 1, differenced into bins; the last one holds the rest
-        under = first.sum(0)
-        total = under.new_full((1,), rows.numel() * cols.numel())
-        return torch.diff(under, prepend=under.new_zeros(1), append=total)
-
-    def flat_entries(self, index: torch.Tensor) -> torch.Tensor:
-        """Entries of the flattened dense tensor at ``index``."""
-        width = self.cols.numel()
-        return self.rows[torch.div(index, width, rounding_mode="floor")] + self.cols[index % width]
-
-    def shifted(self, log_dst: torch.Tensor, log_src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The two factors of ln g_oi + log_dst_o + log_src_i, shaped like ``log_dst`` and ``log_src``."""
-        return self.rows.reshape(log_dst.shape) + log_dst, self.cols.reshape(log_src.shape) + log_src
-
-    def finite_counts(self) -> tuple[int, int]:
-        """How many rows and how many columns have a finite log (g > 0 exactly on their product)."""
-        return int(torch.isfinite(self.rows).sum()), int(torch.isfinite(self.cols).sum())
-
-    def zeros(self) -> int:
-        finite_rows, finite_cols = self.finite_counts()
-        return self.numel() - finite_rows * finite_cols
-
-    def to(self, device: torch.device | str) -> OuterLog:
-        return OuterLog(self.rows.to(device), self.cols.to(device))
-
-
-@dataclass
-class TensorStats:
-    """One pass of reductions over one log g tensor (natural log; g = 0 is −inf)."""
-
-    zeros: int
-    low: float
-    high: float
-    log_sum_exp: float
-    log_total: float
-
-
-def _dense_stats(lg: torch.Tensor) -> TensorStats:
-    # log g is never NaN or +inf (diag_g guarantees it), and its minimum is −inf exactly when
-    # some g = 0: tensors without zeros, the usual case, need no mask at all.
-    low, high = float(lg.min()), float(lg.max())
-    if high == -math.inf:
-        return TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
-    # ln Σ g around the known maximum (the sum is ≥ 1); torch.logsumexp over a whole tensor
-    # takes about five times as long on the CPU.
-    log_sum_exp = high + math.log(float(torch.sub(lg, high).exp_().sum()))
-    if low > -math.inf:
-        return TensorStats(0, low, high, log_sum_exp, float(lg.sum()))
-    zeros = torch.isneginf(lg)
-    return TensorStats(int(zeros.sum()), float(lg.masked_fill(zeros, math.inf).min()), high, log_sum_exp,
-                       float(lg.masked_fill(zeros, 0.0).sum()))
-
-
-def _outer_stats(lg: OuterLog) -> TensorStats:
-    """The same reductions from the factors (ln g_oi = rows_o + cols_i): O(O + I), exact up to
-    rounding, since the finite entries are the finite rows crossed with the finite columns."""
-    finite_rows, finite_cols = lg.rows[torch.isfinite(lg.rows)], lg.cols[torch.isfinite(lg.cols)]
-    if not (finite_rows.numel() and finite_cols.numel()):
-        return TensorStats(lg.numel(), math.inf, -math.inf, -math.inf, 0.0)
-    return TensorStats(
-        lg.zeros(), float(finite_rows.min() + finite_cols.min()), float(finite_rows.max() + finite_cols.max()),
-        float(torch.logsumexp(finite_rows, 0) + torch.logsumexp(finite_cols, 0)),
-        float(finite_cols.numel() * finite_rows.sum() + finite_rows.numel() * finite_cols.sum()))
-
-
-def kernel_summed(lg4: torch.Tensor) -> torch.Tensor:
-    """log ḡ, log g summed over the kernel, from log g shaped ``[G, O/G, I/G, K]``."""
-    # A kernel of one needs no sum (logsumexp of one term is that term, bit for bit): ḡ is then
-    # a view of log g, not a second parameter-sized copy.
-    return lg4[..., 0] if lg4.shape[3] == 1 else torch.logsumexp(lg4, dim=3)
-
-
-def mapped_back(lg4: torch.Tensor, log_dst: torch.Tensor, log_src: torch.Tensor) -> torch.Tensor:
-    """log g(θ) from log g(Dθ), in place, shaped ``[G, O/G, I/G, K]``: + 2u_D at each destination
-    (``log_dst``, ``[G, O/G]``) and − 2u_D at each source (``log_src``, ``[G, I/G]``), since
-    g(Dθ) = g(θ) / d²."""
-    return lg4.add_(log_dst[:, :, None, None]).sub_(log_src[:, None, :, None])
-
-
-@dataclass(frozen=True)
-class LayerGradient:
-    """What a layer's weight gradient ∂S/∂ψ in the squared network is computed from: the layer's
-    input ``x`` and its output ``cotangent`` (each normalised; ``log_scale`` the sum of their log
-    offsets) and the weight's ``shape``. :meth:`log` computes log ∂S/∂ψ, the same bits each time."""
-
-    node: Node
-    x: torch.Tensor
-    cotangent: torch.Tensor
-    log_scale: float
-    shape: tuple[int, ...]
-
-    def log(self) -> torch.Tensor:
-        stand_in = self.x.new_zeros(()).expand(self.shape)  # only its shape is read
-        _, gradient = rule_for(self.node).weighted_vjp(self.node, self.x, stand_in, self.cotangent, input_grad=False)
-        return torch.log_(gradient).add_(self.log_scale)
-
-    def is_smaller_than_its_log(self) -> bool:
-        """Whether this, kept with the kernel-summed log ḡ, takes fewer numbers than log g itself."""
-        numel = math.prod(self.shape)
-        return self.x.numel() + self.cotangent.numel() + numel // math.prod(self.shape[2:]) < numel
-
-    def to(self, device: torch.device | str) -> LayerGradient:
-        return dataclasses.replace(self, x=self.x.to(device), cotangent=self.cotangent.to(device))
-
-
-@dataclass(frozen=True)
-class GradientLog:
-    """log g of a weight kept as the :class:`LayerGradient` it is computed from, mapped back from
-    the balanced copy by ``log_dst`` and ``log_src`` (:func:`mapped_back`), where that is smaller
-    than log g (a wide convolution on a small feature map: a float64 log g per parameter is twice
-    a float32 checkpoint). :meth:`dense` recomputes log g, the same bits each time; what the
-    solver and the reports read of every tensor is kept: ``log_gbar`` (:func:`kernel_summed`),
-    ``positive_taps``, per kernel-summed entry how many of its g are > 0 (None when all are),
-    and ``stats`` (:func:`tensor_stats`)."""
-
-    gradient: LayerGradient
-    view: tuple[int, int, int, int]
-    log_dst: torch.Tensor
-    log_src: torch.Tensor
-    log_gbar: torch.Tensor
-    positive_taps: torch.Tensor | None
-    stats: TensorStats
-
-    @classmethod
-    def of(cls, gradient: LayerGradient, view: tuple[int, int, int, int], log_dst: torch.Tensor,
-           log_src: torch.Tensor) -> GradientLog:
-        lg4 = mapped_back(gradient.log().reshape(view), log_dst, log_src)
-        stats = _dense_stats(lg4.reshape(gradient.shape))
-        positive_taps = None
-        if stats.zeros:
-            positive_taps = torch.isfinite(lg4).sum(3, dtype=torch.uint8 if view[3] < 256 else torch.int32)
-        return cls(gradient, view, log_dst, log_src, kernel_summed(lg4), positive_taps, stats)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.gradient.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.log_gbar.device
-
-    def numel(self) -> int:
-        return math.prod(self.view)
-
-    def dense(self) -> torch.Tensor:
-        """log g as a tensor, recomputed (a float64 value per parameter: one tensor at a time)."""
-        return mapped_back(self.gradient.log().reshape(self.view), self.log_dst, self.log_src).reshape(self.shape)
-
-    def positive_taps_per_entry(self) -> torch.Tensor:
-        """``positive_taps`` as a tensor shaped like ``log_gbar``, also when every g is > 0."""
-        if self.positive_taps is None:
-            return torch.full(self.view[:3], self.view[3], dtype=torch.int32, device=self.device)
-        return self.positive_taps
-
-    def to(self, device: torch.device | str) -> GradientLog:
-        return dataclasses.replace(
-            self, gradient=self.gradient.to(device), log_dst=self.log_dst.to(device), log_src=self.log_src.to(device),
-            log_gbar=self.log_gbar.to(device),
-            positive_taps=None if self.positive_taps is None else self.positive_taps.to(device))
-
-
-LogG = torch.Tensor | OuterLog | GradientLog
-
-
-def dense(log_g: LogG) -> torch.Tensor:
-    """A tensor's log g as a tensor, whichever way it is kept."""
-    return log_g if isinstance(log_g, torch.Tensor) else log_g.dense()
-
-
-def tensor_stats(log_g: LogG) -> TensorStats:
-    """:class:`TensorStats` of a tensor's log g, whichever way it is kept."""
-    if isinstance(log_g, OuterLog):
-        return _outer_stats(log_g)
-    return log_g.stats if isinstance(log_g, GradientLog) else _dense_stats(log_g)
-
-
-def zero_count(log_g: LogG) -> int:
-    """How many g = 0 in this tensor."""
-    if isinstance(log_g, OuterLog):
-        return log_g.zeros()
-    return log_g.stats.zeros if isinstance(log_g, GradientLog) else int(torch.isneginf(log_g).sum())
-
-
-def has_nonzero(log_g: LogG) -> bool:
-    """Whether some g > 0 in this tensor."""
-    if isinstance(log_g, OuterLog):
-        return min(log_g.finite_counts()) > 0
-    if isinstance(log_g, GradientLog):
-        return log_g.stats.zeros < log_g.numel()
-    return bool(torch.isfinite(log_g).any())
-
-
-@dataclass
-class DiagG:
-    """log diag(G) per DAG parameter (−inf where g = 0), in float64, in the original θ's scale.
-
-    ``parts`` keeps each as a tensor shaped like the parameter, or as an :class:`OuterLog` for
-    a Linear layer's weight whose g is an outer product; pathcond's own passes read them so.
-    ``log_g`` gives every one as a tensor, an outer product expanded when read.
-    """
-
-    parts: Sequence[LogG]
-
-    @property
-    def log_g(self) -> Sequence[torch.Tensor]:
-        return _Expanded(self.parts)
-
-    def any_nonzero(self) -> bool:
-        return any(has_nonzero(lg) for lg in self.parts)
 
 
 @dataclass
@@ -334,10 +80,12 @@ def norm_order_text(q: float) -> str:
 
 @dataclass
 class ScaledTensor:
-    """A non-negative tensor stored as ``value · exp(log_scale)`` so that any magnitude fits."""
+    """A non-negative tensor stored as ``value · exp(log_scale)`` so that any magnitude fits
+    (``log_scale`` a 0-dim tensor on ``value``'s device where it was computed from it: reading
+    it on the host would wait for the device once per tensor)."""
 
     value: torch.Tensor
-    log_scale: float = 0.0
+    log_scale: float | torch.Tensor = 0.0
 
 
 # A layer's (weight, bias) in the squared network; either may be absent (a bias alone has no weight).
@@ -346,31 +94,48 @@ LayerPsi = tuple[ScaledTensor | None, ScaledTensor | None]
 
 @dataclass
 class SquaredPass:
-    """The squared network's activations: true value of node n is ``exp(offsets[n]) · values[n]``."""
+    """The squared network's activations: true value of node n is ``exp(offsets[n]) · values[n]``
+    (each offset a 0-dim tensor on the pass's device, read on the host only by :meth:`total`)."""
 
     values: dict[str, torch.Tensor]
-    offsets: dict[str, float]
+    offsets: dict[str, torch.Tensor]
 
     def total(self, graph: Graph) -> tuple[float, float]:
-        """L = Σ outputs, as (mantissa, log offset)."""
-        final = max(self.offsets[o] for o in graph.outputs)
-        mantissa = sum(float(self.values[o].sum()) * math.exp(self.offsets[o] - final) for o in graph.outputs)
+        """L = Σ outputs, as (mantissa, log offset): one read of the device."""
+        final = largest([self.offsets[o] for o in graph.outputs])
+        mantissa = sum(self.values[o].sum() * torch.exp(self.offsets[o] - final) for o in graph.outputs)
+        mantissa, final = torch.stack([mantissa, final]).tolist()
         return mantissa, final
 
 
-def renormalise(y: torch.Tensor, offset: float) -> tuple[torch.Tensor, float]:
+def largest(offsets: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The largest of some 0-dim tensors, on their device."""
+    result = offsets[0]
+    for offset in offsets[1:]:
+        result = torch.maximum(result, offset)
+    return result
+
+
+def zero_offset(device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64, device=device)
+
+
+def renormalise(y: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Divide by the peak when it leaves [1e-100, 1e100], moving the factor into the log offset.
 
-    Squared-network activations and cotangents are never negative, so the peak is the max.
+    Squared-network activations and cotangents are never negative, so the peak is the max. The
+    choice is made on the device: otherwise the range is divided by 1 and the offset gains
+    ln 1, both exact, so that no node's pass waits for the host.
     """
-    peak = float(y.max()) if y.numel() else 0.0
-    if peak > 0 and not 1e-100 < peak < 1e100:
-        return y / peak, offset + math.log(peak)
-    return y, offset
+    if not y.numel():
+        return y, offset
+    peak = y.amax().to(torch.float64)
+    factor = torch.where((peak > 0) & ((peak <= 1e-100) | (peak >= 1e100)), peak, torch.ones_like(peak))
+    return y / factor.to(y.dtype), offset + torch.log(factor)
 
 
-def rescaled_by(tensor: torch.Tensor, log_factor: float) -> torch.Tensor:
-    return tensor if log_factor == 0.0 else tensor * math.exp(log_factor)
+def rescaled_by(tensor: torch.Tensor, log_factor: torch.Tensor) -> torch.Tensor:
+    return tensor * torch.exp(log_factor).to(tensor.dtype)
 
 
 def squared_network(
@@ -390,8 +155,9 @@ def squared_network(
     path count overflows. A layer without weight (a bias alone) passes its input on through
     fixed edges of weight 1. ``totals_only``, ``inputs``: as :func:`squared_networks`.
     """
-    return squared_networks(graph, _OnePower(layers), powers=(power,), dtype=dtype, device=device,
-                            totals_only=totals_only, inputs=inputs)[0]
+    return squared_networks(
+        graph, _OnePower(layers), powers=(power,), dtype=dtype, device=device, totals_only=totals_only, inputs=inputs
+    )[0]
 
 
 def squared_networks(
@@ -418,17 +184,26 @@ def squared_networks(
             for power, sweep in zip(powers, passes):
                 values, offsets = sweep.values, sweep.offsets
                 if isinstance(node, Input):
-                    y = (torch.ones((1, *node.shape), dtype=dtype, device=device) if inputs is None
-                         else inputs[node.name].to(device, dtype))
-                    offset = 0.0
+                    y = (
+                        torch.ones((1, *node.shape), dtype=dtype, device=device)
+                        if inputs is None
+                        else inputs[node.name].to(device, dtype)
+                    )
+                    offset = zero_offset(device)
                 elif per_power is not None:
                     weight, bias = next(per_power)
                     x = values[node.inputs[0]]
                     weighted_scale = offsets[node.inputs[0]] + (0.0 if weight is None else weight.log_scale)
-                    offset = weighted_scale if bias is None else max(weighted_scale, bias.log_scale)
-                    y = (x if weight is None else rule.weighted(node, x, weight.value)) * math.exp(weighted_scale - offset)
+                    y = x if weight is None else rule.weighted(node, x, weight.value)
+                    offset = weighted_scale
                     if bias is not None:
-                        y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
+                        offset = torch.maximum(
+                            weighted_scale,
+                            torch.as_tensor(bias.log_scale, dtype=torch.float64, device=weighted_scale.device),
+                        )
+                        y = rescaled_by(y, weighted_scale - offset) + rescaled_by(
+                            per_channel(bias.value, y), bias.log_scale - offset
+                        )
                     # ψ is layer-sized: released before the next is built, not when it is assigned.
                     del weight, bias
                 else:
@@ -457,13 +232,19 @@ class _OnePower(Mapping[str, tuple[LayerPsi]]):
         return len(self._layers)
 
 
-def parameter_free_step(node: Node, values: Mapping[str, torch.Tensor], offsets: Mapping[str, float],
-                        power: float) -> tuple[torch.Tensor, float]:
+def parameter_free_step(
+    node: Node, values: Mapping[str, torch.Tensor], offsets: Mapping[str, torch.Tensor], power: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A node without DAG parameters in the squared network of ``power``, on its inputs'
     ``values`` with their log ``offsets``: its output and the output's offset."""
     unit, log_gain = unit_gain(node)
-    offset = max(offsets[i] for i in node.inputs)
-    y = rule_for(node).squared(unit, [rescaled_by(values[i], offsets[i] - offset) for i in node.inputs], power)
+    offset = largest([offsets[i] for i in node.inputs])
+    inputs = (
+        [values[node.inputs[0]]]
+        if len(node.inputs) == 1
+        else [rescaled_by(values[i], offsets[i] - offset) for i in node.inputs]
+    )
+    y = rule_for(node).squared(unit, inputs, power)
     return y, offset + power * log_gain
 
 
@@ -477,8 +258,13 @@ def unit_gain(node: Node) -> tuple[Node, float]:
 
 
 def log_gradients(
-    graph: Graph, layers: Mapping[str, LayerPsi], forward: SquaredPass, *,
-    power: float = 2, times_value: bool = False, keep_small_gradients: bool = False
+    graph: Graph,
+    layers: Mapping[str, LayerPsi],
+    forward: SquaredPass,
+    *,
+    power: float = 2,
+    times_value: bool = False,
+    keep_small_gradients: bool = False,
 ) -> dict[str, tuple[LogG | LayerGradient, torch.Tensor | None]]:
     """log ∂L/∂ψ for every layer's weight and bias, by a backward sweep with its own log offsets;
     with ``times_value``, log ψ·∂L/∂ψ instead (each parameter's share of L: for power 1, its
@@ -494,21 +280,24 @@ def log_gradients(
     last time, so that afterwards ``forward`` holds the outputs (all its total reads) and the
     values of inputs nothing reads.
     """
-    cotangents: dict[str, list[tuple[torch.Tensor, float]]] = {
-        o: [(torch.ones_like(forward.values[o]), 0.0)] for o in graph.outputs
+    cotangents: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {
+        o: [(torch.ones_like(forward.values[o]), zero_offset(forward.values[o].device))] for o in graph.outputs
     }
     result: dict[str, tuple[LogG | LayerGradient | None, torch.Tensor | None]] = {}
     for node in graph.sweep(forward.values, backward=True):
         if isinstance(node, Input) or node.name not in cotangents:
             continue
         incoming = cotangents.pop(node.name)
-        sigma = max(offset for _, offset in incoming)
-        cotangent = rescaled_by(incoming[0][0], incoming[0][1] - sigma)
-        for tensor, offset in incoming[1:]:
-            cotangent = cotangent + rescaled_by(tensor, offset - sigma)
+        sigma = largest([offset for _, offset in incoming])
+        if len(incoming) == 1:
+            cotangent = incoming[0][0]
+        else:
+            cotangent = rescaled_by(incoming[0][0], incoming[0][1] - sigma)
+            for tensor, offset in incoming[1:]:
+                cotangent = cotangent + rescaled_by(tensor, offset - sigma)
         cotangent, sigma = renormalise(cotangent, sigma)
 
-        def send(name: str, tensor: torch.Tensor, offset: float) -> None:
+        def send(name: str, tensor: torch.Tensor, offset: torch.Tensor) -> None:
             cotangents.setdefault(name, []).append(renormalise(tensor, offset))
 
         rule = rule_for(node)
@@ -522,10 +311,17 @@ def log_gradients(
             elif isinstance(rule, LinearRule) and x.numel() == weight.value.shape[1]:
                 # One input vector: ∂L/∂ψ = δ xᵀ, kept as its two factors, never built.
                 grad_x, _ = rule.weighted_vjp(node, x, weight.value, cotangent, weight_grad=False)
-                log_weight = OuterLog(torch.log(cotangent.reshape(-1)) + sigma,
-                                      torch.log(x.reshape(-1)) + forward.offsets[source])
-            elif keep_small_gradients and (gradient := LayerGradient(
-                    node, x, cotangent, sigma + forward.offsets[source], tuple(weight.value.shape))).is_smaller_than_its_log():
+                log_weight = OuterLog(
+                    torch.log(cotangent.reshape(-1)) + sigma, torch.log(x.reshape(-1)) + forward.offsets[source]
+                )
+            elif (
+                keep_small_gradients
+                and (
+                    gradient := LayerGradient(
+                        node, x, cotangent, sigma + forward.offsets[source], tuple(weight.value.shape)
+                    )
+                ).is_smaller_than_its_log()
+            ):
                 grad_x, _ = rule.weighted_vjp(node, x, weight.value, cotangent, weight_grad=False)
                 log_weight = gradient
             else:
@@ -543,7 +339,9 @@ def log_gradients(
         else:
             # Parameter-free nodes are linear in each input, so the point of the VJP is immaterial.
             unit, log_gain = unit_gain(node)
-            grads = vjp(lambda *xs: rule.squared(unit, list(xs), power), [forward.values[i] for i in node.inputs], cotangent)
+            grads = vjp(
+                lambda *xs: rule.squared(unit, list(xs), power), [forward.values[i] for i in node.inputs], cotangent
+            )
             for source, grad in zip(node.inputs, grads):
                 send(source, grad, sigma + power * log_gain)
     return result
@@ -552,19 +350,6 @@ def log_gradients(
 def _times(log_gradient: torch.Tensor, value: ScaledTensor) -> torch.Tensor:
     """log(ψ · ∂L/∂ψ) from log ∂L/∂ψ and ψ (non-negative, as ``mantissa · e^scale``)."""
     return log_gradient.add_(torch.log(value.value.reshape(log_gradient.shape))).add_(value.log_scale)
-
-
-class _Expanded(Sequence[torch.Tensor]):
-    def __init__(self, parts: Sequence[LogG]):
-        self._parts = parts
-
-    def __getitem__(self, t):
-        if isinstance(t, slice):
-            return [dense(lg) for lg in self._parts[t]]
-        return dense(self._parts[t])
-
-    def __len__(self) -> int:
-        return len(self._parts)
 
 
 def _layer_tensors(groups: RescalingGroups, tensors: list) -> dict[str, list]:
@@ -623,8 +408,9 @@ class PowerLayerValues(Mapping[str, Iterator[LayerPsi]]):
         weight, bias = self._signed[layer]
         for number, power in enumerate(self._powers):
             in_place = power == 1 or number == len(self._powers) - 1
-            yield tuple(None if signed is None else psi_of(signed, power, in_place=in_place)
-                        for signed in (weight, bias))
+            yield tuple(
+                None if signed is None else psi_of(signed, power, in_place=in_place) for signed in (weight, bias)
+            )
 
     def __contains__(self, layer: object) -> bool:
         return layer in self._signed
@@ -668,19 +454,29 @@ def balancing_exponents(groups: RescalingGroups, order: float = 2.0) -> torch.Te
         source = (-order * u[weight_dp.src]).masked_fill_(~live[weight_dp.src], -math.inf)
         stored = weight_dp.value.reshape(weight_dp.view)
         conv_groups, rows_per_group, in_per_group, kernel = weight_dp.view
-        per_out = torch.cat([_log_row_norms(stored[:, rows], source, order)
-                             for rows in blocks(rows_per_group, conv_groups * in_per_group * kernel)], dim=1)
+        per_out = torch.cat(
+            [
+                _log_row_norms(stored[:, rows], source, order)
+                for rows in blocks(rows_per_group, conv_groups * in_per_group * kernel)
+            ],
+            dim=1,
+        )
         per_out = per_out.reshape(-1)
         for bias_dp in bias_dps:
             per_out = torch.logaddexp(per_out, order * torch.log(bias_dp.value.to(torch.float64).abs()))
         dst = weight_dp.dst.reshape(-1)
         row_live = torch.isfinite(per_out)
-        live[dst[row_live]] = True
-        target = torch.where(row_live, -per_out / order, torch.zeros_like(per_out))
+        # Masks, not boolean indexing: selecting the rows would read their number on the host.
+        live |= torch.zeros_like(u).index_add_(0, dst, row_live.to(u.dtype)) > 0
         fresh = ~assigned[dst] & row_live
-        if bool(fresh.any()):
-            u.scatter_reduce_(0, dst[fresh], target[fresh], reduce="amin", include_self=False)
-            assigned[dst[fresh]] = True
+        # Each unassigned group a fresh row reaches takes the least of their targets (rows that
+        # are not fresh offer +inf, which no target is: a live row's is finite).
+        least = torch.full_like(u, math.inf).scatter_reduce_(
+            0, dst, torch.where(fresh, -per_out / order, math.inf), reduce="amin"
+        )
+        newly = least < math.inf
+        u = torch.where(newly, least, u)
+        assigned |= newly
     return u[:H]
 
 
@@ -704,17 +500,22 @@ def balanced_value(dp: DagParam, u_ext: torch.Tensor, device) -> ScaledTensor:
 
     (Dθ)_{oi} = θ_{oi} · e^{a_o} · e^{b_i} with a = u_dst, b = −u_src: each factor is divided
     by its maximum, so the mantissa is at most 1 in magnitude and no intermediate overflows.
+    An all-zero value stays zero, with scale 0; the scale stays on the device.
     """
     # A copy even of a float64 value (it may be a view of the mapped checkpoint), scaled in place.
     value = dp.value.to(device, torch.float64, copy=True).reshape(dp.view)
+    if not value.numel():
+        return ScaledTensor(value.reshape(dp.shape))
     a, b = u_ext[dp.dst], -u_ext[dp.src]
-    a_max, b_max = float(a.max()), float(b.max())
-    low, high = value.aminmax() if value.numel() else (value.new_zeros(()), value.new_zeros(()))
-    peak = max(-float(low), float(high))
-    if peak == 0.0:
-        return ScaledTensor(torch.zeros(dp.shape, dtype=torch.float64, device=device))
-    value.mul_((torch.exp(a - a_max) / peak)[:, :, None, None]).mul_(torch.exp(b - b_max)[:, None, :, None])
-    return ScaledTensor(value.reshape(dp.shape), math.log(peak) + a_max + b_max)
+    a_max, b_max = a.amax(), b.amax()
+    low, high = value.aminmax()
+    peak = torch.maximum(-low, high)
+    nonzero = peak != 0.0
+    value.mul_((torch.exp(a - a_max) / torch.where(nonzero, peak, 1.0))[:, :, None, None])
+    # All zeros: +0 whatever their signs, as a fresh zero tensor is (x + 0 turns −0 into +0;
+    # x + (−0) is x, every sign kept, for any other tensor).
+    value.mul_(torch.exp(b - b_max)[:, None, :, None]).add_(torch.where(nonzero, -0.0, 0.0))
+    return ScaledTensor(value.reshape(dp.shape), torch.where(nonzero, torch.log(peak) + a_max + b_max, 0.0))
 
 
 def balanced_power(dp: DagParam, u_ext: torch.Tensor, device, power: float) -> ScaledTensor:
@@ -733,10 +534,12 @@ def psi_of(signed: ScaledTensor, power: float, *, in_place: bool = False) -> Sca
     value = signed.value if in_place else signed.value.clone()
     magnitude = value.abs_()
     log_scale = signed.log_scale
-    peak = float(magnitude.max()) if power != 1 and magnitude.numel() else 0.0
-    if peak > 0:
+    if power != 1 and magnitude.numel():
+        # Divided by 1 when the peak is 0: exact, and decided on the device.
+        peak = magnitude.amax()
+        peak = torch.where(peak > 0, peak, 1.0)
         magnitude.div_(peak)
-        log_scale += math.log(peak)
+        log_scale = log_scale + torch.log(peak)
     psi = magnitude.square_() if power == 2 else magnitude.pow_(power)
     return ScaledTensor(psi, power * log_scale)
 
@@ -750,37 +553,48 @@ def diag_g(groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext
     return diag_g_and_l2_norm(groups, device=device, u_ext=u_ext)[0]
 
 
-def diag_g_and_l2_norm(groups: RescalingGroups, *, device: torch.device | str = "cpu",
-                       u_ext: torch.Tensor | None = None) -> tuple[DiagG, PathNorm]:
+def diag_g_and_l2_norm(
+    groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext: torch.Tensor | None = None
+) -> tuple[DiagG, PathNorm]:
     """:func:`diag_g` and ‖Φ(θ)‖₂: diag(G)'s forward pass is the squared network of power 2 on
     ψ = (Dθ)², whose total is ‖Φ‖₂² (SPEC §8), so one pass serves both."""
     groups = groups.to(device)
     if u_ext is None:
         u_ext = groups.extend(balancing_exponents(groups))
     log_g: list[LogG] = []
-    gradients, total = _balanced_log_gradients(groups, u_ext, 2, device,
-                                               keep_small_gradients=8 * groups.p > DENSE_LOG_G_BYTES)
-    for dp, lg in gradients:
+    gradients, total = _balanced_log_gradients(
+        groups, u_ext, 2, device, keep_small_gradients=8 * groups.p > DENSE_LOG_G_BYTES
+    )
+    peaks, kept_as_gradients = [], {}
+    for index, (dp, lg) in enumerate(gradients):
         log_dst, log_src = 2 * u_ext[dp.dst], 2 * u_ext[dp.src]
         if isinstance(lg, OuterLog):
             lg = OuterLog(*lg.shifted(log_dst.reshape(-1), -log_src.reshape(-1)))
-            peaks = [float(t.max()) for t in (lg.rows, lg.cols) if t.numel()]
+            peaks += [t.amax() for t in (lg.rows, lg.cols) if t.numel()]
         elif isinstance(lg, LayerGradient):
-            lg = GradientLog.of(lg, dp.view, log_dst, log_src)
-            peaks = [lg.stats.high]
+            kept_as_gradients[index] = (lg, dp.view, log_dst, log_src)
         else:
             lg = mapped_back(lg.reshape(dp.view), log_dst, log_src).reshape(dp.shape)
-            peaks = [float(lg.max())] if lg.numel() else []
-        # NaN and +inf both fail this comparison: one reduction checks both.
-        if any(not peak < math.inf for peak in peaks):
-            raise ArithmeticError("diag(G) could not be represented even in the log domain")
+            peaks += [lg.amax()] if lg.numel() else []
         log_g.append(lg)
+    for index, lg in zip(kept_as_gradients, GradientLog.all_of(list(kept_as_gradients.values()))):
+        log_g[index] = lg
+        peaks.append(torch.tensor(lg.stats.high, dtype=torch.float64, device=device))
+    # NaN and +inf both fail this comparison: one reduction, and one read, checks every tensor.
+    if peaks and not bool((torch.stack(peaks) < math.inf).all()):
+        raise ArithmeticError("diag(G) could not be represented even in the log domain")
     return DiagG(log_g), _norm_of_total(2.0, 2.0, *total)
 
 
-def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power: float, device, *,
-                            times_value: bool = False, keep_small_gradients: bool = False,
-                            ) -> tuple[list[tuple[DagParam, LogG | LayerGradient]], tuple[float, float]]:
+def _balanced_log_gradients(
+    groups: RescalingGroups,
+    u_ext: torch.Tensor,
+    power: float,
+    device,
+    *,
+    times_value: bool = False,
+    keep_small_gradients: bool = False,
+) -> tuple[list[tuple[DagParam, LogG | LayerGradient]], tuple[float, float]]:
     """(dp, log ∂S/∂ψ) per DAG parameter, S = Σ_P Π ψ the squared network of ``power`` on the
     balanced ψ = |Dθ|^power, and S as (mantissa, ln offset): one forward and one backward pass
     (log ψ·∂S/∂ψ with ``times_value``; ``keep_small_gradients`` as :func:`log_gradients`)."""
@@ -788,8 +602,9 @@ def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power:
     # sweep at most doubles that, and saves building every layer's ψ twice.
     layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, power), keep=times_value)
     forward = squared_network(groups.graph, layers, power=power, device=device)
-    gradients = log_gradients(groups.graph, layers, forward, power=power, times_value=times_value,
-                              keep_small_gradients=keep_small_gradients)
+    gradients = log_gradients(
+        groups.graph, layers, forward, power=power, times_value=times_value, keep_small_gradients=keep_small_gradients
+    )
     per_parameter = []
     for dp in groups.dag_params:
         weight_log, bias_log = gradients[dp.layer]
@@ -797,8 +612,9 @@ def _balanced_log_gradients(groups: RescalingGroups, u_ext: torch.Tensor, power:
     return per_parameter, forward.total(groups.graph)
 
 
-def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str = "cpu",
-                          u_ext: torch.Tensor | None = None) -> list[torch.Tensor]:
+def path_magnitude_scores(
+    groups: RescalingGroups, *, device: torch.device | str = "cpu", u_ext: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """ln Δ_i per DAG parameter (shaped like it; −inf where Δ_i = 0): seed 004's path-magnitude
     score Δ_i = ‖Φ(θ)‖₁ − ‖Φ(θ with θ_i = 0)‖₁ (SPEC §8).
 
@@ -813,13 +629,19 @@ def path_magnitude_scores(groups: RescalingGroups, *, device: torch.device | str
     return [lg.reshape(dp.shape) for dp, lg in _balanced_log_gradients(groups, u_ext, 1, device, times_value=True)[0]]
 
 
-def path_sum(groups: RescalingGroups, power: float, make: Callable[[DagParam], ScaledTensor], *,
-             device: torch.device | str = "cpu") -> tuple[float, float]:
+def path_sum(
+    groups: RescalingGroups,
+    power: float,
+    make: Callable[[DagParam], ScaledTensor],
+    *,
+    device: torch.device | str = "cpu",
+) -> tuple[float, float]:
     """Σ_P Π_{e∈P} ψ_e·|c_e|^power of the squared network of ``power`` whose layers are
     ``make(dp)``, as (mantissa, ln offset): ‖Φ‖_q^q with ψ = |θ|^q and power q; the path count
     with ψ = 1 and power 0 (then an exact integer mantissa while the offset is 0)."""
-    return squared_network(groups.graph, LayerValues(groups, make), power=power, device=device,
-                           totals_only=True).total(groups.graph)
+    return squared_network(groups.graph, LayerValues(groups, make), power=power, device=device, totals_only=True).total(
+        groups.graph
+    )
 
 
 def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -> PathCount:
@@ -831,14 +653,20 @@ def path_count(groups: RescalingGroups, *, device: torch.device | str = "cpu") -
     return PathCount(log10, exact)
 
 
-def path_norm(groups: RescalingGroups, q: float, *, device: torch.device | str = "cpu",
-              u_ext: torch.Tensor | None = None) -> PathNorm:
+def path_norm(
+    groups: RescalingGroups, q: float, *, device: torch.device | str = "cpu", u_ext: torch.Tensor | None = None
+) -> PathNorm:
     """‖Φ(θ)‖_q (SPEC §8): one forward pass of the squared network of power q on ψ = |Dθ|^q."""
     return path_norms(groups, [q], device=device, u_ext=u_ext)[0]
 
 
-def path_norms(groups: RescalingGroups, orders: Sequence[float], *, device: torch.device | str = "cpu",
-               u_ext: torch.Tensor | None = None) -> list[PathNorm]:
+def path_norms(
+    groups: RescalingGroups,
+    orders: Sequence[float],
+    *,
+    device: torch.device | str = "cpu",
+    u_ext: torch.Tensor | None = None,
+) -> list[PathNorm]:
     """‖Φ(θ)‖_q for each q of ``orders`` (SPEC §8): the forward passes of the squared networks of
     power q on ψ = |Dθ|^q, in one sweep that reads each tensor once for all of them.
 
@@ -855,8 +683,13 @@ def path_norms(groups: RescalingGroups, orders: Sequence[float], *, device: torc
     shared = [q for q in orders if q <= 2]
     norms = {}
     if shared:
-        passes = squared_networks(groups.graph, PowerLayerValues(groups, u_ext, device, shared), powers=shared,
-                                  device=device, totals_only=True)
+        passes = squared_networks(
+            groups.graph,
+            PowerLayerValues(groups, u_ext, device, shared),
+            powers=shared,
+            device=device,
+            totals_only=True,
+        )
         norms |= {q: _norm_of_total(q, q, *sweep.total(groups.graph)) for q, sweep in zip(shared, passes)}
     for q in orders:
         if q not in norms:
@@ -864,8 +697,13 @@ def path_norms(groups: RescalingGroups, orders: Sequence[float], *, device: torc
             # that underflows. The balancing of order q keeps each row's largest entry within n^(−1/q) of 1.
             power = powers[q]
             balanced = groups.extend(balancing_exponents(groups, power))
-            sweep, = squared_networks(groups.graph, PowerLayerValues(groups, balanced, device, [power]), powers=[power],
-                                      device=device, totals_only=True)
+            (sweep,) = squared_networks(
+                groups.graph,
+                PowerLayerValues(groups, balanced, device, [power]),
+                powers=[power],
+                device=device,
+                totals_only=True,
+            )
             norms[q] = _norm_of_total(q, power, *sweep.total(groups.graph))
     return [norms[q] for q in orders]
 
@@ -884,8 +722,9 @@ def _norm_of_total(q: float, power: float, mantissa: float, offset: float) -> Pa
     return PathNorm(float(q), ln_total / power / math.log(10))
 
 
-def zeros_per_layer(groups: RescalingGroups, psi: Callable[[DagParam], torch.Tensor], *,
-                    device: torch.device | str = "cpu") -> dict[str, int]:
+def zeros_per_layer(
+    groups: RescalingGroups, psi: Callable[[DagParam], torch.Tensor], *, device: torch.device | str = "cpu"
+) -> dict[str, int]:
     """DAG parameters on no path whose other entries of ``psi`` are all non-zero, per layer
     (layers without any left out): one pass of the power-0 squared network on ``psi`` (one
     tensor per DAG parameter, ≥ 0, shaped like it), whose ∂N/∂ψ counts those paths.
@@ -896,11 +735,11 @@ def zeros_per_layer(groups: RescalingGroups, psi: Callable[[DagParam], torch.Ten
     """
     layers = LayerValues(groups, lambda dp: ScaledTensor(psi(dp)))
     counts = log_gradients(groups.graph, layers, squared_network(groups.graph, layers, power=0, device=device), power=0)
+    parts = [(layer, log_g) for layer, logs in counts.items() for log_g in logs if log_g is not None]
     zeros: dict[str, int] = {}
-    for layer, (weight_log, bias_log) in counts.items():
-        missing = sum(zero_count(log_g) for log_g in (weight_log, bias_log) if log_g is not None)
+    for (layer, _), missing in zip(parts, zero_counts([log_g for _, log_g in parts])):
         if missing:
-            zeros[layer] = missing
+            zeros[layer] = zeros.get(layer, 0) + missing
     return zeros
 
 

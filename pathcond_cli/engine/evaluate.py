@@ -83,7 +83,8 @@ def infer_shapes(graph: Graph, params: Mapping[str, torch.Tensor]) -> dict[str, 
                     f"with its tensors: {str(exc).splitlines()[0]}"
                 ) from None
             if any(graph[i].op == "pad" and graph[i].mode == "-inf" for i in node.inputs) and not bool(
-                    torch.isfinite(values[node.name]).all()):
+                torch.isfinite(values[node.name]).all()
+            ):
                 raise UnsupportedModelError(
                     f"{graph.source}: node '{node.name}' ({node.op}) has a window made only of −inf padding: "
                     "its output would be −inf"

@@ -8,21 +8,30 @@ feature vectors. Axis 0 of every shape is the channel axis that rescaling groups
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from math import prod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from ..errors import InputError, InvalidWeightsError, UnsupportedModelError
 from .layouts import stand_ins
 from .schema import (
-    REQUIRED, boolean, choice, finite_floats, hyper, integer, ints, number, optional_ints, optional_sizes,
+    REQUIRED,
+    boolean,
+    choice,
+    finite_floats,
+    hyper,
+    integer,
+    ints,
+    number,
+    optional_ints,
+    optional_sizes,
     positive_floats,
 )
-
 
 SPATIAL_RANKS = (1, 2, 3)
 
@@ -66,6 +75,21 @@ class Node:
         return input_rank
 
 
+# Every node type by its op, in definition order: what graphs may hold, the spec's layer types,
+# and the types that must each have a rule (a Node subclass defined elsewhere, a test's, is none).
+NODE_TYPES: dict[str, type[Node]] = {}
+NodeClass = TypeVar("NodeClass", bound=type[Node])
+
+
+def node_type(cls: NodeClass) -> NodeClass:
+    """Register node class ``cls`` in :data:`NODE_TYPES` under its ``op``, which must be new."""
+    if cls.op in NODE_TYPES:
+        raise ValueError(f"node types {NODE_TYPES[cls.op].__name__} and {cls.__name__} have one op, '{cls.op}'")
+    NODE_TYPES[cls.op] = cls
+    return cls
+
+
+@node_type
 @dataclass(frozen=True)
 class Input(Node):
     """A network input; ``shape`` excludes the batch dimension."""
@@ -89,6 +113,7 @@ class WeightedNode(Node):
     creates_channels = True
 
 
+@node_type
 @dataclass(frozen=True)
 class Linear(WeightedNode):
     """``y = W x + b`` on a feature vector. ``weight_transposed``: stored as ``[in, out]``."""
@@ -102,6 +127,7 @@ class Linear(WeightedNode):
         return 0
 
 
+@node_type
 @dataclass(frozen=True)
 class Conv(WeightedNode):
     """1-d, 2-d or 3-d convolution (the kernel's rank decides). Weight ``[O, I/groups, *k]``."""
@@ -116,6 +142,7 @@ class Conv(WeightedNode):
     input_spatial_ranks = SPATIAL_RANKS
 
 
+@node_type
 @dataclass(frozen=True)
 class ConvTranspose(WeightedNode):
     """1-d, 2-d or 3-d transposed convolution. Weight ``[I, O/groups, *k]`` as torch stores it."""
@@ -131,6 +158,7 @@ class ConvTranspose(WeightedNode):
     input_spatial_ranks = SPATIAL_RANKS
 
 
+@node_type
 @dataclass(frozen=True)
 class BatchNorm(Node):
     """Per-channel ``γ (x − μ) / √(σ² + eps) + β``.
@@ -151,17 +179,20 @@ class BatchNorm(Node):
     roles = {"weight": (1,), "bias": (1,), "running_mean": (1,), "running_var": (1,)}
 
 
+@node_type
 @dataclass(frozen=True)
 class ReLU(Node):
     op: ClassVar[str] = "relu"
 
 
+@node_type
 @dataclass(frozen=True)
 class LeakyReLU(Node):
     negative_slope: float = hyper(0.01, number("a finite number"))
     op: ClassVar[str] = "leaky_relu"
 
 
+@node_type
 @dataclass(frozen=True)
 class PReLU(Node):
     """LeakyReLU whose slope (one per channel, or one shared) is a checkpoint tensor.
@@ -176,6 +207,7 @@ class PReLU(Node):
     roles = {"weight": ()}
 
 
+@node_type
 @dataclass(frozen=True)
 class Scale(Node):
     """Multiplication by a constant: a fixed edge of weight ``factor`` (Mul/Div by a constant)."""
@@ -188,13 +220,15 @@ PAD_MODES = ("zeros", "reflect", "replicate", "circular", "-inf")
 COPYING_PAD_MODES = ("reflect", "replicate", "circular")
 
 
+@node_type
 @dataclass(frozen=True)
 class Pad(Node):
     """Padding of the spatial axes: ``begin``/``end`` elements per axis.
 
     A negative ``begin``/``end`` crops that many elements instead, as ONNX Pad and torch's
     F.pad read negative pads: the crop comes first and the mode pads the cropped tensor (a
-    crop is a selection: each output pixel copies one input pixel of its channel). ``mode``: ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
+    crop is a selection: each output pixel copies one input pixel of its channel). ``mode``:
+    ``zeros`` (a padded neuron has no incoming edge: always 0); ``reflect``,
     ``replicate`` or ``circular`` as torch's F.pad (each padded pixel copies one input pixel of
     its channel: a fixed edge of weight 1, like upsample); ``-inf`` (no incoming edge, value
     −inf: positively homogeneous, and read only by a max-pool, whose window it extends exactly
@@ -210,6 +244,7 @@ class Pad(Node):
     input_spatial_ranks = SPATIAL_RANKS
 
 
+@node_type
 @dataclass(frozen=True)
 class ChannelAffine(Node):
     """Per-channel ``y_c = weight_c · x_c + bias_c`` that follows no Linear/Conv: BatchNorm on an
@@ -229,6 +264,7 @@ class ChannelAffine(Node):
     optional_roles = ("bias",)
 
 
+@node_type
 @dataclass(frozen=True)
 class ChannelBias(Node):
     """A stored per-channel constant added to a tensor, ``y_c = x_c + bias_c``, where no layer
@@ -245,6 +281,7 @@ class ChannelBias(Node):
     roles = {"bias": ()}
 
 
+@node_type
 @dataclass(frozen=True)
 class FixedFilter(Node):
     """A depthwise convolution by constant coefficients: output channel c is input channel c
@@ -267,6 +304,7 @@ class FixedFilter(Node):
     input_spatial_ranks = SPATIAL_RANKS
 
 
+@node_type
 @dataclass(frozen=True)
 class Upsample(Node):
     """Nearest or (bi/tri)linear resize (nn.Upsample, F.interpolate, ONNX Resize).
@@ -286,31 +324,63 @@ class Upsample(Node):
 
 
 @dataclass(frozen=True)
-class ChannelShuffle(Node):
+class ChannelCopy(Node, ABC):
+    """Output channel c is a copy of input channel s(c), whole: a fixed edge of weight 1 per
+    element, so output channel c keeps channel s(c)'s scale and is the same copy in the squared
+    network. Each subclass gives its map s (:meth:`source_channels`); one rule serves them all."""
+
+    @abstractmethod
+    def source_channels(self, count: int) -> torch.Tensor:
+        """s: the input channel each output channel copies, for an input of ``count`` channels;
+        ValueError when the node does not fit such an input."""
+
+
+@node_type
+@dataclass(frozen=True)
+class ChannelShuffle(ChannelCopy):
     """ShuffleNet's channel shuffle: view ``(groups, C/groups)``, transpose, flatten back."""
 
     groups: int = hyper(1, integer(1), spec_default=REQUIRED)
     op: ClassVar[str] = "channel_shuffle"
 
+    def source_channels(self, count: int) -> torch.Tensor:
+        """Output channel j·groups + i copies input channel i·(C/groups) + j."""
+        if count % self.groups:
+            raise ValueError(f"{count} channels cannot be shuffled in {self.groups} groups")
+        return torch.arange(count).reshape(self.groups, count // self.groups).t().reshape(-1)
 
+
+@node_type
 @dataclass(frozen=True)
-class ChannelSlice(Node):
+class ChannelSlice(ChannelCopy):
     """Channels ``start:stop`` of its input (torch.split/chunk/slicing, ONNX Split/Slice)."""
 
     start: int = hyper(0, integer(0))
     stop: int = hyper(1, integer(1), spec_default=REQUIRED)
     op: ClassVar[str] = "channel_slice"
 
+    def source_channels(self, count: int) -> torch.Tensor:
+        if not 0 <= self.start < self.stop <= count:
+            raise ValueError(f"channels {self.start}:{self.stop} are not a non-empty range of {count}")
+        return torch.arange(self.start, self.stop)
 
+
+@node_type
 @dataclass(frozen=True)
-class ChannelGather(Node):
+class ChannelGather(ChannelCopy):
     """Output channel j is input channel ``channels[j]``: any other reordering or selection of
     whole channels (e.g. a channel shuffle followed by a chunk, as ShuffleNetV2 does)."""
 
     channels: tuple[int, ...] = hyper((0,), ints(0), spec_default=REQUIRED)
     op: ClassVar[str] = "channel_gather"
 
+    def source_channels(self, count: int) -> torch.Tensor:
+        if not all(0 <= c < count for c in self.channels):
+            raise ValueError(f"channels {list(self.channels)} are not all among the input's {count}")
+        return torch.tensor(self.channels)
 
+
+@node_type
 @dataclass(frozen=True)
 class Rearrange(Node):
     """Any other data movement: each output element copies one input element (a Transpose of an
@@ -346,14 +416,18 @@ class Rearrange(Node):
         count = prod(self.shape)
         if self.elements:
             if self.sizes or self.strides or self.offset:
-                raise ValueError("'elements' and a strided view ('sizes', 'strides', 'offset') are two forms of "
-                                 "one map: give one of them")
+                raise ValueError(
+                    "'elements' and a strided view ('sizes', 'strides', 'offset') are two forms of "
+                    "one map: give one of them"
+                )
             if len(self.elements) != count:
                 raise ValueError(f"{len(self.elements)} element indices are not one per element of {self.shape}")
             return torch.tensor(self.elements, dtype=torch.long).reshape(self.shape)
         if len(self.sizes) != len(self.strides) or prod(self.sizes) != count:
-            raise ValueError(f"a view of sizes {list(self.sizes)} and strides {list(self.strides)} does not give one "
-                             f"index per element of {self.shape} (one stride per size, as many elements)")
+            raise ValueError(
+                f"a view of sizes {list(self.sizes)} and strides {list(self.strides)} does not give one "
+                f"index per element of {self.shape} (one stride per size, as many elements)"
+            )
         index = torch.full((), self.offset, dtype=torch.long)
         for size, stride in zip(self.sizes, self.strides):
             index = index.unsqueeze(-1) + torch.arange(size) * stride
@@ -365,6 +439,7 @@ class Rearrange(Node):
         return (int(self.index.min()), int(self.index.max())) if self.index.numel() else (0, -1)
 
 
+@node_type
 @dataclass(frozen=True)
 class Identity(Node):
     """Pass-through (Identity, Dropout in inference)."""
@@ -372,6 +447,7 @@ class Identity(Node):
     op: ClassVar[str] = "identity"
 
 
+@node_type
 @dataclass(frozen=True)
 class MaxPool(Node):
     kernel: tuple[int, ...] = hyper((2, 2), ints(1), spec_default=REQUIRED)
@@ -385,6 +461,7 @@ class MaxPool(Node):
     input_spatial_ranks = SPATIAL_RANKS
 
 
+@node_type
 @dataclass(frozen=True)
 class AvgPool(Node):
     kernel: tuple[int, ...] = hyper((2, 2), ints(1), spec_default=REQUIRED)
@@ -397,6 +474,7 @@ class AvgPool(Node):
     input_spatial_ranks = SPATIAL_RANKS
 
 
+@node_type
 @dataclass(frozen=True)
 class AdaptiveAvgPool(Node):
     """Adaptive average pooling to a fixed output size (global pooling: all ones)."""
@@ -407,6 +485,7 @@ class AdaptiveAvgPool(Node):
     input_spatial_ranks = SPATIAL_RANKS
 
 
+@node_type
 @dataclass(frozen=True)
 class Flatten(Node):
     """Flatten ``(C, *spatial)`` into ``(C·prod(spatial),)``, channel-major as torch does."""
@@ -417,6 +496,7 @@ class Flatten(Node):
         return 0
 
 
+@node_type
 @dataclass(frozen=True)
 class Add(Node):
     """Element-wise sum of two or more tensors of one rank (residual connections); an axis of
@@ -427,6 +507,7 @@ class Add(Node):
     broadcasts_inputs = True
 
 
+@node_type
 @dataclass(frozen=True)
 class Sub(Node):
     """Element-wise difference of two tensors, ``inputs[0] − inputs[1]``, of one rank (an axis of
@@ -439,22 +520,13 @@ class Sub(Node):
     broadcasts_inputs = True
 
 
+@node_type
 @dataclass(frozen=True)
 class Concat(Node):
     """Concatenation along the channel axis."""
 
     op: ClassVar[str] = "concat"
     arity = (1, None)
-
-
-NODE_TYPES: dict[str, type[Node]] = {
-    cls.op: cls
-    for cls in (
-        Input, Linear, Conv, ConvTranspose, BatchNorm, ReLU, LeakyReLU, PReLU, Identity, Scale,
-        MaxPool, AvgPool, AdaptiveAvgPool, Pad, Flatten, Add, Concat, ChannelShuffle, ChannelSlice, Upsample,
-        ChannelGather, ChannelAffine, FixedFilter, ChannelBias, Sub, Rearrange,
-    )
-}
 
 
 def broadcast_problem(node: Node, shapes: Sequence[tuple[int, ...]]) -> str | None:
@@ -464,8 +536,10 @@ def broadcast_problem(node: Node, shapes: Sequence[tuple[int, ...]]) -> str | No
     if len({len(shape) for shape in shapes}) == 1 and all(n in (1, m) for shape in shapes for n, m in zip(shape, out)):
         return None
     shown = ", ".join(str(tuple(shape)) for shape in shapes)
-    return (f"node '{node.name}' ({node.op}) combines tensors of shapes {shown}: they must have one rank and, "
-            "on each axis, one size or size 1 (broadcast)")
+    return (
+        f"node '{node.name}' ({node.op}) combines tensors of shapes {shown}: they must have one rank and, "
+        "on each axis, one size or size 1 (broadcast)"
+    )
 
 
 def node_attributes(node: Node) -> dict[str, object]:
@@ -565,7 +639,9 @@ class Graph:
         for node in self.nodes:
             for role, key in node.parameter_keys().items():
                 if key not in layouts:
-                    problems.append(f"node '{node.name}' ({node.op}) needs tensor '{key}' ({role}), which the checkpoint lacks")
+                    problems.append(
+                        f"node '{node.name}' ({node.op}) needs tensor '{key}' ({role}), which the checkpoint lacks"
+                    )
                     continue
                 tensor = layouts[key]
                 expected_rank = node.roles.get(role)
@@ -575,7 +651,10 @@ class Graph:
                         f"expected rank {' or '.join(map(str, expected_rank))}"
                     )
                 elif not tensor.is_floating_point():
-                    problems.append(f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, expected floating point")
+                    problems.append(
+                        f"node '{node.name}' ({node.op}): tensor '{key}' has dtype {tensor.dtype}, "
+                        "expected floating point"
+                    )
                 elif values:
                     value = params[key]
                     if not all_finite(value):
@@ -585,12 +664,15 @@ class Graph:
         if problems:
             wanted = set(self.parameter_keys())
             lacking = len(wanted - set(layouts))
-            raise InputError(f"{self.source}: the checkpoint does not match the architecture ({len(problems)} "
-                             f"problem(s); it lacks {lacking} of the {len(wanted)} tensors the architecture reads):",
-                             problems)
+            raise InputError(
+                f"{self.source}: the checkpoint does not match the architecture ({len(problems)} "
+                f"problem(s); it lacks {lacking} of the {len(wanted)} tensors the architecture reads):",
+                problems,
+            )
         if not_finite:
             raise InvalidWeightsError(
-                f"{self.source}: {len(not_finite)} tensor(s) contain NaN or Inf:", not_finite,
+                f"{self.source}: {len(not_finite)} tensor(s) contain NaN or Inf:",
+                not_finite,
                 "The network's function is not finite, so pathcond can neither analyse, rescale, compare nor prune it.",
             )
         _refuse_invalid_statistics(self.source, invalid_statistics)
@@ -600,16 +682,22 @@ def check_batchnorm_statistics(graph: Graph, params: Mapping[str, torch.Tensor])
     """Refuse (InputError) BatchNorm statistics whose ``running_var + eps`` is not > 0 (see
     :func:`batchnorm_variance_problems`); :meth:`Graph.check_parameters` checks them with the
     values it reads, this is for a loader that reads no values."""
-    _refuse_invalid_statistics(graph.source, [
-        problem for node in graph.nodes if isinstance(node, BatchNorm) and node.running_var in params
-        for problem in batchnorm_variance_problems(node, params[node.running_var])
-    ])
+    _refuse_invalid_statistics(
+        graph.source,
+        [
+            problem
+            for node in graph.nodes
+            if isinstance(node, BatchNorm) and node.running_var in params
+            for problem in batchnorm_variance_problems(node, params[node.running_var])
+        ],
+    )
 
 
 def _refuse_invalid_statistics(source: str, problems: list[str]) -> None:
     if problems:
         raise InputError(
-            f"{source}: {len(problems)} BatchNorm layer(s) have a running_var + eps that is not > 0:", problems,
+            f"{source}: {len(problems)} BatchNorm layer(s) have a running_var + eps that is not > 0:",
+            problems,
             "A BatchNorm divides by the square root of running_var + eps; a variance is never negative, so the "
             "checkpoint is damaged or these tensors are not BatchNorm statistics. The network's output is NaN or "
             "Inf in these channels: nothing was computed from it.",
@@ -626,11 +714,15 @@ def batchnorm_variance_problems(node: BatchNorm, running_var: torch.Tensor) -> l
     channels = (~(total > 0)).nonzero().flatten().tolist()
     if not channels:
         return []
-    listed = ", ".join(f"{c} (running_var {running_var[c].item():.9g}, sum {total[c].item():.9g})" for c in channels[:5])
+    listed = ", ".join(
+        f"{c} (running_var {running_var[c].item():.9g}, sum {total[c].item():.9g})" for c in channels[:5]
+    )
     more = f" and {len(channels) - 5} more" if len(channels) > 5 else ""
-    return [f"tensor '{node.running_var}' (running_var of BatchNorm '{node.name}', eps {node.eps:g}): "
-            f"running_var + eps is not > 0 in {str(precision).removeprefix('torch.')} in {len(channels)} of "
-            f"{running_var.numel()} channel(s): channel {listed}{more}"]
+    return [
+        f"tensor '{node.running_var}' (running_var of BatchNorm '{node.name}', eps {node.eps:g}): "
+        f"running_var + eps is not > 0 in {str(precision).removeprefix('torch.')} in {len(channels)} of "
+        f"{running_var.numel()} channel(s): channel {listed}{more}"
+    ]
 
 
 def _refuse_unrelated_checkpoint(graph: Graph, layouts: Mapping[str, torch.Tensor]) -> None:
@@ -645,7 +737,7 @@ def _refuse_unrelated_checkpoint(graph: Graph, layouts: Mapping[str, torch.Tenso
         f"{len(wanted)} tensor(s) ({first_names(wanted)}), the checkpoint holds {len(held)} named otherwise "
         f"({first_names(held)}).",
         note="The architecture is another model's, or names its tensors differently (a prefix such as 'model.' or "
-             "'module.'): give the architecture this checkpoint was saved from.",
+        "'module.'): give the architecture this checkpoint was saved from.",
     )
 
 

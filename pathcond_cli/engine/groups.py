@@ -25,7 +25,6 @@ from .graph import Graph
 from .layouts import HeaderTensors, stand_ins
 from .rules import Affine, AffineLayer, Fold, Ties, rule_for
 
-
 # Elements per block when a layer-sized pass runs block by block: bounded float64 transients.
 BLOCK_ELEMENTS = 2**22
 
@@ -88,7 +87,7 @@ class DagParam:
 
     def exponent(self, u_ext: torch.Tensor) -> torch.Tensor:
         """``(Bu)`` for this tensor, broadcastable to :attr:`view`."""
-        return (u_ext[self.dst][:, :, None, None] - u_ext[self.src][:, None, :, None])
+        return u_ext[self.dst][:, :, None, None] - u_ext[self.src][:, None, :, None]
 
     def accumulate(self, w4: torch.Tensor, incoming: torch.Tensor, outgoing: torch.Tensor) -> None:
         """Add this tensor's per-parameter ``w4`` (shaped :attr:`view`) to the groups it enters and leaves.
@@ -100,8 +99,9 @@ class DagParam:
         incoming.index_add_(0, self.dst.reshape(-1), w4.sum((2, 3)).reshape(-1))
         outgoing.index_add_(0, self.src.reshape(-1), w4.sum((1, 3)).reshape(-1))
 
-    def accumulate_outer(self, rows: torch.Tensor, cols: torch.Tensor, incoming: torch.Tensor,
-                         outgoing: torch.Tensor) -> None:
+    def accumulate_outer(
+        self, rows: torch.Tensor, cols: torch.Tensor, incoming: torch.Tensor, outgoing: torch.Tensor
+    ) -> None:
         """:meth:`accumulate` for w = rows ⊗ cols per conv group (``[G, O/G]``, ``[G, I/G]``, a
         kernel of one), without building w: a row's sum is its factor times the columns' total,
         less the columns in its own free group when the tensor has self-loops."""
@@ -112,7 +112,9 @@ class DagParam:
             # Group h of conv group c is slot c·(H + 1) + h, so that only one conv group's columns meet.
             offsets = torch.arange(self.view[0], device=rows.device)[:, None] * (free + 1)
             slots, sources = self.dst + offsets, self.src + offsets
-            cols_by_group = rows.new_zeros(self.view[0] * (free + 1)).index_add_(0, sources.reshape(-1), cols.reshape(-1))
+            cols_by_group = rows.new_zeros(self.view[0] * (free + 1)).index_add_(
+                0, sources.reshape(-1), cols.reshape(-1)
+            )
             rows_by_group = rows.new_zeros(self.view[0] * (free + 1)).index_add_(0, slots.reshape(-1), rows.reshape(-1))
             row_sums = row_sums - rows * torch.where(self.dst < free, cols_by_group[slots], 0.0)
             col_sums = col_sums - cols * torch.where(self.src < free, rows_by_group[sources], 0.0)
@@ -126,7 +128,8 @@ class WriteBack:
 
     ``layout`` says how the stored tensor's axes relate to the maps: ``weight`` (``[O, I/G,
     *kernel]``, grouped convs reading input channels of their own group), ``weight_t`` (a
-    Linear stored ``[in, out]``), ``conv_transpose`` (``[I, O/G, *kernel]``) or ``vector`` (per output channel: biases, BatchNorm γ, β,
+    Linear stored ``[in, out]``), ``conv_transpose`` (``[I, O/G, *kernel]``) or ``vector``
+    (per output channel: biases, BatchNorm γ, β,
     a per-channel scale, whose input channel c is output channel c's).
     A missing map means that side is not rescaled here (a conv before BatchNorm has no
     output-side factor: BatchNorm's γ and β carry it).
@@ -139,8 +142,9 @@ class WriteBack:
     out_channels: int
     groups: int = 1
 
-    def changes(self, u_ext: torch.Tensor) -> bool:
-        """Whether some entry of :meth:`factor` differs from 1, without building it.
+    def changes(self, u_ext: torch.Tensor) -> torch.Tensor:
+        """Whether some entry of :meth:`factor` differs from 1, without building it (a 0-dim
+        boolean on ``u_ext``'s device).
 
         Rounded subtraction is monotone, so the factor's extreme logs are the differences of
         the extremes of each group's two sides, and exp is monotone too.
@@ -151,15 +155,22 @@ class WriteBack:
             dst = u_ext[self.dst].reshape(self.groups, -1) if self.dst is not None else u_ext.new_zeros(self.groups, 1)
             src = u_ext[self.src].reshape(self.groups, -1) if self.src is not None else u_ext.new_zeros(self.groups, 1)
             logs = torch.cat([dst.amax(1) - src.amin(1), dst.amin(1) - src.amax(1)])
-        return not bool((torch.exp(torch.stack([logs.amax(), logs.amin()])) == 1.0).all())
+        return (torch.exp(torch.stack([logs.amax(), logs.amin()])) != 1.0).any()
 
-    def factor(self, u_ext: torch.Tensor, shape: tuple[int, ...], rows: slice | EllipsisType = slice(None)) -> torch.Tensor:
+    def factor(
+        self, u_ext: torch.Tensor, shape: tuple[int, ...], rows: slice | EllipsisType = slice(None)
+    ) -> torch.Tensor:
         """``exp(u[dst] − u[src])`` shaped to broadcast against a stored tensor of ``shape`` (its
         ``rows`` along the first axis)."""
         return self.log_factor(u_ext, u_ext, shape, rows).exp_()
 
-    def log_factor(self, dst_values: torch.Tensor, src_values: torch.Tensor, shape: tuple[int, ...],
-                   rows: slice | EllipsisType = slice(None)) -> torch.Tensor:
+    def log_factor(
+        self,
+        dst_values: torch.Tensor,
+        src_values: torch.Tensor,
+        shape: tuple[int, ...],
+        rows: slice | EllipsisType = slice(None),
+    ) -> torch.Tensor:
         """``dst_values[dst] − src_values[src]`` per stored element, shaped like :meth:`factor`
         (two value vectors, so that per-element facts such as how many free groups move an
         element come from the same layout code as the rescaling itself); a fresh tensor.
@@ -189,13 +200,16 @@ class WriteBack:
             log += dst_values[self.dst][outputs]
         return log.sub_(src_values[self.src][channels][:, None])
 
-    def _canonical_log(self, dst_values: torch.Tensor, src_values: torch.Tensor, out_rows: slice,
-                       in_columns: slice) -> torch.Tensor:
+    def _canonical_log(
+        self, dst_values: torch.Tensor, src_values: torch.Tensor, out_rows: slice, in_columns: slice
+    ) -> torch.Tensor:
         """dst − src on the ``[O, I/G]`` grid (one column when the input side is not rescaled),
         restricted to ``out_rows`` × ``in_columns``."""
         in_per_group = 1 if self.src is None else len(self.src) // self.groups
         outputs = torch.arange(self.out_channels, device=dst_values.device)[out_rows]
-        columns = torch.arange(in_per_group, device=dst_values.device)[in_columns if self.src is not None else slice(None)]
+        columns = torch.arange(in_per_group, device=dst_values.device)[
+            in_columns if self.src is not None else slice(None)
+        ]
         log = torch.zeros(len(outputs), len(columns), dtype=dst_values.dtype, device=dst_values.device)
         if self.dst is not None:
             log += dst_values[self.dst][out_rows][:, None]
@@ -253,8 +267,12 @@ class RescalingGroups:
         for dp, w in zip(self.dag_params, weights):
             if isinstance(w, tuple):
                 rows, cols = w
-                dp.accumulate_outer(rows.to(torch.float64).reshape(dp.dst.shape),
-                                    cols.to(torch.float64).reshape(dp.src.shape), incoming, outgoing)
+                dp.accumulate_outer(
+                    rows.to(torch.float64).reshape(dp.dst.shape),
+                    cols.to(torch.float64).reshape(dp.src.shape),
+                    incoming,
+                    outgoing,
+                )
             else:
                 dp.accumulate(w.to(torch.float64).reshape(*dp.view[:3], -1), incoming, outgoing)
         return incoming[:-1], outgoing[:-1]
@@ -266,19 +284,40 @@ class RescalingGroups:
     def to(self, device: torch.device | str) -> RescalingGroups:
         """A copy whose maps, parameter values and write-back maps all live on ``device``."""
         moved = [
-            DagParam(dp.name, dp.layer, dp.source.to(device), dp.dst.to(device), dp.src.to(device), dp.view,
-                     None if dp.self_loops is None else dp.self_loops.to(device), dp.is_bias, dp.fold)
+            DagParam(
+                dp.name,
+                dp.layer,
+                dp.source.to(device),
+                dp.dst.to(device),
+                dp.src.to(device),
+                dp.view,
+                None if dp.self_loops is None else dp.self_loops.to(device),
+                dp.is_bias,
+                dp.fold,
+            )
             for dp in self.dag_params
         ]
         writebacks = [
-            WriteBack(wb.key, wb.layout, None if wb.dst is None else wb.dst.to(device),
-                      None if wb.src is None else wb.src.to(device), wb.out_channels, wb.groups)
+            WriteBack(
+                wb.key,
+                wb.layout,
+                None if wb.dst is None else wb.dst.to(device),
+                None if wb.src is None else wb.src.to(device),
+                wb.out_channels,
+                wb.groups,
+            )
             for wb in self.writebacks
         ]
         return RescalingGroups(
-            self.graph, self.num_free, self.num_fixed, moved, writebacks, self.labels,
+            self.graph,
+            self.num_free,
+            self.num_fixed,
+            moved,
+            writebacks,
+            self.labels,
             self.colours.to(device),
-            {name: ids.to(device) for name, ids in self.node_groups.items()}, self.shapes,
+            {name: ids.to(device) for name, ids in self.node_groups.items()},
+            self.shapes,
         )
 
     def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> RescaledTensors:
@@ -289,7 +328,9 @@ class RescalingGroups:
         :class:`RescaledTensors`).
         """
         u_ext = self.extend(u.detach().to(self.device, torch.float64))
-        return RescaledTensors(params, {wb.key: wb for wb in self.writebacks if wb.changes(u_ext)}, u_ext)
+        # One read of the device for every tensor's answer.
+        changes = torch.stack([wb.changes(u_ext) for wb in self.writebacks]).tolist() if self.writebacks else []
+        return RescaledTensors(params, {wb.key: wb for wb, changed in zip(self.writebacks, changes) if changed}, u_ext)
 
 
 class RescaledTensors(MutableMapping[str, torch.Tensor]):
@@ -390,8 +431,17 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
             _add_layer(node, affine, weight, weight_fold, node_groups, num_free, dag_params, writebacks)
         del affine  # the layer's weights, read to lay it out: let go before the next layer's
 
-    partial = RescalingGroups(graph, num_free, len(fixed_roots), dag_params, writebacks, labels,
-                              torch.zeros(num_free, dtype=torch.long), node_groups, shapes)
+    partial = RescalingGroups(
+        graph,
+        num_free,
+        len(fixed_roots),
+        dag_params,
+        writebacks,
+        labels,
+        torch.zeros(num_free, dtype=torch.long),
+        node_groups,
+        shapes,
+    )
     partial.colours = _colour(dag_params, num_free)
     return partial
 
@@ -419,9 +469,16 @@ def _reread_fold(node, graph: Graph, params: Mapping[str, torch.Tensor]) -> Call
     return lambda: rule.affine(node, graph, params).weight_fold
 
 
-def _add_layer(node, affine: Affine, weight: Reread | None, weight_fold: Callable[[], Fold] | None,
-               node_groups: dict[str, torch.Tensor], num_free: int, dag_params: list[DagParam],
-               writebacks: list[WriteBack]) -> None:
+def _add_layer(
+    node,
+    affine: Affine,
+    weight: Reread | None,
+    weight_fold: Callable[[], Fold] | None,
+    node_groups: dict[str, torch.Tensor],
+    num_free: int,
+    dag_params: list[DagParam],
+    writebacks: list[WriteBack],
+) -> None:
     """The layer's DAG parameters with their group maps, and the write-back of its stored tensors."""
     dst, src = node_groups[affine.output], node_groups[node.inputs[0]]
     bias, groups = affine.bias, affine.groups
@@ -429,15 +486,42 @@ def _add_layer(node, affine: Affine, weight: Reread | None, weight_fold: Callabl
     if weight is not None:
         view = (groups, out_ch // groups, weight.shape[1], prod(weight.shape[2:]))
         dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
-        dag_params.append(DagParam(affine.weight_label, node.name, weight, dst2, src2, view,
-                                   _self_loops(dst2, src2, num_free), fold=weight_fold))
+        dag_params.append(
+            DagParam(
+                affine.weight_label,
+                node.name,
+                weight,
+                dst2,
+                src2,
+                view,
+                _self_loops(dst2, src2, num_free),
+                fold=weight_fold,
+            )
+        )
     if bias is not None:
-        dag_params.append(DagParam(affine.bias_label, node.name, bias, dst.reshape(1, -1),
-                                   torch.tensor([[num_free]]), (1, out_ch, 1, 1), is_bias=True,
-                                   fold=None if affine.bias_fold is None else lambda fold=affine.bias_fold: fold))
+        dag_params.append(
+            DagParam(
+                affine.bias_label,
+                node.name,
+                bias,
+                dst.reshape(1, -1),
+                torch.tensor([[num_free]]),
+                (1, out_ch, 1, 1),
+                is_bias=True,
+                fold=None if affine.bias_fold is None else lambda fold=affine.bias_fold: fold,
+            )
+        )
     for stored in affine.stored:
-        writebacks.append(WriteBack(stored.key, stored.layout, dst if stored.output_side else None,
-                                    src if stored.input_side else None, out_ch, groups))
+        writebacks.append(
+            WriteBack(
+                stored.key,
+                stored.layout,
+                dst if stored.output_side else None,
+                src if stored.input_side else None,
+                out_ch,
+                groups,
+            )
+        )
 
 
 def _self_loops(dst: torch.Tensor, src: torch.Tensor, num_free: int) -> torch.Tensor | None:

@@ -16,8 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from .diag import (
-    LayerValues, PathNorm, ScaledTensor, SquaredPass, balanced_power, balanced_value, balancing_exponents,
-    parameter_free_step, renormalise, squared_network,
+    LayerValues,
+    PathNorm,
+    ScaledTensor,
+    SquaredPass,
+    balanced_power,
+    balanced_value,
+    balancing_exponents,
+    largest,
+    parameter_free_step,
+    renormalise,
+    squared_network,
 )
 from .graph import Graph, Input, LeakyReLU, PReLU, WeightedNode
 from .groups import DagParam, RescalingGroups
@@ -53,19 +62,24 @@ class SignComparison:
 
 def compare_signs(groups_a: RescalingGroups, groups_b: RescalingGroups) -> SignComparison:
     """Sign flips (θ_i θ'_i < 0) per layer, and whether one vector dominates the other."""
-    per_layer: dict[str, list[int]] = {}
-    a_dominates = b_dominates = True
+    sizes: dict[str, int] = {}
+    flips, dominance = [], []
     for dp_a, dp_b in zip(groups_a.dag_params, groups_b.dag_params):
         a = dp_a.value.to(torch.float64).reshape(-1)
         b = dp_b.value.to(torch.float64).reshape(-1).to(a.device)
-        counts = per_layer.setdefault(dp_a.layer, [0, 0])
-        counts[0] += a.numel()
-        counts[1] += int((a * b < 0).sum())
-        same_side = (a * b >= 0)
-        a_dominates = a_dominates and bool((same_side & (b.abs() <= a.abs())).all())
-        b_dominates = b_dominates and bool((same_side & (a.abs() <= b.abs())).all())
-    layers = [LayerSigns(layer, parameters, flips) for layer, (parameters, flips) in per_layer.items()]
-    return SignComparison(layers, a_dominates, b_dominates)
+        sizes[dp_a.layer] = sizes.get(dp_a.layer, 0) + a.numel()
+        flips.append((a * b < 0).sum())
+        same_side = a * b >= 0
+        dominance.append(
+            torch.stack([(same_side & (b.abs() <= a.abs())).all(), (same_side & (a.abs() <= b.abs())).all()])
+        )
+    # Every tensor's answers in one read of the device.
+    read = torch.cat([torch.stack(flips), torch.stack(dominance).all(0).to(torch.long)]).tolist() if flips else [1, 1]
+    per_layer_flips: dict[str, int] = dict.fromkeys(sizes, 0)
+    for dp_a, count in zip(groups_a.dag_params, read[:-2]):
+        per_layer_flips[dp_a.layer] += count
+    layers = [LayerSigns(layer, parameters, per_layer_flips[layer]) for layer, parameters in sizes.items()]
+    return SignComparison(layers, bool(read[-2]), bool(read[-1]))
 
 
 @dataclass(frozen=True)
@@ -110,7 +124,8 @@ def rounding_bound(groups: RescalingGroups, ln_magnitude: float) -> float:
     counts, at every node, one rounding per term summed into an entry (at most the entries its
     inputs hold, plus a bias, forward; at most the entries it holds, backward), eight for the
     product by a weight, the renormalisation and the exponentials of scale differences, and
-    those of a folded BatchNorm's scale and of a difference taken before it (FOLD_ROUNDINGS); and the balancing's factors e^a, whose arguments carry an
+    those of a folded BatchNorm's scale and of a difference taken before it (FOLD_ROUNDINGS);
+    and the balancing's factors e^a, whose arguments carry an
     absolute error of about |a|·u, a relative one in the value: ``ln_magnitude`` bounds those
     logarithms (the balancing's |u|, the log scales and offsets), four of them per node.
     """
@@ -143,9 +158,17 @@ def ln_add(ln_x: float, ln_y: float) -> float:
     return high if low == -math.inf else high + math.log1p(math.exp(low - high))
 
 
-def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: PathNorm, l1_b: PathNorm,
-                signs: SignComparison, *, device: torch.device | str = "cpu", u_a: torch.Tensor | None = None,
-                u_b: torch.Tensor | None = None) -> PathMetric:
+def path_metric(
+    groups_a: RescalingGroups,
+    groups_b: RescalingGroups,
+    l1_a: PathNorm,
+    l1_b: PathNorm,
+    signs: SignComparison,
+    *,
+    device: torch.device | str = "cpu",
+    u_a: torch.Tensor | None = None,
+    u_b: torch.Tensor | None = None,
+) -> PathMetric:
     """The ℓ1 path-metric's bounds (SPEC §8).
 
     When one vector dominates the other, d is the telescoped sum (:func:`telescoped_sum`) on
@@ -185,11 +208,15 @@ def path_metric(groups_a: RescalingGroups, groups_b: RescalingGroups, l1_a: Path
     # The B stream is the ℓ1 pass of θ', so its rounding bound serves the two norms as well.
     (ln_high, high_groups, u_high), (ln_low, low_groups, u_low) = sorted(
         ((norm.log10 * math.log(10), groups, u) for norm, groups, u in ((l1_a, groups_a, u_a), (l1_b, groups_b, u_b))),
-        key=lambda entry: entry[0], reverse=True)
+        key=lambda entry: entry[0],
+        reverse=True,
+    )
     high = ln_high + (math.log1p(-rounding) if rounding < 1 else -math.inf)
     high_error = _ln_fold_error_mass(high_groups, u_high, device) + 2 * math.log1p(rounding)
     high = ln_difference(high, high_error) if high > high_error else -math.inf
-    low = ln_add(ln_low + math.log1p(rounding), _ln_fold_error_mass(low_groups, u_low, device) + 2 * math.log1p(rounding))
+    low = ln_add(
+        ln_low + math.log1p(rounding), _ln_fold_error_mass(low_groups, u_low, device) + 2 * math.log1p(rounding)
+    )
     lower = ln_difference(high, low) if high > low else -math.inf
     return PathMetric(lower, max(lower, ln_upper), False, rounding)
 
@@ -210,14 +237,22 @@ def _ln_fold_error_mass(groups: RescalingGroups, u_ext: torch.Tensor | None, dev
         error = dp.fold().error if dp.fold is not None else torch.zeros(dp.shape, dtype=torch.float64)
         return balanced_value(dataclasses.replace(dp, source=error.to(device)), u_ext, device)
 
-    zeros = {node.name: torch.zeros((1, *node.shape), dtype=torch.float64, device=device) for node in groups.graph.inputs}
+    zeros = {
+        node.name: torch.zeros((1, *node.shape), dtype=torch.float64, device=device) for node in groups.graph.inputs
+    }
     sweep = squared_network(groups.graph, LayerValues(groups, layer_value), power=1, device=device, inputs=zeros)
     total, ln_offset = sweep.total(groups.graph)
     return math.log(total) + ln_offset if total > 0 else -math.inf
 
 
-def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str = "cpu",
-                   u_a: torch.Tensor | None = None, u_b: torch.Tensor | None = None) -> tuple[float, float]:
+def telescoped_sum(
+    groups_a: RescalingGroups,
+    groups_b: RescalingGroups,
+    *,
+    device: torch.device | str = "cpu",
+    u_a: torch.Tensor | None = None,
+    u_b: torch.Tensor | None = None,
+) -> tuple[float, float]:
     """ln Σ_P Σ_k |b_1 … b_{k−1}| |a_k − b_k| |a_{k+1} … a_L| over every path P, on balanced
     representatives a = D_a θ, b = D_b θ' (an upper bound on ‖Φ(θ) − Φ(θ')‖₁, and d itself when
     θ dominates θ', ``u_b`` is ``u_a`` and no BatchNorm folds differ), and ρ, the pass's
@@ -236,9 +271,15 @@ def telescoped_sum(groups_a: RescalingGroups, groups_b: RescalingGroups, *, devi
     return ln_sum, rounding
 
 
-def _telescoped(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device: torch.device | str,
-                u_a: torch.Tensor | None, u_b: torch.Tensor | None,
-                allowance_sign: int = 1) -> tuple[float | None, float, bool]:
+def _telescoped(
+    groups_a: RescalingGroups,
+    groups_b: RescalingGroups,
+    *,
+    device: torch.device | str,
+    u_a: torch.Tensor | None,
+    u_b: torch.Tensor | None,
+    allowance_sign: int = 1,
+) -> tuple[float | None, float, bool]:
     """:func:`telescoped_sum`, and whether every |a − b| is the exact difference within a
     relative rounding (one balancing, no folds whose difference needs an allowance:
     :meth:`~.rules.Fold.difference`). With one balancing and ``allowance_sign`` −1 the folds'
@@ -255,14 +296,17 @@ def _telescoped(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device:
     for dp_a, dp_b in zip(groups_a.dag_params, groups_b.dag_params):
         pairs[dp_a.layer].append((dp_a, dp_b))
     values: dict[str, torch.Tensor] = {}
-    offsets: dict[str, float] = {}
-    ln_magnitude = 1 + max(float(u.abs().max()) for u in (u_a, u_b))
+    offsets: dict[str, torch.Tensor] = {}
+    # Kept on the device, and read once at the end, as everything the sweep decides.
+    ln_magnitude = 1 + torch.maximum(u_a.abs().amax(), u_b.abs().amax())
+    below_zero = torch.zeros((), dtype=torch.bool, device=u_a.device)
     exact = one_balancing
     with torch.no_grad():
         for node in graph.sweep(values):
             rule = rule_for(node)
             if isinstance(node, Input):
-                y, offset = torch.zeros((1, *node.shape), dtype=torch.float64, device=device), 0.0
+                y = torch.zeros((1, *node.shape), dtype=torch.float64, device=device)
+                offset = y.new_zeros(())
             elif node.name in pairs:
                 source = node.inputs[0]
                 # A layer without weight passes T on through fixed edges, as the parameter-free nodes do.
@@ -270,61 +314,89 @@ def _telescoped(groups_a: RescalingGroups, groups_b: RescalingGroups, *, device:
                 for dp_a, dp_b in pairs[node.name]:
                     a = balanced_value(dp_a, u_a, device)
                     if one_balancing:
-                        difference, exact_here = _balanced_difference(dp_a, dp_b, u_a, device, allowance_sign)
-                        if difference is None:
-                            return None, rounding_bound(groups_a, ln_magnitude), False
+                        difference, exact_here, negative = _balanced_difference(dp_a, dp_b, u_a, device, allowance_sign)
+                        below_zero |= negative
                         exact = exact and exact_here
                     else:
-                        difference = _bounded_difference(dp_a, dp_b, a, balanced_value(dp_b, u_b, device),
-                                                         (u_a, u_b), ln_magnitude, device)
-                    ln_magnitude = max(ln_magnitude, abs(a.log_scale), abs(difference.log_scale))
+                        difference = _bounded_difference(
+                            dp_a, dp_b, a, balanced_value(dp_b, u_b, device), (u_a, u_b), ln_magnitude, device
+                        )
+                    ln_magnitude = largest(
+                        [
+                            ln_magnitude,
+                            _as_offset(a.log_scale, ln_magnitude).abs(),
+                            _as_offset(difference.log_scale, ln_magnitude).abs(),
+                        ]
+                    )
                     if not dp_a.is_bias:
                         magnitude = ScaledTensor(a.value.abs_(), a.log_scale)
-                        terms.append((rule.weighted(node, values[source], magnitude.value),
-                                      offsets[source] + magnitude.log_scale))
-                        terms.append((rule.weighted(node, stream_b.values[source], difference.value),
-                                      stream_b.offsets[source] + difference.log_scale))
+                        terms.append(
+                            (
+                                rule.weighted(node, values[source], magnitude.value),
+                                offsets[source] + magnitude.log_scale,
+                            )
+                        )
+                        terms.append(
+                            (
+                                rule.weighted(node, stream_b.values[source], difference.value),
+                                stream_b.offsets[source] + difference.log_scale,
+                            )
+                        )
                     else:
                         terms.append((None, difference))
                 y, offset = _combine(terms)
             else:
                 y, offset = parameter_free_step(node, values, offsets, 1)
             values[node.name], offsets[node.name] = renormalise(y, offset)
-            ln_magnitude = max(ln_magnitude, abs(offsets[node.name]), abs(stream_b.offsets[node.name]))
+            ln_magnitude = largest([ln_magnitude, offsets[node.name].abs(), stream_b.offsets[node.name].abs()])
+    ln_magnitude, negative = torch.stack([ln_magnitude, below_zero.to(ln_magnitude.dtype)]).tolist()
+    if negative:
+        return None, rounding_bound(groups_a, ln_magnitude), False
     total, ln_offset = SquaredPass(values, offsets).total(graph)
     ln_sum = math.log(total) + ln_offset if total > 0 else -math.inf
     return ln_sum, rounding_bound(groups_a, ln_magnitude), exact
 
 
-def _balanced_difference(dp_a: DagParam, dp_b: DagParam, u_ext: torch.Tensor, device,
-                         allowance_sign: int) -> tuple[ScaledTensor | None, bool]:
+def _balanced_difference(
+    dp_a: DagParam, dp_b: DagParam, u_ext: torch.Tensor, device, allowance_sign: int
+) -> tuple[ScaledTensor, bool, torch.Tensor]:
     """D|θ − θ'| for one tensor: the difference of the stored values, then the balancing; with
     a BatchNorm folded in, the folds' :meth:`~.rules.Fold.difference` with its allowance added
-    (``allowance_sign`` 1) or taken off (−1: None where that leaves an entry below 0), and
-    whether there was none to make."""
+    (``allowance_sign`` 1) or taken off (−1); whether there was none to make; and whether that
+    left an entry below 0 (a 0-dim boolean on the device: the sum is then None)."""
+    negative = torch.zeros((), dtype=torch.bool, device=u_ext.device)
     if dp_a.fold is None:
         gap, allowance = (dp_a.value.to(device, torch.float64) - dp_b.value.to(device, torch.float64)).abs_(), None
     else:
         gap, allowance = dp_a.fold().difference(dp_b.fold())
         if allowance is not None:
             gap = gap + allowance_sign * allowance
-            if bool((gap < 0).any()):
-                return None, False
-    return balanced_value(dataclasses.replace(dp_a, source=gap.to(device)), u_ext, device), allowance is None
+            negative = (gap < 0).any().to(u_ext.device)
+    difference = balanced_value(dataclasses.replace(dp_a, source=gap.to(device)), u_ext, device)
+    return difference, allowance is None, negative
 
 
-def balancing_rounding(ln_magnitude: float) -> float:
+def balancing_rounding(ln_magnitude: float | torch.Tensor) -> float | torch.Tensor:
     """A bound on the relative rounding of one entry of :func:`~.diag.balanced_value` brought to
     another scale (:func:`_at_common_scale`): the factors e^a, e^b, e^{log scale − scale} have
     arguments of magnitude at most 2·``ln_magnitude`` each (the balancing's |u| and the log
     scales), carrying an absolute error of u per unit and so a relative one in the value, and
     six roundings of their own (three exponentials, two products, the division by the peak)."""
     count = (16 + 8 * ln_magnitude) * UNIT_ROUNDOFF
+    if isinstance(count, torch.Tensor):
+        return torch.where(count < 0.5, count / (1 - count), math.inf)
     return count / (1 - count) if count < 0.5 else math.inf
 
 
-def _bounded_difference(dp_a: DagParam, dp_b: DagParam, a: ScaledTensor, b: ScaledTensor,
-                        balancings: tuple[torch.Tensor, torch.Tensor], ln_magnitude: float, device) -> ScaledTensor:
+def _bounded_difference(
+    dp_a: DagParam,
+    dp_b: DagParam,
+    a: ScaledTensor,
+    b: ScaledTensor,
+    balancings: tuple[torch.Tensor, torch.Tensor],
+    ln_magnitude: torch.Tensor,
+    device,
+) -> ScaledTensor:
     """A bound on |D_a θ − D_b θ'| for one tensor, from the balanced copies ``a``, ``b`` (signed):
     their difference may cancel to far below the rounding each copy carries, so each entry is
     |a − b| + δ (|a| + |b|) (δ: :func:`balancing_rounding`), plus each fold's error (a
@@ -333,38 +405,49 @@ def _bounded_difference(dp_a: DagParam, dp_b: DagParam, a: ScaledTensor, b: Scal
     for dp, u_ext in zip((dp_a, dp_b), balancings):
         if dp.fold is not None:
             terms.append(balanced_value(dataclasses.replace(dp, source=dp.fold().error.to(device)), u_ext, device))
-    magnitude = max([ln_magnitude, *(abs(t.log_scale) for t in terms)])
+    magnitude = largest([ln_magnitude, *(_as_offset(t.log_scale, ln_magnitude).abs() for t in terms)])
     (value_a, value_b, *errors), scale = _at_common_scale(terms)
     bound = (value_a - value_b).abs_() + balancing_rounding(magnitude) * (value_a.abs() + value_b.abs())
     return ScaledTensor(sum(errors, bound), scale)
 
 
-def _at_common_scale(tensors: list[ScaledTensor]) -> tuple[list[torch.Tensor], float]:
-    """The tensors' values at the largest scale among those not all zero (a zero tensor's log
-    scale means nothing, and letting it set the scale could flush the others to 0)."""
-    scales = [t.log_scale for t in tensors if bool(t.value.any())]
-    if not scales:
-        return [torch.zeros_like(t.value) for t in tensors], 0.0
-    scale = max(scales)
-    return [t.value * math.exp(t.log_scale - scale) if bool(t.value.any()) else torch.zeros_like(t.value)
-            for t in tensors], scale
+def _as_offset(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=torch.float64, device=like.device)
 
 
-def _combine(terms: list) -> tuple[torch.Tensor, float]:
-    """Σ of (tensor, ln scale) terms (a bias term is ``(None, ScaledTensor)``, added per channel).
+def _common_scale(
+    values: list[torch.Tensor],
+    scales: list[float | torch.Tensor],
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Factors that bring ``values`` (each ``value · e^scale``) to the largest scale among those
+    not all zero, 0 for a zero one, and that scale (0 when all are zero): a zero tensor's log
+    scale means nothing, and letting it set the scale could flush the others to 0. Decided on
+    the device: nothing is read on the host."""
+    like = values[0]
+    present = [value.any() for value in values]
+    scales = [_as_offset(scale, like) for scale in scales]
+    largest_present = largest([torch.where(any_, scale, -math.inf) for any_, scale in zip(present, scales)])
+    scale = torch.where(largest_present > -math.inf, largest_present, 0.0)
+    return [torch.where(any_, torch.exp(s - scale), 0.0) for any_, s in zip(present, scales)], scale
 
-    The sum takes the largest scale among the terms that are not all zero: a zero term's scale
-    means nothing, and letting it set the offset could flush the others to 0.
-    """
+
+def _at_common_scale(tensors: list[ScaledTensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The tensors' values at the largest scale among those not all zero (:func:`_common_scale`)."""
+    factors, scale = _common_scale([t.value for t in tensors], [t.log_scale for t in tensors])
+    return [t.value * factor for t, factor in zip(tensors, factors)], scale
+
+
+def _combine(terms: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Σ of (tensor, ln scale) terms (a bias term is ``(None, ScaledTensor)``, added per channel),
+    at the largest scale among the terms that are not all zero (:func:`_common_scale`)."""
     dense = [(t, s) for t, s in terms if t is not None]
-    biases = [b for t, b in terms if t is None and bool(b.value.any())]
-    live = [(t, s) for t, s in dense if bool(t.any())]
-    if not live and not biases:
-        return torch.zeros_like(dense[0][0]), 0.0
-    offset = max([s for _, s in live] + [b.log_scale for b in biases])
-    y = sum(t * math.exp(s - offset) for t, s in live) if live else torch.zeros_like(dense[0][0])
-    for bias in biases:
-        y = y + per_channel(bias.value, y) * math.exp(bias.log_scale - offset)
+    biases = [b for t, b in terms if t is None]
+    factors, offset = _common_scale(
+        [t for t, _ in dense] + [b.value for b in biases], [s for _, s in dense] + [b.log_scale for b in biases]
+    )
+    y = sum(t * factor for (t, _), factor in zip(dense, factors))
+    for bias, factor in zip(biases, factors[len(dense) :]):
+        y = y + per_channel(bias.value, y) * factor
     return y, offset
 
 
@@ -374,8 +457,11 @@ def _combine(terms: list) -> tuple[torch.Tensor, float]:
 def prunable(graph: Graph, groups: RescalingGroups) -> list[tuple[int, DagParam]]:
     """(index, DAG weight) of every Linear, Conv and ConvTranspose layer: the weights pruning may
     zero. Biases, BatchNorm and per-channel affine layers are kept (normalisation, not weights)."""
-    return [(index, dp) for index, dp in enumerate(groups.dag_params)
-            if not dp.is_bias and isinstance(graph[dp.layer], WeightedNode)]
+    return [
+        (index, dp)
+        for index, dp in enumerate(groups.dag_params)
+        if not dp.is_bias and isinstance(graph[dp.layer], WeightedNode)
+    ]
 
 
 def stored_weight_mask(graph: Graph, layer: str, canonical_mask: torch.Tensor) -> tuple[str, torch.Tensor]:
@@ -397,8 +483,9 @@ def magnitude_keys(graph: Graph, params: Mapping[str, torch.Tensor], layer: str)
     return rule_for(node).canonical_weight(node, params[node.weight]).to(torch.float64).abs()
 
 
-def select_pruned(keys: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor], sparsity: float, *,
-                  per_layer: bool) -> list[torch.Tensor]:
+def select_pruned(
+    keys: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor], sparsity: float, *, per_layer: bool
+) -> list[torch.Tensor]:
     """A boolean mask per tensor, True where the weight is zero after pruning: the ``sparsity``
     share of the entries (over all tensors, or in each with ``per_layer``), the entries already
     zero (``zeros``, True where the stored weight is 0) first, whatever their key, then the
@@ -410,7 +497,9 @@ def select_pruned(keys: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor], s
     if per_layer:
         return [select_pruned([key], [zero], sparsity, per_layer=False)[0] for key, zero in zip(keys, zeros)]
     flat = torch.cat([key.reshape(-1).to(torch.float64) for key in keys]) if keys else torch.zeros(0)
-    kept = torch.cat([~zero.reshape(-1).to(flat.device) for zero in zeros]) if zeros else torch.zeros(0, dtype=torch.bool)
+    kept = (
+        torch.cat([~zero.reshape(-1).to(flat.device) for zero in zeros]) if zeros else torch.zeros(0, dtype=torch.bool)
+    )
     chosen = ~kept
     count = round(sparsity * flat.numel()) - int(chosen.sum())
     if count > 0:
@@ -418,7 +507,7 @@ def select_pruned(keys: Sequence[torch.Tensor], zeros: Sequence[torch.Tensor], s
         chosen[candidates[torch.sort(flat[candidates], stable=True).indices[:count]]] = True
     masks, start = [], 0
     for key in keys:
-        masks.append(chosen[start:start + key.numel()].reshape(key.shape))
+        masks.append(chosen[start : start + key.numel()].reshape(key.shape))
         start += key.numel()
     return masks
 
@@ -427,4 +516,3 @@ def non_relu_activations(graph: Graph) -> list[str]:
     """Nodes whose activation is not a ReLU, identity or max-pool (LeakyReLU, PReLU): seed
     004's Theorem 4.1 is proved for ReLU DAGs with max-pooling, and says nothing of them."""
     return [node.name for node in graph.nodes if isinstance(node, (LeakyReLU, PReLU))]
-

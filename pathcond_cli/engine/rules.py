@@ -20,20 +20,47 @@ can never pass through silently (a wrong diag(G) would not be caught by verifica
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from math import prod
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
 from .graph import (
-    COPYING_PAD_MODES, AdaptiveAvgPool, Add, AvgPool, BatchNorm, ChannelAffine, ChannelBias, ChannelGather,
-    ChannelShuffle, ChannelSlice, Concat, Conv, ConvTranspose, FixedFilter, Flatten, Graph, Identity, Input,
-    LeakyReLU, Linear, MaxPool, Node, Pad, PReLU, Rearrange, ReLU, Scale, Sub, Upsample,
+    COPYING_PAD_MODES,
+    AdaptiveAvgPool,
+    Add,
+    AvgPool,
+    BatchNorm,
+    ChannelAffine,
+    ChannelBias,
+    ChannelCopy,
+    ChannelGather,
+    ChannelShuffle,
+    ChannelSlice,
+    Concat,
+    Conv,
+    ConvTranspose,
+    FixedFilter,
+    Flatten,
+    Graph,
+    Identity,
+    Input,
+    LeakyReLU,
+    Linear,
+    MaxPool,
+    Node,
+    Pad,
+    PReLU,
+    Rearrange,
+    ReLU,
+    Scale,
+    Sub,
+    Upsample,
 )
 
 # A Linear weight with more stored elements than this, evaluated in another dtype, is converted
@@ -57,7 +84,6 @@ class Parameters:
         return self._params[key]
 
 
-
 def vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Vector–Jacobian product of a (multi)linear op at ``inputs``: local autograd, one node.
 
@@ -68,6 +94,7 @@ def vjp(function, inputs: list[torch.Tensor], cotangent: torch.Tensor) -> tuple[
     with torch.enable_grad():
         output = function(*leaves)
         return torch.autograd.grad((output * cotangent).sum(), leaves, allow_unused=True)
+
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
@@ -290,22 +317,27 @@ def _gamma(roundings: int) -> float:
     return count / (1 - count)
 
 
-def fold_batchnorm(bn: BatchNorm, params: Mapping[str, torch.Tensor], weight: torch.Tensor | None,
-                   bias: torch.Tensor | None) -> tuple[Fold, Fold]:
+def fold_batchnorm(
+    bn: BatchNorm, params: Mapping[str, torch.Tensor], weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> tuple[Fold, Fold]:
     """Eval-mode BatchNorm folded into the layer before it (``weight`` ``[O, ...]`` and ``bias``
     ``[O]``, either None for a standalone BatchNorm: a diagonal weight of ones, a bias of
     zeros), in float64: ``scale`` · weight, ``scale`` · bias + β − ``scale`` · μ."""
-    gamma, variance, beta, mean = (params[key].to(torch.float64) for key in
-                                   (bn.weight, bn.running_var, bn.bias, bn.running_mean))
+    gamma, variance, beta, mean = (
+        params[key].to(torch.float64) for key in (bn.weight, bn.running_var, bn.bias, bn.running_mean)
+    )
     scale = gamma / torch.sqrt(variance + bn.eps)
     weight = torch.ones_like(scale).reshape(-1, 1) if weight is None else weight.to(torch.float64)
     bias = torch.zeros_like(scale) if bias is None else bias.to(torch.float64)
     folded_weight = weight * _channels(scale, weight)
     folded_bias = beta - scale * mean + scale * bias
     shift_error = _gamma(SHIFT_ROUNDINGS) * (beta.abs() + (scale * mean).abs() + (scale * bias).abs())
-    return (Fold(folded_weight, weight, scale, (gamma, variance), bn.eps, None,
-                 _gamma(FOLD_ROUNDINGS) * folded_weight.abs()),
-            Fold(folded_bias, bias, scale, (gamma, variance), bn.eps, (beta, mean), shift_error))
+    return (
+        Fold(
+            folded_weight, weight, scale, (gamma, variance), bn.eps, None, _gamma(FOLD_ROUNDINGS) * folded_weight.abs()
+        ),
+        Fold(folded_bias, bias, scale, (gamma, variance), bn.eps, (beta, mean), shift_error),
+    )
 
 
 # --------------------------------------------------------------------------- rules
@@ -314,7 +346,6 @@ def fold_batchnorm(bn: BatchNorm, params: Mapping[str, torch.Tensor], weight: to
 class Rule:
     """Base of every rule; see the module docstring for what each member means."""
 
-    node_type: ClassVar[type[Node]]
     # Whether ties reads its inputs' ids element by element (Ties.held, Ties.elements): each
     # output element copies, or is a sum of, input elements at their own scales. Otherwise
     # each input channel is tied into one scale before ties runs.
@@ -339,8 +370,16 @@ class Rule:
         """The parameterised part (no bias) with a canonical-layout ``weight``."""
         raise self._missing("weighted", node)
 
-    def weighted_vjp(self, node: Node, x: torch.Tensor, weight: torch.Tensor, cotangent: torch.Tensor, *,
-                     weight_grad: bool = True, input_grad: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def weighted_vjp(
+        self,
+        node: Node,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        cotangent: torch.Tensor,
+        *,
+        weight_grad: bool = True,
+        input_grad: bool = True,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The vector–Jacobian product of :meth:`weighted` at (x, weight): with ``input_grad``,
         ∂⟨y, cotangent⟩/∂x, and with ``weight_grad``, /∂weight (None for each not asked for).
         Without ``input_grad`` only the weight's shape is read: the product is linear in it.
@@ -356,6 +395,28 @@ class Rule:
         """A rule asked for what its kind of node does not have (Input has no forward, a layer
         with DAG parameters no squared form): a bug in pathcond, named, never a silent result."""
         return NotImplementedError(f"{type(self).__name__} has no '{member}' (node '{node.name}', {node.op})")
+
+
+# The rule of each node type, registered by :func:`rule_of` where the rule is written.
+RULES: dict[type[Node], Rule] = {}
+RuleClass = TypeVar("RuleClass", bound=type[Rule])
+
+
+def rule_of(*node_types: type[Node]) -> Callable[[RuleClass], RuleClass]:
+    """Register one instance of the decorated rule class as the rule of each of ``node_types``,
+    none of which may have a rule yet."""
+
+    def register(rule_class: RuleClass) -> RuleClass:
+        rule = rule_class()
+        for node_type in node_types:
+            if node_type in RULES:
+                raise ValueError(
+                    f"{node_type.__name__} has two rules, {type(RULES[node_type]).__name__} and {rule_class.__name__}"
+                )
+            RULES[node_type] = rule
+        return rule_class
+
+    return register
 
 
 class PassThrough(Rule):
@@ -382,9 +443,8 @@ class HomogeneousActivation(ElementWise):
         return xs[0]
 
 
+@rule_of(Input)
 class InputRule(Rule):
-    node_type = Input
-
     def ties(self, node: Input, ties: Ties) -> torch.Tensor:
         return ties.new(node, node.shape[0], fixed=True)
 
@@ -429,15 +489,26 @@ class AffineLayer(Rule):
         weight_fold, bias_fold = fold_batchnorm(bn, params, weight, bias)
         suffix = f" (BatchNorm '{bn.name}' folded)"
         bias_label = (node.bias if node.bias is not None else bn.bias) + suffix
-        stored = [Stored(node.weight, self.weight_layout(node), False, True),
-                  Stored(bn.weight, "vector", True, False), Stored(bn.bias, "vector", True, False)]
-        return Affine(weight_fold.value, bias_fold.value, self.groups(node), node.weight + suffix, bias_label, bn.name,
-                      stored, weight_fold, bias_fold)
+        stored = [
+            Stored(node.weight, self.weight_layout(node), False, True),
+            Stored(bn.weight, "vector", True, False),
+            Stored(bn.bias, "vector", True, False),
+        ]
+        return Affine(
+            weight_fold.value,
+            bias_fold.value,
+            self.groups(node),
+            node.weight + suffix,
+            bias_label,
+            bn.name,
+            stored,
+            weight_fold,
+            bias_fold,
+        )
 
 
+@rule_of(Linear)
 class LinearRule(AffineLayer):
-    node_type = Linear
-
     def weighted_stored(self, node, x, param):
         stored = param.stored(node.weight)  # read once: a lazy checkpoint reads it per access
         weight = self.canonical_weight(node, stored)
@@ -447,7 +518,7 @@ class LinearRule(AffineLayer):
         y = x.new_empty(*x.shape[:-1], weight.shape[0])
         step = max(1, LINEAR_BLOCK_ELEMENTS // weight.shape[1])  # a weight this large has columns
         for start in range(0, weight.shape[0], step):
-            y[..., start:start + step] = F.linear(x, weight[start:start + step].to(param.dtype))
+            y[..., start : start + step] = F.linear(x, weight[start : start + step].to(param.dtype))
         return y
 
     def canonical_weight(self, node: Linear, stored: torch.Tensor) -> torch.Tensor:
@@ -463,9 +534,8 @@ class LinearRule(AffineLayer):
         return cotangent @ weight if input_grad else None, cotangent.t() @ x if weight_grad else None
 
 
+@rule_of(Conv)
 class ConvRule(AffineLayer):
-    node_type = Conv
-
     def groups(self, node: Conv) -> int:
         return node.groups
 
@@ -477,16 +547,25 @@ class ConvRule(AffineLayer):
         # recomputing the forward convolution that autograd needs to record it.
         rank = weight.dim() - 2
         grad_x, grad_w, _ = torch.ops.aten.convolution_backward(
-            cotangent, x, weight, None, _expand(node.stride, rank), _expand(node.padding, rank),
-            _expand(node.dilation, rank), False, [0] * rank, node.groups, [input_grad, weight_grad, False])
+            cotangent,
+            x,
+            weight,
+            None,
+            _expand(node.stride, rank),
+            _expand(node.padding, rank),
+            _expand(node.dilation, rank),
+            False,
+            [0] * rank,
+            node.groups,
+            [input_grad, weight_grad, False],
+        )
         return grad_x, grad_w
 
 
+@rule_of(ConvTranspose)
 class ConvTransposeRule(AffineLayer):
     """Transposed convolution: its stored ``[I, O/groups, *k]`` weight, per group transposed,
     is the canonical ``[O, I/groups, *k]`` (output channel o of group g reads that group's inputs)."""
-
-    node_type = ConvTranspose
 
     def groups(self, node: ConvTranspose) -> int:
         return node.groups
@@ -499,15 +578,25 @@ class ConvTransposeRule(AffineLayer):
 
     def weighted(self, node: ConvTranspose, x, weight):
         stored = swap_group_axes(weight, node.groups)
-        return _CONV_TRANSPOSE[weight.dim() - 2](x, stored, None, node.stride, node.padding, node.output_padding,
-                                                 node.groups, node.dilation)
+        return _CONV_TRANSPOSE[weight.dim() - 2](
+            x, stored, None, node.stride, node.padding, node.output_padding, node.groups, node.dilation
+        )
 
     def weighted_vjp(self, node: ConvTranspose, x, weight, cotangent, *, weight_grad=True, input_grad=True):
         rank = weight.dim() - 2
         grad_x, grad_stored, _ = torch.ops.aten.convolution_backward(
-            cotangent, x, swap_group_axes(weight, node.groups), None, _expand(node.stride, rank),
-            _expand(node.padding, rank), _expand(node.dilation, rank), True, _expand(node.output_padding, rank),
-            node.groups, [input_grad, weight_grad, False])
+            cotangent,
+            x,
+            swap_group_axes(weight, node.groups),
+            None,
+            _expand(node.stride, rank),
+            _expand(node.padding, rank),
+            _expand(node.dilation, rank),
+            True,
+            _expand(node.output_padding, rank),
+            node.groups,
+            [input_grad, weight_grad, False],
+        )
         # The swap of group axes is its own inverse: the stored layout's gradient, read canonically.
         return grad_x, swap_group_axes(grad_stored, node.groups) if weight_grad else None
 
@@ -521,6 +610,7 @@ def swap_group_axes(weight: torch.Tensor, groups: int) -> torch.Tensor:
     return weight.reshape(groups, a, b, *kernel).transpose(1, 2).reshape(groups * b, a, *kernel)
 
 
+@rule_of(BatchNorm)
 class BatchNormRule(Rule):
     """BatchNorm: folded into the Linear/Conv before it, or a layer of its own.
 
@@ -529,12 +619,16 @@ class BatchNormRule(Rule):
     statistics would undo a rescaling of them in train mode.
     """
 
-    node_type = BatchNorm
-
     def forward(self, node: BatchNorm, xs, param, train):
         return F.batch_norm(
-            xs[0], param(node.running_mean).clone(), param(node.running_var).clone(), param(node.weight),
-            param(node.bias), training=train, momentum=node.momentum, eps=node.eps,
+            xs[0],
+            param(node.running_mean).clone(),
+            param(node.running_var).clone(),
+            param(node.weight),
+            param(node.bias),
+            training=train,
+            momentum=node.momentum,
+            eps=node.eps,
         )
 
     def squared(self, node, xs, power):
@@ -552,8 +646,17 @@ class BatchNormRule(Rule):
             return None
         weight_fold, bias_fold = fold_batchnorm(node, params, None, None)
         stored = [Stored(node.weight, "vector", True, False), Stored(node.bias, "vector", True, False)]
-        return Affine(weight_fold.value, bias_fold.value, len(bias_fold.value), f"{node.weight} (BatchNorm scale γ/σ)",
-                      f"{node.bias} (BatchNorm shift β − γμ/σ)", node.name, stored, weight_fold, bias_fold)
+        return Affine(
+            weight_fold.value,
+            bias_fold.value,
+            len(bias_fold.value),
+            f"{node.weight} (BatchNorm scale γ/σ)",
+            f"{node.bias} (BatchNorm shift β − γμ/σ)",
+            node.name,
+            stored,
+            weight_fold,
+            bias_fold,
+        )
 
     def weighted(self, node, x, weight):
         return x * per_channel(weight.reshape(-1), x)
@@ -566,12 +669,11 @@ def channel_values(tensor: torch.Tensor, channels: int) -> torch.Tensor:
     return tensor.reshape(-1)
 
 
+@rule_of(ChannelAffine)
 class ChannelAffineRule(Rule):
     """Per-channel scale and shift: a depthwise 1×1 layer (groups = channels) whose scale is
     the weight on the edge from input channel c to new channel c and whose shift is the new
     neuron's bias. Unlike a standalone BatchNorm its input channels stay free: no statistics."""
-
-    node_type = ChannelAffine
 
     def forward(self, node: ChannelAffine, xs, param, train):
         x = xs[0]
@@ -593,11 +695,10 @@ class ChannelAffineRule(Rule):
         return x * per_channel(weight.reshape(-1), x)
 
 
+@rule_of(ChannelBias)
 class ChannelBiasRule(PassThrough):
     """A per-channel constant added on fixed edges of weight 1: the layer's only DAG parameter is
     its bias, whose neuron keeps its input channel's scale (the squared network adds ψ_bias)."""
-
-    node_type = ChannelBias
 
     def forward(self, node: ChannelBias, xs, param, train):
         x = xs[0]
@@ -608,40 +709,35 @@ class ChannelBiasRule(PassThrough):
         return Affine(None, bias, len(bias), None, node.bias, node.name, [Stored(node.bias, "vector", True, False)])
 
 
+@rule_of(ReLU)
 class ReLURule(HomogeneousActivation):
-    node_type = ReLU
-
     def forward(self, node, xs, param, train):
         return F.relu(xs[0])
 
 
+@rule_of(LeakyReLU)
 class LeakyReLURule(HomogeneousActivation):
-    node_type = LeakyReLU
-
     def forward(self, node: LeakyReLU, xs, param, train):
         return F.leaky_relu(xs[0], node.negative_slope)
 
 
+@rule_of(Identity)
 class IdentityRule(HomogeneousActivation):
-    node_type = Identity
-
     def forward(self, node, xs, param, train):
         return xs[0]
 
 
+@rule_of(PReLU)
 class PReLURule(HomogeneousActivation):
     """The slope tensor may carry singleton axes (ONNX stores it as ``[C, 1, 1]``)."""
-
-    node_type = PReLU
 
     def forward(self, node: PReLU, xs, param, train):
         return F.prelu(xs[0], param(node.weight).reshape(-1))
 
 
+@rule_of(Scale)
 class ScaleRule(ElementWise):
     """A fixed edge of constant weight c: c**power in the squared network (c² for diag(G))."""
-
-    node_type = Scale
 
     def forward(self, node: Scale, xs, param, train):
         return xs[0] * node.factor
@@ -650,14 +746,13 @@ class ScaleRule(ElementWise):
         return xs[0] * node.factor**power
 
 
+@rule_of(Pad)
 class PadRule(PassThrough):
     """Zero and −inf padding: padded positions are neurons without incoming edges (0 in the
     squared network). Reflect, replicate, circular: each padded position copies one input
     position of its channel through a fixed edge of weight 1 (the same copy in the squared network).
     Negative widths crop, in every mode: F.pad crops before it pads, as ONNX runtimes do, and a
     cropped-away position has no outgoing edge."""
-
-    node_type = Pad
 
     @staticmethod
     def _pads(node: Pad) -> list[int]:
@@ -674,12 +769,11 @@ class PadRule(PassThrough):
         return F.pad(xs[0], self._pads(node))
 
 
+@rule_of(FixedFilter)
 class FixedFilterRule(PassThrough):
     """A depthwise convolution by constant coefficients: one fixed edge per tap, of weight the
     coefficient; in the squared network of power q each becomes |c|^q (for q = 0 the 0/1
     pattern of the non-zero coefficients: one edge per non-zero tap)."""
-
-    node_type = FixedFilter
 
     @staticmethod
     def filters(node: FixedFilter, x: torch.Tensor) -> torch.Tensor:
@@ -687,8 +781,9 @@ class FixedFilterRule(PassThrough):
         kernel = _expand(node.kernel, spatial_rank(x))
         channels = x.shape[1]
         if len(node.coefficients) != channels * prod(kernel):
-            raise ValueError(f"{len(node.coefficients)} coefficients are not one {kernel} filter for each of "
-                             f"{channels} channels")
+            raise ValueError(
+                f"{len(node.coefficients)} coefficients are not one {kernel} filter for each of {channels} channels"
+            )
         return torch.tensor(node.coefficients, dtype=x.dtype, device=x.device).reshape(channels, 1, *kernel)
 
     def _convolve(self, node: FixedFilter, x: torch.Tensor, filters: torch.Tensor) -> torch.Tensor:
@@ -702,73 +797,32 @@ class FixedFilterRule(PassThrough):
         return self._convolve(node, xs[0], filters.abs() ** power if power else (filters != 0).to(filters.dtype))
 
 
-class ChannelShuffleRule(Rule):
-    node_type = ChannelShuffle
+@rule_of(ChannelShuffle, ChannelSlice, ChannelGather)
+class ChannelCopyRule(Rule):
+    """Output channel c copies input channel s(c) whole (s: the node's ``source_channels``): fixed
+    edges of weight 1 (the same copy in the squared network), each output channel tied to its source;
+    an input channel no output copies is not read."""
+
     reads_elements = True
 
-    @staticmethod
-    def source_channels(node: ChannelShuffle, channels: int) -> torch.Tensor:
-        """Input channel of each output channel: output j·groups + i reads input i·(C/groups) + j."""
-        if channels % node.groups:
-            raise ValueError(f"{channels} channels cannot be shuffled in {node.groups} groups")
-        return torch.arange(channels).reshape(node.groups, channels // node.groups).t().reshape(-1)
-
-    def forward(self, node, xs, param, train):
+    def forward(self, node: ChannelCopy, xs, param, train):
         x = xs[0]
-        return x[:, self.source_channels(node, x.shape[1]).to(x.device)]
+        return x[:, node.source_channels(x.shape[1]).to(x.device)]
 
     def squared(self, node, xs, power):
         return self.forward(node, xs, None, False)
 
-    def ties(self, node, ties):
+    def ties(self, node: ChannelCopy, ties):
         ids = ties.held(node.inputs[0])
-        return ids[self.source_channels(node, len(ids))]
+        return ids[node.source_channels(len(ids))]
 
 
-class ChannelSliceRule(Rule):
-    """A channel subset: output channel c is input channel start + c (the others are not read)."""
-
-    node_type = ChannelSlice
-    reads_elements = True
-
-    def forward(self, node: ChannelSlice, xs, param, train):
-        x = xs[0]
-        if not 0 <= node.start < node.stop <= x.shape[1]:
-            raise ValueError(f"channels {node.start}:{node.stop} are not a non-empty range of {x.shape[1]}")
-        return x[:, node.start:node.stop]
-
-    def squared(self, node, xs, power):
-        return self.forward(node, xs, None, False)
-
-    def ties(self, node: ChannelSlice, ties):
-        return ties.held(node.inputs[0])[node.start:node.stop]
-
-
-class ChannelGatherRule(Rule):
-    """Whole channels picked by index: fixed edges of weight 1, each output channel tied to its source."""
-
-    node_type = ChannelGather
-    reads_elements = True
-
-    def forward(self, node: ChannelGather, xs, param, train):
-        x = xs[0]
-        if not all(0 <= c < x.shape[1] for c in node.channels):
-            raise ValueError(f"channels {list(node.channels)} are not all among the input's {x.shape[1]}")
-        return x[:, list(node.channels)]
-
-    def squared(self, node, xs, power):
-        return self.forward(node, xs, None, False)
-
-    def ties(self, node: ChannelGather, ties):
-        return ties.held(node.inputs[0])[list(node.channels)]
-
-
+@rule_of(Rearrange)
 class RearrangeRule(Rule):
     """Each output element copies one input element: fixed edges of weight 1 (1**power in the
     squared network, so the same copy there). Each output element keeps its source element's id,
     so the ids are held per element; a reader of whole channels ties them (Ties.record)."""
 
-    node_type = Rearrange
     reads_elements = True
 
     def forward(self, node: Rearrange, xs, param, train):
@@ -780,8 +834,9 @@ class RearrangeRule(Rule):
         if node.sizes and min(node.strides) >= 0:
             # A view of the input on its own device: no index tensor to build or copy there.
             flat = flat.contiguous()
-            view = flat.as_strided((flat.shape[0], *node.sizes), (flat.shape[1], *node.strides),
-                                   flat.storage_offset() + node.offset)
+            view = flat.as_strided(
+                (flat.shape[0], *node.sizes), (flat.shape[1], *node.strides), flat.storage_offset() + node.offset
+            )
             return view.reshape(x.shape[0], *node.shape)
         return flat[:, node.index.to(x.device).reshape(-1)].reshape(x.shape[0], *node.shape)
 
@@ -792,6 +847,7 @@ class RearrangeRule(Rule):
         return ties.elements(node.inputs[0]).reshape(-1)[node.index]
 
 
+@rule_of(Upsample)
 class UpsampleRule(PassThrough):
     """Nearest or (bi/tri)linear resize: fixed edges, output channel c from input channel c.
 
@@ -801,7 +857,6 @@ class UpsampleRule(PassThrough):
     (for power 0 the 0/1 pattern of the non-zero coefficients: one edge per non-zero entry).
     """
 
-    node_type = Upsample
     _LINEAR_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
     @staticmethod
@@ -819,9 +874,13 @@ class UpsampleRule(PassThrough):
 
     def _interpolate(self, node: Upsample, x: torch.Tensor, size, scale_factor) -> torch.Tensor:
         linear = node.mode == "linear"
-        return F.interpolate(x, size=size, scale_factor=scale_factor,
-                             mode=self._LINEAR_MODES[spatial_rank(x)] if linear else "nearest",
-                             align_corners=node.align_corners if linear else None)
+        return F.interpolate(
+            x,
+            size=size,
+            scale_factor=scale_factor,
+            mode=self._LINEAR_MODES[spatial_rank(x)] if linear else "nearest",
+            align_corners=node.align_corners if linear else None,
+        )
 
     def forward(self, node: Upsample, xs, param, train):
         return self._interpolate(node, xs[0], *self.resize_arguments(node, spatial_rank(xs[0])))
@@ -832,8 +891,7 @@ class UpsampleRule(PassThrough):
         matrices = []
         for axis, n in enumerate(x.shape[2:]):
             basis = torch.eye(n, dtype=torch.float64, device=x.device).unsqueeze(0)
-            resized = self._interpolate(node, basis, size and (size[axis],),
-                                        scale_factor and (scale_factor[axis],))
+            resized = self._interpolate(node, basis, size and (size[axis],), scale_factor and (scale_factor[axis],))
             matrices.append(resized[0].t().to(x.dtype))
         return matrices
 
@@ -872,7 +930,9 @@ def window_sum(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bo
     rank = spatial_rank(x)
     kernel, stride, padding, dilation = (_expand(v, rank) for v in (kernel, stride, padding, dilation))
     sizes = x.shape[2:]
-    outs = [pool_output_size(n, k, s, p, d, ceil_mode) for n, k, s, p, d in zip(sizes, kernel, stride, padding, dilation)]
+    outs = [
+        pool_output_size(n, k, s, p, d, ceil_mode) for n, k, s, p, d in zip(sizes, kernel, stride, padding, dilation)
+    ]
     pads = []
     for n, k, s, p, d, o in zip(sizes, kernel, stride, padding, dilation, outs):
         right = max(p, (o - 1) * s + d * (k - 1) + 1 - n - p)
@@ -884,25 +944,25 @@ def window_sum(x: torch.Tensor, kernel, stride, padding, dilation, ceil_mode: bo
     return y[(..., *(slice(0, o) for o in outs))]
 
 
+@rule_of(MaxPool)
 class MaxPoolRule(PassThrough):
-    node_type = MaxPool
-
     def forward(self, node: MaxPool, xs, param, train):
         x = xs[0]
-        return _MAX_POOL[spatial_rank(x)](x, node.kernel, node.stride, node.padding, node.dilation,
-                                          ceil_mode=node.ceil_mode)
+        return _MAX_POOL[spatial_rank(x)](
+            x, node.kernel, node.stride, node.padding, node.dilation, ceil_mode=node.ceil_mode
+        )
 
     def squared(self, node: MaxPool, xs, power):
         return window_sum(xs[0], node.kernel, node.stride, node.padding, node.dilation, node.ceil_mode)
 
 
+@rule_of(AvgPool)
 class AvgPoolRule(PassThrough):
-    node_type = AvgPool
-
     def forward(self, node: AvgPool, xs, param, train):
         x = xs[0]
-        return _AVG_POOL[spatial_rank(x)](x, node.kernel, node.stride, node.padding, node.ceil_mode,
-                                          node.count_include_pad)
+        return _AVG_POOL[spatial_rank(x)](
+            x, node.kernel, node.stride, node.padding, node.ceil_mode, node.count_include_pad
+        )
 
     def squared(self, node: AvgPool, xs, power):
         """Window sum over divisor**power, the divisor exactly as torch computes it."""
@@ -916,9 +976,8 @@ class AvgPoolRule(PassThrough):
         return summed / divisor**power if power else summed
 
 
+@rule_of(AdaptiveAvgPool)
 class AdaptiveAvgPoolRule(PassThrough):
-    node_type = AdaptiveAvgPool
-
     def forward(self, node: AdaptiveAvgPool, xs, param, train):
         return _ADAPTIVE_AVG_POOL[spatial_rank(xs[0])](xs[0], node.output_size)
 
@@ -935,10 +994,10 @@ class AdaptiveAvgPoolRule(PassThrough):
 # --------------------------------------------------------------------------- shape and wiring
 
 
+@rule_of(Flatten)
 class FlattenRule(Rule):
     """Channel-major flatten: every feature of channel c is a copy of channel c's neuron group."""
 
-    node_type = Flatten
     reads_elements = True
 
     def forward(self, node, xs, param, train):
@@ -951,11 +1010,11 @@ class FlattenRule(Rule):
         return ties.elements(node.inputs[0]).reshape(-1)
 
 
+@rule_of(Add)
 class AddRule(Rule):
     """Element-wise sum: identity skips tie the summed channels together; a broadcast channel
     (an input with one channel) feeds every output channel, so it ties all of them."""
 
-    node_type = Add
     reads_elements = True
 
     def forward(self, node, xs, param, train):
@@ -980,12 +1039,12 @@ class AddRule(Rule):
         return ids[0]
 
 
+@rule_of(Sub)
 class SubRule(Rule):
     """``a − b``: fixed edges of weight +1 from ``a`` and −1 from ``b``. In the squared network of
     any power q each becomes |±1|^q = 1, so it is the sum ``a + b`` there (diag(G), path norms,
     path counts, the path-metric's streams); the channels are tied as a sum's (AddRule.ties)."""
 
-    node_type = Sub
     reads_elements = True
 
     def forward(self, node, xs, param, train):
@@ -998,8 +1057,8 @@ class SubRule(Rule):
         return AddRule.ties(self, node, ties)
 
 
+@rule_of(Concat)
 class ConcatRule(Rule):
-    node_type = Concat
     reads_elements = True
 
     def forward(self, node, xs, param, train):
@@ -1014,17 +1073,6 @@ class ConcatRule(Rule):
         return torch.cat([ties.elements(i) for i in node.inputs])
 
 
-RULES: dict[type[Node], Rule] = {
-    rule.node_type: rule
-    for rule in (
-        InputRule(), LinearRule(), ConvRule(), ConvTransposeRule(), BatchNormRule(), ReLURule(), LeakyReLURule(),
-        PReLURule(), IdentityRule(), ScaleRule(), PadRule(), MaxPoolRule(), AvgPoolRule(), AdaptiveAvgPoolRule(),
-        FlattenRule(), AddRule(), ConcatRule(), ChannelShuffleRule(), ChannelSliceRule(), UpsampleRule(),
-        ChannelGatherRule(), ChannelAffineRule(), FixedFilterRule(), ChannelBiasRule(), SubRule(), RearrangeRule(),
-    )
-}
-
-
 def rule_for(node: Node) -> Rule:
     """The rule of ``node``'s exact type; a type without one is refused, never passed through."""
     rule = RULES.get(type(node))
@@ -1034,4 +1082,3 @@ def rule_for(node: Node) -> Rule:
             "squared network, channel ties): it cannot be evaluated or rescaled"
         )
     return rule
-

@@ -26,8 +26,10 @@ _SAME = object()
 def hyper(default: Any, convert: Callable[[Any], Any], *, spec_default: Any = _SAME) -> Any:
     """A node field validated by ``convert``; ``spec_default``: its value when a spec omits it
     (:data:`REQUIRED`: a spec must give it), by default the field's own default."""
-    return field(default=default, metadata={"convert": convert,
-                                            "spec_default": default if spec_default is _SAME else spec_default})
+    return field(
+        default=default,
+        metadata={"convert": convert, "spec_default": default if spec_default is _SAME else spec_default},
+    )
 
 
 def is_int(value: Any) -> bool:
@@ -36,6 +38,7 @@ def is_int(value: Any) -> bool:
 
 def ints(minimum: int | None) -> Callable[[Any], tuple[int, ...]]:
     """Integers of at least ``minimum`` (None: of any sign), one or a list."""
+
     def convert(value: Any) -> tuple[int, ...]:
         items = list(value) if isinstance(value, (list, tuple)) else [value]
         if not items or not all(is_int(v) and (minimum is None or v >= minimum) for v in items):
@@ -80,6 +83,7 @@ def optional_sizes(value: Any) -> tuple[int, ...]:
 
 def optional_ints(minimum: int | None) -> Callable[[Any], tuple[int, ...]]:
     """Integers as :func:`ints` reads them, or none (``null`` or ``[]``)."""
+
     def convert(value: Any) -> tuple[int, ...]:
         return () if value is None or value == [] or value == () else ints(minimum)(value)
 
@@ -110,8 +114,9 @@ def _floats(value: Any, convert: Callable[[Any], float], requirement: str) -> tu
         except ValueError:
             if len(items) == 1:
                 raise ValueError(f"must be {requirement} or a list of them") from None
-            raise ItemError(f"must be {requirement} or a list of them; item {position} of {len(items)} is "
-                            f"{item!r}") from None
+            raise ItemError(
+                f"must be {requirement} or a list of them; item {position} of {len(items)} is {item!r}"
+            ) from None
     return tuple(converted)
 
 

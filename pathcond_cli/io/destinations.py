@@ -54,8 +54,9 @@ def default_output(path: Path, tag: str = "pathcond") -> Path:
     return path.with_name(f"{path.stem}.{tag}{path.suffix}")
 
 
-def written(option: str, name: str | os.PathLike | None, kind: str | None = None, *,
-            devices: bool = False) -> Written | None:
+def written(
+    option: str, name: str | os.PathLike | None, kind: str | None = None, *, devices: bool = False
+) -> Written | None:
     """The :class:`Written` for ``name`` given to ``option`` (None when not given); ``kind``
     is the checkpoint format for ``-o`` (its companions follow from it); ``devices``: whether a
     character device may take it."""
@@ -73,8 +74,9 @@ def written(option: str, name: str | os.PathLike | None, kind: str | None = None
     return Written(option, text, re.compile(pattern, re.DOTALL), longest)
 
 
-def check_destinations(outputs: Sequence[Written | None], reads: Sequence[Path], *,
-                       in_place: bool = False, offers_in_place: bool = True) -> list[Path | None]:
+def check_destinations(
+    outputs: Sequence[Written | None], reads: Sequence[Path], *, in_place: bool = False, offers_in_place: bool = True
+) -> list[Path | None]:
     """Refuse, before any work, every path of ``outputs`` that breaks the rule of this module;
     ``reads`` are the files the run reads, the checkpoint first. Returns each output's path as
     it will be written (a link to a regular file is written through; None where not given).
@@ -86,42 +88,57 @@ def check_destinations(outputs: Sequence[Written | None], reads: Sequence[Path],
     for item in given:
         path = resolve_destination(item.path)
         is_output = item.option == "-o"
-        check_destination(path, inputs=reads[:1] if is_output else (), in_place=in_place, option=item.option,
-                          devices=item.devices)
+        check_destination(
+            path, inputs=reads[:1] if is_output else (), in_place=in_place, option=item.option, devices=item.devices
+        )
         for source in reads[1:] if is_output else reads:
             if same_file(path, source):
                 raise OutputError(
                     f"refusing to overwrite '{_shown(source)}', a file this run reads: choose another "
-                    f"{item.option} path" + (" (--in-place lets the output replace the checkpoint, nothing else)."
-                                             if is_output and offers_in_place else ".")
+                    f"{item.option} path"
+                    + (
+                        " (--in-place lets the output replace the checkpoint, nothing else)."
+                        if is_output and offers_in_place
+                        else "."
+                    )
                 )
         for earlier in given[: given.index(item)]:
             clash = _clash(earlier, resolved[id(earlier)], path)
             if clash:
-                raise UsageError(f"{item.option} '{_shown(item.name)}' would overwrite {clash}; "
-                                 f"choose another {item.option} path.")
+                raise UsageError(
+                    f"{item.option} '{_shown(item.name)}' would overwrite {clash}; choose another {item.option} path."
+                )
         resolved[id(item)] = path
     return [resolved[id(o)] if o is not None else None for o in outputs]
 
 
 def _check_name(item: Written) -> None:
     if item.name == "-" and item.option != "-o":
-        raise UsageError(f"{item.option} - would write to stdout; pathcond writes {item.option} to a file "
-                         "(--json prints the report on stdout).")
+        raise UsageError(
+            f"{item.option} - would write to stdout; pathcond writes {item.option} to a file "
+            "(--json prints the report on stdout)."
+        )
     if item.name.endswith(("/", os.sep)) or item.name in ("", ".", ".."):
-        raise OutputError(f"cannot write '{_shown(item.name)}': that names a directory; {item.option} takes a file "
-                          "name (no directory is created).")
+        raise OutputError(
+            f"cannot write '{_shown(item.name)}': that names a directory; {item.option} takes a file "
+            "name (no directory is created)."
+        )
     if item.longest is not None and len(os.fsencode(item.longest)) + TAKEN_TAG_CHARS > NAME_MAX:
-        raise OutputError(f"cannot write '{_shown(item.name)}': the files written beside it ('{_shown(item.longest)}' "
-                          f"or a tagged variant) would have names longer than {NAME_MAX} bytes; choose a shorter name.")
+        raise OutputError(
+            f"cannot write '{_shown(item.name)}': the files written beside it ('{_shown(item.longest)}' "
+            f"or a tagged variant) would have names longer than {NAME_MAX} bytes; choose a shorter name."
+        )
 
 
 def _clash(earlier: Written, earlier_path: Path, path: Path) -> str | None:
     """What writing ``path`` would overwrite of ``earlier`` (the output itself or a companion)."""
     if same_file(path, earlier_path):
         return f"the file {earlier.option} writes"
-    if earlier.companion is not None and same_file(path.parent, earlier_path.parent) \
-            and earlier.companion.fullmatch(path.name):
+    if (
+        earlier.companion is not None
+        and same_file(path.parent, earlier_path.parent)
+        and earlier.companion.fullmatch(path.name)
+    ):
         return f"a file written beside the checkpoint ({earlier.option}'s external data or shards)"
     return None
 

@@ -56,8 +56,9 @@ def printable(text: str, *, keep: str = "") -> str:
     """``text`` as it can be shown on a terminal: undecodable bytes and every control or format
     character (ESC, BEL, CR, bidirectional overrides, ...) but those in ``keep`` as backslash
     escapes, so that a name read from a file cannot drive the terminal."""
-    return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii")
-                   for c in describe(text))
+    return "".join(
+        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii") for c in describe(text)
+    )
 
 
 # A stream is read this many bytes at a time: what is allocated is what arrived, not the most
@@ -94,8 +95,9 @@ def same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_place: bool = False,
-                      option: str = "-o", devices: bool = False) -> None:
+def check_destination(
+    destination: Path, *, inputs: Iterable[Path] = (), in_place: bool = False, option: str = "-o", devices: bool = False
+) -> None:
     """Refuse before any work: a missing or unwritable directory, a name too long, something that
     is not a regular file (directory, FIFO, device, socket, or a link to one), or an input file.
     With ``devices``, a character device (/dev/null, a terminal) is accepted: it is written
@@ -117,8 +119,12 @@ def check_destination(destination: Path, *, inputs: Iterable[Path] = (), in_plac
     if kind is not None:
         raise OutputError(
             f"cannot write '{shown}': it is {kind}, not a regular file; pathcond only replaces regular files"
-            + (" (a checkpoint is read back from its file to be verified)" if kind.startswith("a character device")
-               and not devices else "") + f". Choose another {option} path."
+            + (
+                " (a checkpoint is read back from its file to be verified)"
+                if kind.startswith("a character device") and not devices
+                else ""
+            )
+            + f". Choose another {option} path."
         )
     if not in_place:
         for source in inputs:
@@ -219,9 +225,13 @@ def _non_regular_kind(path: Path) -> str | None:
         return "a dangling symbolic link" if os.path.islink(path) else None
     if stat.S_ISREG(mode):
         return None
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return kind + (" (through a symbolic link)" if os.path.islink(path) else "")
     return "not a regular file"
@@ -351,8 +361,9 @@ def interrupts_deferred() -> Iterator[None]:
         yield
         return
     held = []
-    previous = {signum: signal.signal(signum, lambda received, frame: held.append(received))
-                for signum in INTERRUPTING_SIGNALS}
+    previous = {
+        signum: signal.signal(signum, lambda received, frame: held.append(received)) for signum in INTERRUPTING_SIGNALS
+    }
     try:
         yield
     finally:
@@ -392,8 +403,10 @@ def _hold_from_now() -> None:
     state = _holding[-1]
     if state["previous"] is None:
         held = state["held"]
-        state["previous"] = {signum: signal.signal(signum, lambda received, frame: held.append(received))
-                             for signum in INTERRUPTING_SIGNALS}
+        state["previous"] = {
+            signum: signal.signal(signum, lambda received, frame: held.append(received))
+            for signum in INTERRUPTING_SIGNALS
+        }
 
 
 @contextlib.contextmanager

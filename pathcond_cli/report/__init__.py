@@ -1,2 +1,3 @@
 """What a run tells people and pipelines: the JSON documents, rich tables, plots. Imports the library
-(``api``, ``toolkit``), ``engine``, ``solve``, ``io`` and ``errors``, never ``cli``."""
+(``analysis``, ``rescaling``, ``statistics``, ``toolkit``), ``engine``, ``solve``, ``io`` and
+``errors``, never ``cli``."""

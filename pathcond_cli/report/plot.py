@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..api import LOG10_E, DiagSummary
-from ..engine.diag import LogG, OuterLog, dense
+from ..engine.log_g import LogG, OuterLog, dense
+from ..statistics import LOG10_E, DiagSummary
 
 QUARTILE_SAMPLE = 200_000
 BEFORE_COLOUR, AFTER_COLOUR = "#9e9e9e", "#1f77b4"
@@ -53,9 +53,13 @@ def short_label(layer: str, limit: int = 28) -> str:
     parts = [part for part in layer.split("/") if part]
     if len(parts) > 1 and parts[-1][:1].isupper():
         parts = parts[:-1]
-    parts = [part for part, following in zip(parts, [*parts[1:], None]) if following is None or not following.startswith(part)]
+    parts = [
+        part
+        for part, following in zip(parts, [*parts[1:], None])
+        if following is None or not following.startswith(part)
+    ]
     label = "/".join(parts) or layer
-    return label if len(label) <= limit else label[: limit // 2 - 1] + "…" + label[-(limit // 2):]
+    return label if len(label) <= limit else label[: limit // 2 - 1] + "…" + label[-(limit // 2) :]
 
 
 def draw(report: dict[str, Any], analysis, result, path: Path, fmt: str) -> None:
@@ -90,22 +94,32 @@ def _draw_layers(axes, layers: list[str], before: dict, after: dict | None, repo
     if after is not None:
         series.append((after, offset, AFTER_COLOUR, "after rescaling"))
     for values, shift, colour, label in series:
-        axes.bxp([values[layer] for layer in layers], positions=positions + shift, widths=box_width, showfliers=False, patch_artist=True,
-                 boxprops={"facecolor": colour, "edgecolor": "black", "linewidth": 0.6},
-                 medianprops={"color": "black", "linewidth": 1.0},
-                 whiskerprops={"color": colour, "linewidth": 1.2}, capprops={"color": colour, "linewidth": 1.2})
+        axes.bxp(
+            [values[layer] for layer in layers],
+            positions=positions + shift,
+            widths=box_width,
+            showfliers=False,
+            patch_artist=True,
+            boxprops={"facecolor": colour, "edgecolor": "black", "linewidth": 0.6},
+            medianprops={"color": "black", "linewidth": 1.0},
+            whiskerprops={"color": colour, "linewidth": 1.2},
+            capprops={"color": colour, "linewidth": 1.2},
+        )
         axes.plot([], [], color=colour, linewidth=8, label=label)
     axes.set_xticks(positions)
     # Horizontal labels while they fit side by side (about 12 characters per inch at this size).
     longest = max(len(short_label(layer)) for layer in layers)
     rotation = 0 if longest * len(layers) <= 12 * axes.figure.get_figwidth() else 90
-    axes.set_xticklabels([short_label(layer) for layer in layers], rotation=rotation,
-                         fontsize=9 if len(layers) <= 30 else 7)
+    axes.set_xticklabels(
+        [short_label(layer) for layer in layers], rotation=rotation, fontsize=9 if len(layers) <= 30 else 7
+    )
     axes.set_xlim(-0.6, len(layers) - 0.4)
     axes.set_ylabel("log10 diag(G)  (g > 0)")
     axes.grid(axis="y", alpha=0.3)
     conditioning = report["conditioning"]
-    title = f"diag(G) per layer, network order: box = quartiles, whiskers = min–max; D = {conditioning['before']['D']:.4g}"
+    title = (
+        f"diag(G) per layer, network order: box = quartiles, whiskers = min–max; D = {conditioning['before']['D']:.4g}"
+    )
     if after is not None:
         title += f" → {conditioning['after']['D']:.4g} after"
     axes.set_title(title, fontsize=10, loc="left")
@@ -122,8 +136,11 @@ def _draw_objective(values_axes, gap_axes, report: dict[str, Any]) -> None:
     values_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     values_axes.set_xlabel("iteration")
     values_axes.set_ylabel("F(u)")
-    values_axes.set_title(f"F per iteration ({solver['name']}, "
-                          f"{'converged' if solver['converged'] else 'NOT converged'})", fontsize=10, loc="left")
+    values_axes.set_title(
+        f"F per iteration ({solver['name']}, {'converged' if solver['converged'] else 'NOT converged'})",
+        fontsize=10,
+        loc="left",
+    )
     values_axes.grid(alpha=0.3)
     values_axes.ticklabel_format(axis="y", useOffset=False, style="plain")
     gap = history[:-1] - history[-1]
@@ -133,6 +150,7 @@ def _draw_objective(values_axes, gap_axes, report: dict[str, Any]) -> None:
     gap_axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     gap_axes.set_xlabel("iteration")
     gap_axes.set_ylabel("F(u) − F(final)")
-    gap_axes.set_title(f"F − final F, log scale (final KKT residual {solver['kkt_residual']:.2g})",
-                       fontsize=10, loc="left")
+    gap_axes.set_title(
+        f"F − final F, log scale (final KKT residual {solver['kkt_residual']:.2g})", fontsize=10, loc="left"
+    )
     gap_axes.grid(alpha=0.3, which="both")

@@ -19,12 +19,13 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from .. import __version__
-from ..api import LOG10_E, Analysis, Conditioning, DiagSummary, RescaleResult, ZeroCause, histogram, zero_causes
-from ..engine.diag import LogG, PathNorm, norm_order_text, unused_parameters
+from ..analysis import Analysis
+from ..engine.diag import PathNorm, norm_order_text
 from ..engine.model import LoadedModel
 from ..io.fileio import printable
-from ..solve.objective import degenerate_mask
+from ..rescaling import RescaleResult
+from ..statistics import LOG10_E, Conditioning, DiagSummary, ZeroCause
+from ..version import __version__
 
 SCHEMA_VERSION = 2
 
@@ -43,9 +44,8 @@ def _power_of_ten(log10: float | None) -> float | None:
         return None
 
 
-def _diag_section(summary: DiagSummary, log_g: Sequence[LogG],
-                  ln_bounds: tuple[float | None, float | None]) -> dict[str, Any]:
-    """``diag_g`` (or ``diag_g_after``): spread, per-layer table and a histogram of ln g over ``ln_bounds``."""
+def _diag_section(summary: DiagSummary, bins: list[tuple[float, float, int]]) -> dict[str, Any]:
+    """``diag_g`` (or ``diag_g_after``): spread, per-layer table and the histogram ``bins``."""
     low, high = (None if v is None else v * LOG10_E for v in (summary.ln_low, summary.ln_high))
     layers = summary.layers
     return {
@@ -66,8 +66,7 @@ def _diag_section(summary: DiagSummary, log_g: Sequence[LogG],
             for layer in layers
         ],
         "histogram": [
-            {"log10_low": low_edge, "log10_high": high_edge, "count": count}
-            for low_edge, high_edge, count in histogram(log_g, *ln_bounds)
+            {"log10_low": low_edge, "log10_high": high_edge, "count": count} for low_edge, high_edge, count in bins
         ],
     }
 
@@ -129,8 +128,9 @@ def loaded_report(model: LoadedModel, command: str) -> dict[str, Any]:
     }
 
 
-PROCESSING_NOTE = ("carried unchanged around the ReLU DAG; path norms, diag(G), compare and prune are those of the "
-                   "DAG between them")
+PROCESSING_NOTE = (
+    "carried unchanged around the ReLU DAG; path norms, diag(G), compare and prune are those of the DAG between them"
+)
 
 
 def processing_section(model: LoadedModel) -> dict[str, Any] | None:
@@ -139,8 +139,12 @@ def processing_section(model: LoadedModel) -> dict[str, Any] | None:
     carried = model.carried
     if not carried:
         return None
-    return {"pre": list(carried.pre), "post": list(carried.post),
-            "file_inputs": {name: list(shape) for name, shape in carried.inputs.items()}, "note": PROCESSING_NOTE}
+    return {
+        "pre": list(carried.pre),
+        "post": list(carried.post),
+        "file_inputs": {name: list(shape) for name, shape in carried.inputs.items()},
+        "note": PROCESSING_NOTE,
+    }
 
 
 def spec_processing_warnings(model: LoadedModel, source: str) -> list[str]:
@@ -156,16 +160,24 @@ def spec_processing_warnings(model: LoadedModel, source: str) -> list[str]:
     if carried.post:
         outputs = ", ".join(f"'{value}'" for value in carried.dag_outputs)
         parts.append(f"post-processing ({_by_operation(carried.post)}), which reads the spec's outputs ({outputs})")
-    return [f"{source}: the spec is the ReLU DAG alone, not the whole network: the file carries "
-            f"{', and '.join(parts)}; the spec has none of it. A checkpoint read with this spec computes the DAG "
-            "only: apply that processing around it yourself, or use the ONNX file."]
+    return [
+        f"{source}: the spec is the ReLU DAG alone, not the whole network: the file carries "
+        f"{', and '.join(parts)}; the spec has none of it. A checkpoint read with this spec computes the DAG "
+        "only: apply that processing around it yourself, or use the ONNX file."
+    ]
 
 
 def _processing_rows(*sections: tuple[str, dict[str, Any] | None]) -> list[tuple[str, str]]:
     """The table's row of each (name suffix, ``processing`` section) that is not null."""
-    return [(f"pre/post-processing{suffix}", f"pre {_safe(_by_operation(processing['pre']))} · post "
-                                            f"{_safe(_by_operation(processing['post']))}: {processing['note']}")
-            for suffix, processing in sections if processing is not None]
+    return [
+        (
+            f"pre/post-processing{suffix}",
+            f"pre {_safe(_by_operation(processing['pre']))} · post "
+            f"{_safe(_by_operation(processing['post']))}: {processing['note']}",
+        )
+        for suffix, processing in sections
+        if processing is not None
+    ]
 
 
 def _bound_row(processing: dict[str, Any] | None, radius: float, value: str) -> tuple[str, str]:
@@ -174,7 +186,10 @@ def _bound_row(processing: dict[str, Any] | None, radius: float, value: str) -> 
     if processing is None:
         return f"output change, ‖x‖∞ ≤ {radius:g}", value
     if processing["pre"]:
-        return "output change of the DAG", f"for DAG inputs ‖z‖∞ ≤ {radius:g} (after the file's pre-processing): {value}"
+        return (
+            "output change of the DAG",
+            f"for DAG inputs ‖z‖∞ ≤ {radius:g} (after the file's pre-processing): {value}",
+        )
     return "output change of the DAG", f"before the file's post-processing, for ‖x‖∞ ≤ {radius:g}: {value}"
 
 
@@ -193,16 +208,13 @@ def _by_operation(ops: Sequence[str]) -> str:
 def analysis_report(
     analysis: Analysis,
     *,
-    ln_bounds: tuple[float | None, float | None] | None = None,
+    bins: list[tuple[float, float, int]] | None = None,
     degenerate: int | None = None,
 ) -> dict[str, Any]:
-    """The ``inspect`` report. ``ln_bounds`` fixes the histogram's range of ln g (default:
-    diag(G)'s own); ``degenerate`` is the solver's count of frozen groups when known."""
+    """The ``inspect`` report. ``bins`` is the histogram (default: over diag(G)'s own range);
+    ``degenerate`` is the solver's count of frozen groups when known."""
     model, groups, summary = analysis.model, analysis.groups, analysis.summary
-    if degenerate is None:
-        degenerate = int(degenerate_mask(groups, analysis.diag).sum())
-    # A parameter on no path has g = 0: without zeros in diag(G) there is nothing to look for.
-    unused = unused_parameters(groups) if any(layer.zeros for layer in summary.layers) else {}
+    unused = analysis.unused_parameters
     return {
         **loaded_report(model, "inspect"),
         "device": analysis.device,
@@ -210,14 +222,14 @@ def analysis_report(
         "groups": {
             "free": groups.num_free,
             "fixed": groups.num_fixed,
-            "degenerate": degenerate,
+            "degenerate": analysis.degenerate_groups if degenerate is None else degenerate,
             "colours": groups.num_colours,
         },
         "paths": {"log10": _finite(analysis.paths.log10), "exact": analysis.paths.exact},
         "path_norms": path_norms_section(analysis.path_norms),
         "conditioning": {"before": _conditioning(analysis.conditioning)},
-        "diag_g": _diag_section(summary, analysis.diag.parts, ln_bounds or (summary.ln_low, summary.ln_high)),
-        "diag_g_zeros": _zeros_section(zero_causes(analysis, unused), groups.p),
+        "diag_g": _diag_section(summary, analysis.bins if bins is None else bins),
+        "diag_g_zeros": _zeros_section(analysis.zero_causes, groups.p),
         "unused_parameters": unused,
         "warnings": list(model.warnings) + _unused_warning(unused, model),
         "seconds": {stage: round(value, 6) for stage, value in analysis.seconds.items()},
@@ -234,9 +246,11 @@ def _unused_warning(unused: dict[str, int], model) -> list[str]:
         return []
     shapes = ", ".join(str(tuple(node.shape)) for node in model.graph.inputs)
     where = ", ".join(f"{layer} ({count:,})" for layer, count in unused.items())
-    return [f"{sum(unused.values()):,} DAG parameter(s) lie on no path at input shape {shapes} (conv taps that only "
-            f"see padding): {where}. diag(G) depends on the input size: analyse at the training resolution "
-            "(--input-shape)."]
+    return [
+        f"{sum(unused.values()):,} DAG parameter(s) lie on no path at input shape {shapes} (conv taps that only "
+        f"see padding): {where}. diag(G) depends on the input size: analyse at the training resolution "
+        "(--input-shape)."
+    ]
 
 
 def _bound_keys(result: RescaleResult) -> dict[str, Any]:
@@ -264,20 +278,20 @@ def rescale_report(result: RescaleResult, output: str | None, seconds: dict[str,
     """The ``rescale`` report; ``output`` and ``verification`` are null before the file is written."""
     analysis = result.analysis
     solve, verification = result.solve, result.verification
-    # One set of histogram bins for before and after, so the two read side by side.
     before, after = analysis.summary, result.summary_after
-    ends = [v for v in (before.ln_low, before.ln_high, after.ln_low, after.ln_high) if v is not None]
-    ln_bounds = (min(ends), max(ends)) if ends else (None, None)
-    report = analysis_report(analysis, ln_bounds=ln_bounds, degenerate=len(solve.degenerate))
+    bins_before, bins_after = result.bins
+    report = analysis_report(analysis, bins=bins_before, degenerate=len(solve.degenerate))
     report["command"] = "rescale"
     decrease = before.conditioning.value - after.conditioning.value
     report["conditioning"] = {
         "before": _conditioning(before.conditioning),
         "after": _conditioning(after.conditioning),
         "decrease": _finite(decrease),
-        "fraction_of_gap_closed": _finite(decrease / before.conditioning.value) if before.conditioning.value > 0 else None,
+        "fraction_of_gap_closed": _finite(decrease / before.conditioning.value)
+        if before.conditioning.value > 0
+        else None,
     }
-    report["diag_g_after"] = _diag_section(after, result.diag_after.parts, ln_bounds)
+    report["diag_g_after"] = _diag_section(after, bins_after)
     report["path_norms_after"] = path_norms_section(result.path_norms_after)
     if not solve.converged:
         report["warnings"].append(
@@ -286,40 +300,46 @@ def rescale_report(result: RescaleResult, output: str | None, seconds: dict[str,
             "computes the same function but is not the PathCond optimum (raise --max-iter)."
         )
     labels = analysis.groups.labels
-    report.update({
-        "criterion": result.criterion,
-        "solver": {
-            "name": solve.method,
-            "iterations": solve.iterations,
-            "max_iter": solve.max_iter,
-            "tolerance": solve.tol,
-            "passes": solve.passes,
-            "objective": [_finite(v) for v in solve.objective],
-            "objective_initial": _finite(solve.objective[0]),
-            "objective_final": _finite(solve.objective[-1]),
-            "decrease": _finite(solve.decrease),
-            "kkt_residual": _finite(solve.kkt_residual),
-            "converged": solve.converged,
-            "max_log_scale": solve.max_log_scale,
-            "groups_at_bound": solve.groups_at_bound,
-            **_bound_keys(result),
-        },
-        "u_inf": _finite(solve.u_inf),
-        "degenerate_groups": [labels[h] for h in solve.degenerate],
-        "warnings": report["warnings"] + result.warnings,
-        "verification": None if verification is None else {
-            "max_abs_error": _finite(verification.max_abs_error),
-            "max_rel_error": _finite(verification.max_rel_error),
-            "tolerance": verification.tolerance,
-            "modes": list(verification.modes),
-            "passed": verification.passed,
-            "by_mode": {mode: {"max_rel_error": _finite(error), "tolerance": verification.tolerances[mode]}
-                        for mode, error in verification.errors.items()},
-            "independent": verification.independent,
-        },
-        "output": output,
-        "seconds": {stage: round(value, 6) for stage, value in seconds.items()},
-    })
+    report.update(
+        {
+            "criterion": result.criterion,
+            "solver": {
+                "name": solve.method,
+                "iterations": solve.iterations,
+                "max_iter": solve.max_iter,
+                "tolerance": solve.tol,
+                "passes": solve.passes,
+                "objective": [_finite(v) for v in solve.objective],
+                "objective_initial": _finite(solve.objective[0]),
+                "objective_final": _finite(solve.objective[-1]),
+                "decrease": _finite(solve.decrease),
+                "kkt_residual": _finite(solve.kkt_residual),
+                "converged": solve.converged,
+                "max_log_scale": solve.max_log_scale,
+                "groups_at_bound": solve.groups_at_bound,
+                **_bound_keys(result),
+            },
+            "u_inf": _finite(solve.u_inf),
+            "degenerate_groups": [labels[h] for h in solve.degenerate],
+            "warnings": report["warnings"] + result.warnings,
+            "verification": None
+            if verification is None
+            else {
+                "max_abs_error": _finite(verification.max_abs_error),
+                "max_rel_error": _finite(verification.max_rel_error),
+                "tolerance": verification.tolerance,
+                "modes": list(verification.modes),
+                "passed": verification.passed,
+                "by_mode": {
+                    mode: {"max_rel_error": _finite(error), "tolerance": verification.tolerances[mode]}
+                    for mode, error in verification.errors.items()
+                },
+                "independent": verification.independent,
+            },
+            "output": output,
+            "seconds": {stage: round(value, 6) for stage, value in seconds.items()},
+        }
+    )
     return report
 
 
@@ -352,9 +372,11 @@ def _safe(text: str, *, keep: str = "") -> str:
 
 def path_norms_text(norms: dict[str, Any]) -> str:
     """``ℓ1 4.331e+08 · ℓ2 0.2859``: each norm's value, or 10^log10 beyond float64."""
-    return " · ".join(f"ℓ{norm_order_text(norm['q'])} " + (_fmt(norm["value"], 7) if norm["value"] is not None
-                                                          else f"10^{_fmt(norm['log10'], 7)}")
-                      for norm in norms.values())
+    return " · ".join(
+        f"ℓ{norm_order_text(norm['q'])} "
+        + (_fmt(norm["value"], 7) if norm["value"] is not None else f"10^{_fmt(norm['log10'], 7)}")
+        for norm in norms.values()
+    )
 
 
 def _conditioning_text(measure: dict[str, Any]) -> str:
@@ -362,8 +384,10 @@ def _conditioning_text(measure: dict[str, Any]) -> str:
 
 
 def _spread_text(diag: dict[str, Any]) -> str:
-    return (f"min {_fmt(diag['min'])} · max {_fmt(diag['max'])} · log10 spread {_fmt(diag['log10_spread'])} · "
-            f"zeros {_fmt(diag['zeros'])}")
+    return (
+        f"min {_fmt(diag['min'])} · max {_fmt(diag['max'])} · log10 spread {_fmt(diag['log10_spread'])} · "
+        f"zeros {_fmt(diag['zeros'])}"
+    )
 
 
 # Width tables are printed in when stderr is not a terminal: wider than any row.
@@ -372,8 +396,13 @@ UNBOUNDED_WIDTH = 100_000
 
 def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) -> None:
     """Rich tables for people (the console writes to stderr); warnings last."""
-    console.print(f"pathcond {report['command']} · {printable(report['model'])}", style="bold", highlight=False,
-                  markup=False, soft_wrap=True)
+    console.print(
+        f"pathcond {report['command']} · {printable(report['model'])}",
+        style="bold",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
     rows: list[tuple[str, str]] = []  # (name, value as rich markup)
     groups, paths, diag = report["groups"], report["paths"], report["diag_g"]
     after = report.get("diag_g_after")
@@ -384,11 +413,21 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     rows.append(("input shape", " · ".join(str(tuple(shape)) for shape in report["input_shape"])))
     rows.extend(_processing_rows(("", report.get("processing"))))
     rows.append(("parameters", _fmt(report["parameters"])))
-    rows.append(("DAG parameters", f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
-                 "with g > 0: p of F and D)"))
+    rows.append(
+        (
+            "DAG parameters",
+            f"{_fmt(report['dag_parameters'])} ({_fmt(conditioning['before']['parameters_counted'])} "
+            "with g > 0: p of F and D)",
+        )
+    )
     rows.append(("hidden units", _fmt(report["hidden_units"])))
-    rows.append(("rescaling groups", f"{_fmt(groups['free'])} free · {_fmt(groups['fixed'])} fixed · "
-                 f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours"))
+    rows.append(
+        (
+            "rescaling groups",
+            f"{_fmt(groups['free'])} free · {_fmt(groups['fixed'])} fixed · "
+            f"{_fmt(groups['degenerate'])} degenerate · {groups['colours']} colours",
+        )
+    )
     exact = f" ({_fmt(paths['exact'])})" if paths["exact"] is not None else ""
     rows.append(("paths", f"10^{_fmt(paths['log10'], 6)}{exact}"))
     rows.append(("path norms" + (" before" if after is not None else ""), path_norms_text(report["path_norms"])))
@@ -400,30 +439,51 @@ def render(report: dict[str, Any], console: Console, *, per_layer: bool = True) 
     else:
         closed = conditioning["fraction_of_gap_closed"]
         rows.append(("conditioning before", _conditioning_text(conditioning["before"])))
-        rows.append(("conditioning after", f"{_conditioning_text(conditioning['after'])} · decrease "
-                        f"{_fmt(conditioning['decrease'], 6)}"
-                        + (f" ({100 * closed:.1f}% of the way to a constant diag(G))" if closed is not None else "")))
+        rows.append(
+            (
+                "conditioning after",
+                f"{_conditioning_text(conditioning['after'])} · decrease "
+                f"{_fmt(conditioning['decrease'], 6)}"
+                + (f" ({100 * closed:.1f}% of the way to a constant diag(G))" if closed is not None else ""),
+            )
+        )
         rows.append(("diag(G) before", _spread_text(diag)))
         rows.append(("diag(G) after", _spread_text(after)))
     if "solver" in report:
         solver, verification = report["solver"], report["verification"]
         state = "[green]converged[/]" if solver["converged"] else "[yellow]NOT converged[/]"
         rows.append(("criterion", report["criterion"]))
-        rows.append(("solver", f"{solver['name']} · {solver['iterations']} iterations · "
-                        f"{solver['passes']} passes · {state}"))
+        rows.append(
+            ("solver", f"{solver['name']} · {solver['iterations']} iterations · {solver['passes']} passes · {state}")
+        )
         name = "ln Σθ²" if report["criterion"] == "enorm" else "F"
-        rows.append(("objective", f"{name}(0) {_fmt(solver['objective_initial'], 10)} → {name}* "
-                        f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})"))
+        rows.append(
+            (
+                "objective",
+                f"{name}(0) {_fmt(solver['objective_initial'], 10)} → {name}* "
+                f"{_fmt(solver['objective_final'], 10)} (decrease {_fmt(solver['decrease'])})",
+            )
+        )
         rows.append(("KKT residual", f"{_fmt(solver['kkt_residual'])} (tolerance {solver['tolerance']:g})"))
         rows.append(("‖u‖∞", _fmt(report["u_inf"]) + _bound_text(solver)))
         check = "[green]passed[/]" if verification["passed"] else "[red]FAILED[/]"
-        rows.append(("verification", f"max abs {_fmt(verification['max_abs_error'])} · max rel "
-                        f"{_fmt(verification['max_rel_error'])} (tol {verification['tolerance']:g}, "
-                        f"{'+'.join(verification['modes'])}) {check}"))
+        rows.append(
+            (
+                "verification",
+                f"max abs {_fmt(verification['max_abs_error'])} · max rel "
+                f"{_fmt(verification['max_rel_error'])} (tol {verification['tolerance']:g}, "
+                f"{'+'.join(verification['modes'])}) {check}",
+            )
+        )
         independent = verification.get("independent")
         if independent and independent["runtime"]:
-            rows.append(("independent check", f"{independent['runtime']}: {independent['status']}"
-                            + (f" ({_safe(independent['detail'])})" if independent["status"] != "passed" else "")))
+            rows.append(
+                (
+                    "independent check",
+                    f"{independent['runtime']}: {independent['status']}"
+                    + (f" ({_safe(independent['detail'])})" if independent["status"] != "passed" else ""),
+                )
+            )
         rows.append(("output", _safe(report["output"])))
     rows.append(("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items())))
     _print_summary(console, rows)
@@ -446,10 +506,15 @@ def zeros_text(zeros: dict[str, Any], shown: int = 10) -> str:
     most likely cause."""
     layers = zeros["per_layer"]
     kept = sorted(sorted(range(len(layers)), key=lambda i: -layers[i]["zeros"])[:shown])
-    lines = [f"diag(G) is 0 on {100 * zeros['share']:.1f}% of the DAG parameters (left out of F and D; no rescaling "
-             "moves them), by layer:"]
-    lines += [f"  {_safe(layers[i]['layer'])}: {100 * layers[i]['share']:.1f}% ({layers[i]['zeros']:,} of "
-              f"{layers[i]['parameters']:,}) · {_safe(layers[i]['cause'])}" for i in kept]
+    lines = [
+        f"diag(G) is 0 on {100 * zeros['share']:.1f}% of the DAG parameters (left out of F and D; no rescaling "
+        "moves them), by layer:"
+    ]
+    lines += [
+        f"  {_safe(layers[i]['layer'])}: {100 * layers[i]['share']:.1f}% ({layers[i]['zeros']:,} of "
+        f"{layers[i]['parameters']:,}) · {_safe(layers[i]['cause'])}"
+        for i in kept
+    ]
     if len(layers) > shown:
         lines.append(f"  (+{len(layers) - shown} more layers with zeros)")
     return "\n".join(lines)
@@ -459,10 +524,15 @@ def _bound_text(solver: dict[str, Any]) -> str:
     """The bound on |u_h| and how it was chosen, after ‖u‖∞ (nothing for an unbounded run)."""
     if solver["max_log_scale"] is None:
         return ""
-    text = f" (bound {_fmt(solver['max_log_scale'])}, {solver['max_log_scale_rule']}, {solver['groups_at_bound']:,} groups at it"
+    text = (
+        f" (bound {_fmt(solver['max_log_scale'])}, {solver['max_log_scale_rule']}, "
+        f"{solver['groups_at_bound']:,} groups at it"
+    )
     if solver["share_of_decrease_kept"] is not None:
-        text += (f"; unbounded ‖u*‖∞ {_fmt(solver['unbounded_u_inf'])}, "
-                 f"{100 * solver['share_of_decrease_kept']:.1f}% of its decrease kept")
+        text += (
+            f"; unbounded ‖u*‖∞ {_fmt(solver['unbounded_u_inf'])}, "
+            f"{100 * solver['share_of_decrease_kept']:.1f}% of its decrease kept"
+        )
     return text + ")"
 
 
@@ -496,8 +566,9 @@ def _print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
     indent = max(len(name) for name, _ in rows) + 2
     lines = []
     for name, value in rows:
-        wrapped = textwrap.wrap(Text.from_markup(value).plain, width=max(width - indent, 20), break_long_words=False,
-                                break_on_hyphens=False) or [""]
+        wrapped = textwrap.wrap(
+            Text.from_markup(value).plain, width=max(width - indent, 20), break_long_words=False, break_on_hyphens=False
+        ) or [""]
         lines.append(f"{name:<{indent}}{wrapped[0]}")
         lines += [" " * indent + line for line in wrapped[1:]]
     console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
@@ -519,7 +590,13 @@ def _layer_table(diag: dict[str, Any], after: dict[str, Any] | None) -> Table:
         layers.add_column(column, justify="left" if column == "layer" else "right")
     rows_after = after["per_layer"] if after else [None] * len(diag["per_layer"])
     for row, row_after in zip(diag["per_layer"], rows_after):
-        cells = [_safe(row["layer"]), _fmt(row["parameters"]), _fmt(row["zeros"]), _fmt(row["log10_min"]), _fmt(row["log10_max"])]
+        cells = [
+            _safe(row["layer"]),
+            _fmt(row["parameters"]),
+            _fmt(row["zeros"]),
+            _fmt(row["log10_min"]),
+            _fmt(row["log10_max"]),
+        ]
         if row_after is not None:
             cells += [_fmt(row_after["log10_min"]), _fmt(row_after["log10_max"])]
         layers.add_row(*cells)
@@ -539,8 +616,10 @@ def histogram_text(bins: list[dict[str, Any]], bins_after: list[dict[str, Any]] 
         lines = ["log10 diag(G) histogram (g > 0)"]
         lines += [f"  [{b['log10_low']:8.2f}, {b['log10_high']:8.2f})  {bar(b['count'])}" for b in bins]
         return "\n".join(lines)
-    lines = ["log10 diag(G) histogram (g > 0), same bins for both",
-             f"  {'log10 g':<20}  {'before':<{width + 11}}  after"]
+    lines = [
+        "log10 diag(G) histogram (g > 0), same bins for both",
+        f"  {'log10 g':<20}  {'before':<{width + 11}}  after",
+    ]
     for b, a in zip(bins, bins_after):
         lines.append(f"  [{b['log10_low']:8.2f}, {b['log10_high']:8.2f})  {bar(b['count'])}  {bar(a['count'])}")
     return "\n".join(lines)
@@ -568,12 +647,18 @@ def summary_line(report: dict[str, Any]) -> str:
     if report["command"] == "rescale":
         verification, solver = report["verification"], report["solver"]
         parts[0] += f" → {printable(report['output'])}"
-        parts.append(f"verified (max rel error {_fmt(verification['max_rel_error'], 2)})" if verification["passed"]
-                     else "NOT verified")
+        parts.append(
+            f"verified (max rel error {_fmt(verification['max_rel_error'], 2)})"
+            if verification["passed"]
+            else "NOT verified"
+        )
         parts.append(f"D {_fmt(conditioning['before']['D'], 5)} → {_fmt(conditioning['after']['D'], 5)}")
         parts.append(f"‖u‖∞ {_fmt(report['u_inf'], 3)}")
-        parts.append("converged" if solver["converged"] else
-                     f"NOT converged (KKT {_fmt(solver['kkt_residual'], 2)} after {solver['iterations']} iterations)")
+        parts.append(
+            "converged"
+            if solver["converged"]
+            else f"NOT converged (KKT {_fmt(solver['kkt_residual'], 2)} after {solver['iterations']} iterations)"
+        )
     else:
         parts.append(f"D {_fmt(conditioning['before']['D'], 5)}")
     parts.append(f"{report['seconds']['total']:.2f} s")
@@ -617,8 +702,9 @@ def compare_report(comparison) -> dict[str, Any]:
         "other_path_norms": path_norms_section(comparison.path_norms_b),
         "sign_flips": {
             "total": signs.flips,
-            "per_layer": [{"layer": layer.layer, "parameters": layer.parameters, "flips": layer.flips}
-                          for layer in signs.layers],
+            "per_layer": [
+                {"layer": layer.layer, "parameters": layer.parameters, "flips": layer.flips} for layer in signs.layers
+            ],
         },
         "path_metric": _metric_section(comparison.metric),
         "input_bound": comparison.input_bound,
@@ -649,10 +735,17 @@ def prune_report(result, output: str | None) -> dict[str, Any]:
         "per_layer": result.per_layer,
         "sparsity_requested": result.sparsity,
         "sparsity_achieved": result.achieved_sparsity,
-        "layers": [{"layer": layer.layer, "weight": layer.weight, "parameters": layer.parameters,
-                    "zeros_before": layer.zeros_before, "zeros_after": layer.zeros_after,
-                    "sparsity": layer.zeros_after / layer.parameters if layer.parameters else 0.0}
-                   for layer in result.layers],
+        "layers": [
+            {
+                "layer": layer.layer,
+                "weight": layer.weight,
+                "parameters": layer.parameters,
+                "zeros_before": layer.zeros_before,
+                "zeros_after": layer.zeros_after,
+                "sparsity": layer.zeros_after / layer.parameters if layer.parameters else 0.0,
+            }
+            for layer in result.layers
+        ],
         "path_norms": path_norms_section(result.path_norms_before),
         "path_norms_after": path_norms_section(result.path_norms_after),
         "path_metric": _metric_section(result.metric),
@@ -674,8 +767,10 @@ def _metric_bounds_text(metric: dict[str, Any], digits: int, separator: str) -> 
     metric's, equal, to nearest)."""
     if metric["exact"]:
         return _fmt(metric["lower"], digits)
-    return (f"{_bound_fmt(metric['lower'], digits, upper=False)}{separator}"
-            f"{_bound_fmt(metric['upper'], digits, upper=True)}")
+    return (
+        f"{_bound_fmt(metric['lower'], digits, upper=False)}{separator}"
+        f"{_bound_fmt(metric['upper'], digits, upper=True)}"
+    )
 
 
 def _metric_text(metric: dict[str, Any]) -> str:
@@ -685,12 +780,22 @@ def _metric_text(metric: dict[str, Any]) -> str:
 
 
 def render_compare(report: dict[str, Any], console: Console) -> None:
-    console.print(f"pathcond compare · {printable(report['model'])} · {printable(report['other'])}", style="bold",
-                  highlight=False, markup=False, soft_wrap=True)
+    console.print(
+        f"pathcond compare · {printable(report['model'])} · {printable(report['other'])}",
+        style="bold",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
     processing = report["processing"] or report["other_processing"]
     same = report["processing"] == report["other_processing"]
     rows: list[tuple[str, str]] = _processing_rows(
-        *([("", processing)] if same else [(" (first)", report["processing"]), (" (second)", report["other_processing"])]))
+        *(
+            [("", processing)]
+            if same
+            else [(" (first)", report["processing"]), (" (second)", report["other_processing"])]
+        )
+    )
     rows.append(("path norms (first)", path_norms_text(report["path_norms"])))
     rows.append(("path norms (second)", path_norms_text(report["other_path_norms"])))
     rows.append(("sign flips", _fmt(report["sign_flips"]["total"])))
@@ -699,8 +804,9 @@ def render_compare(report: dict[str, Any], console: Console) -> None:
         bound = f"at most {_bound_fmt(report['output_change_bound'], 6, upper=True)} (ℓ1)"
     else:
         bound = f"no bound: {_safe(report['bound_note'])}"
-    rows.append(_bound_row(processing, report["input_bound"],
-                           f"{bound} · measured {_fmt(report['measured_output_change'], 6)}"))
+    rows.append(
+        _bound_row(processing, report["input_bound"], f"{bound} · measured {_fmt(report['measured_output_change'], 6)}")
+    )
     rows.append(("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items())))
     _print_summary(console, rows)
     flipped = [row for row in report["sign_flips"]["per_layer"] if row["flips"]]
@@ -715,26 +821,44 @@ def render_compare(report: dict[str, Any], console: Console) -> None:
 
 
 def render_prune(report: dict[str, Any], console: Console) -> None:
-    console.print(f"pathcond prune · {printable(report['model'])}", style="bold", highlight=False, markup=False,
-                  soft_wrap=True)
+    console.print(
+        f"pathcond prune · {printable(report['model'])}", style="bold", highlight=False, markup=False, soft_wrap=True
+    )
     rows: list[tuple[str, str]] = _processing_rows(("", report["processing"]))
     rows.append(("criterion", report["criterion"] + (" · per layer" if report["per_layer"] else " · global")))
-    rows.append(("sparsity", f"{100 * report['sparsity_achieved']:.2f}% of Linear/Conv weights are zero "
-                    f"(asked {100 * report['sparsity_requested']:g}%)"))
+    rows.append(
+        (
+            "sparsity",
+            f"{100 * report['sparsity_achieved']:.2f}% of Linear/Conv weights are zero "
+            f"(asked {100 * report['sparsity_requested']:g}%)",
+        )
+    )
     rows.append(("path norms before", path_norms_text(report["path_norms"])))
     rows.append(("path norms after", path_norms_text(report["path_norms_after"])))
     rows.append(("ℓ1 path-metric", _metric_text(report["path_metric"])))
     if report["bound_applies"]:
-        bound = (f"at most {_bound_fmt(report['output_change_bound'], 6, upper=True)} "
-                 f"(ℓ1; scores' sum {_bound_fmt(report['score_bound'], 6, upper=True)})")
+        bound = (
+            f"at most {_bound_fmt(report['output_change_bound'], 6, upper=True)} "
+            f"(ℓ1; scores' sum {_bound_fmt(report['score_bound'], 6, upper=True)})"
+        )
     else:
         bound = f"no bound: {_safe(report['bound_note'])}"
-    rows.append(_bound_row(report["processing"], report["input_bound"],
-                           f"{bound} · measured {_fmt(report['measured_output_change'], 6)}"))
+    rows.append(
+        _bound_row(
+            report["processing"],
+            report["input_bound"],
+            f"{bound} · measured {_fmt(report['measured_output_change'], 6)}",
+        )
+    )
     verification = report["verification"]
     if verification is not None:
-        rows.append(("verification", f"reloaded θ ⊙ m {verification['reloaded']} · independent runtime "
-                        f"{verification['runtime'] or '–'}: {verification['independent']}"))
+        rows.append(
+            (
+                "verification",
+                f"reloaded θ ⊙ m {verification['reloaded']} · independent runtime "
+                f"{verification['runtime'] or '–'}: {verification['independent']}",
+            )
+        )
     rows.append(("output", _safe(report["output"] or "–")))
     rows.append(("seconds", " · ".join(f"{k} {v:.3g}" for k, v in report["seconds"].items())))
     _print_summary(console, rows)
@@ -742,7 +866,13 @@ def render_prune(report: dict[str, Any], console: Console) -> None:
     for column in ("layer", "weight", "parameters", "zeros before", "zeros after", "sparsity"):
         layers.add_column(column, justify="left" if column in ("layer", "weight") else "right")
     for row in report["layers"]:
-        layers.add_row(_safe(row["layer"]), _safe(row["weight"]), _fmt(row["parameters"]), _fmt(row["zeros_before"]),
-                       _fmt(row["zeros_after"]), f"{100 * row['sparsity']:.1f}%")
+        layers.add_row(
+            _safe(row["layer"]),
+            _safe(row["weight"]),
+            _fmt(row["parameters"]),
+            _fmt(row["zeros_before"]),
+            _fmt(row["zeros_after"]),
+            f"{100 * row['sparsity']:.1f}%",
+        )
     _print_table(console, layers)
     render_warnings(report, console)

@@ -58,7 +58,8 @@ class BoundChoice:
             share = self.share_of_decrease_kept(final)
             kept = f"{100 * share:.1f}%" if share is not None else "all"
             tensors = "; ".join(p.describe() for p in self.lost[:3]) + (
-                f" (and {len(self.lost) - 3} more tensor(s))" if len(self.lost) > 3 else "")
+                f" (and {len(self.lost) - 3} more tensor(s))" if len(self.lost) > 3 else ""
+            )
             notes.append(
                 f"{source}: the unbounded PathCond optimum (‖u*‖∞ = {self.unbounded.u_inf:.4g}) cannot be stored in "
                 f"the checkpoint's dtypes: {tensors}. --max-log-scale auto (the default) bounded every |u_h| by "

@@ -36,8 +36,7 @@ class ScaledHessian:
     Levenberg–Marquardt with damping proportional to the gradient).
     """
 
-    def __init__(self, objective: Objective, u: torch.Tensor, current: Evaluation, active: torch.Tensor,
-                 reach: float):
+    def __init__(self, objective: Objective, u: torch.Tensor, current: Evaluation, active: torch.Tensor, reach: float):
         self.objective = objective
         self.active = active
         log_damping = torch.log(current.gradient.abs() / (4 * reach))
@@ -48,8 +47,9 @@ class ScaledHessian:
         half_share = 0.5 * (objective.log_p - current.log_total)
         excluded = torch.full((1,), -torch.inf, dtype=u.dtype, device=u.device)
         scaled_log_d = torch.where(active, -0.5 * log_d + half_share, torch.full_like(log_d, -torch.inf))
-        self.coupling = Coupling(objective, torch.cat([-2 * u + scaled_log_d, excluded]),
-                                 torch.cat([2 * u + scaled_log_d, excluded]))
+        self.coupling = Coupling(
+            objective, torch.cat([-2 * u + scaled_log_d, excluded]), torch.cat([2 * u + scaled_log_d, excluded])
+        )
         self.within = torch.exp(objective.self_loop_log + objective.log_p - current.log_total - log_d) * active
         self.log_d = torch.where(active, log_d, torch.full_like(log_d, -torch.inf))
 
@@ -70,7 +70,9 @@ class LayerAggregates:
         names = [label.rsplit(":", 1)[0] for label in groups.labels]
         index = {name: i for i, name in enumerate(dict.fromkeys(names))}
         self.count = len(index)
-        self.of_group = torch.tensor([index[n] for n in names] + [self.count], dtype=torch.long, device=objective.device)
+        self.of_group = torch.tensor(
+            [index[n] for n in names] + [self.count], dtype=torch.long, device=objective.device
+        )
         tensors, size = len(groups.dag_params), self.count + 1
         source_pairs = torch.unique(flat.col_owner * size + self.of_group[flat.col_group])
         destination_pairs = torch.unique(flat.row_owner * size + self.of_group[flat.row_group])
@@ -86,7 +88,8 @@ class LayerAggregates:
         self.single_destination = [count == 1 for count in destination_counts]
         self.has_sources, self.single_source_mask, self.single_destination_mask = (
             torch.tensor(flags, dtype=torch.bool, device=objective.device)
-            for flags in ([bool(sources) for sources in self.sources], self.single_source, self.single_destination))
+            for flags in ([bool(sources) for sources in self.sources], self.single_source, self.single_destination)
+        )
 
 
 class CoarseCorrection:
@@ -112,8 +115,9 @@ class CoarseCorrection:
         log_norm = group_logsumexp(agg, hessian.log_d, n)
         self.basis = torch.where(hessian.active, torch.exp(0.5 * (hessian.log_d - log_norm[agg])), 0.0)
         # (p/S)^{1/2} / n_I per group, so that a block sum times the two sides' factors is E's entry
-        half_scale = torch.where(torch.isfinite(log_norm), 0.5 * (objective.log_p - current.log_total - log_norm),
-                                 -torch.inf)
+        half_scale = torch.where(
+            torch.isfinite(log_norm), 0.5 * (objective.log_p - current.log_total - log_norm), -torch.inf
+        )
         half_ext = torch.cat([half_scale, half_scale.new_full((1,), -torch.inf)])[aggregates.of_group]
         active_ext = objective.groups.extend(hessian.active.to(torch.float64)) > 0
         basis_ext = objective.groups.extend(self.basis)
@@ -124,21 +128,35 @@ class CoarseCorrection:
         tensors = len(objective.groups.dag_params)
         silent_sources = _all_per_tensor(col_active | torch.isneginf(current.log_cols), flat.col_owner, tensors)
         silent_destinations = _all_per_tensor(row_active | torch.isneginf(current.log_rows), flat.row_owner, tensors)
-        present = ~_all_per_tensor(~row_active, flat.row_owner, tensors) & ~_all_per_tensor(~col_active, flat.col_owner,
-                                                                                             tensors)
+        present = ~_all_per_tensor(~row_active, flat.row_owner, tensors) & ~_all_per_tensor(
+            ~col_active, flat.col_owner, tensors
+        )
         by_rows = aggregates.single_source_mask & silent_sources
         by_cols = ~by_rows & aggregates.single_destination_mask & silent_destinations
-        row_blocks = torch.where(by_rows[flat.row_owner], torch.exp(
-            current.log_rows + half_ext[flat.row_group] + half_ext[flat.row_first_source]) * row_active, 0.0)
-        col_blocks = torch.where(by_cols[flat.col_owner], torch.exp(
-            current.log_cols + half_ext[flat.col_group] + half_ext[flat.col_first_destination]) * col_active, 0.0)
+        row_blocks = torch.where(
+            by_rows[flat.row_owner],
+            torch.exp(current.log_rows + half_ext[flat.row_group] + half_ext[flat.row_first_source]) * row_active,
+            0.0,
+        )
+        col_blocks = torch.where(
+            by_cols[flat.col_owner],
+            torch.exp(current.log_cols + half_ext[flat.col_group] + half_ext[flat.col_first_destination]) * col_active,
+            0.0,
+        )
         coarse = torch.zeros((n + 1) * (n + 1), dtype=torch.float64, device=objective.device).index_add_(
-            0, torch.cat([of_group[flat.row_group] * (n + 1) + of_group[flat.row_first_source],
-                          of_group[flat.col_first_destination] * (n + 1) + of_group[flat.col_group]]),
-            -torch.cat([row_blocks, col_blocks]))
+            0,
+            torch.cat(
+                [
+                    of_group[flat.row_group] * (n + 1) + of_group[flat.row_first_source],
+                    of_group[flat.col_first_destination] * (n + 1) + of_group[flat.col_group],
+                ]
+            ),
+            -torch.cat([row_blocks, col_blocks]),
+        )
         # which tensors need products, and which coupling buckets are materialised, in one host transfer
-        flags = torch.cat([(aggregates.has_sources & present & ~by_rows & ~by_cols).to(torch.float64),
-                           hessian.coupling.pending]).tolist()
+        flags = torch.cat(
+            [(aggregates.has_sources & present & ~by_rows & ~by_cols).to(torch.float64), hessian.coupling.pending]
+        ).tolist()
         hessian.coupling.settle(flags[tensors:])
         by_products = [t for t, flag in enumerate(flags[:tensors]) if flag]
         for t in by_products:
@@ -155,7 +173,8 @@ class CoarseCorrection:
         empty = ~torch.isfinite(log_norm)
         coarse += torch.diag(torch.where(empty, torch.ones_like(diagonal), diagonal))
         shares = torch.zeros(n, dtype=torch.float64, device=objective.device).index_add(
-            0, agg, self.basis * hessian.shares_difference)
+            0, agg, self.basis * hessian.shares_difference
+        )
         coarse -= torch.outer(shares, shares) / objective.p
         self.factor, info = torch.linalg.cholesky_ex(coarse)
         # decided on the device: reading it would cost a host synchronisation per Newton step
@@ -180,8 +199,9 @@ def _all_per_tensor(flags: torch.Tensor, owner: torch.Tensor, tensors: int) -> t
     return as_bytes.new_ones(tensors).scatter_reduce(0, owner, as_bytes, "amin").bool()
 
 
-def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: float, max_steps: int,
-                     preconditioner=None) -> torch.Tensor:
+def newton_direction(
+    hessian: ScaledHessian, gradient: torch.Tensor, forcing: float, max_steps: int, preconditioner=None
+) -> torch.Tensor:
     """An inexact Newton step δ ≈ −∇²F⁻¹ ∇F on the active groups (zero elsewhere).
 
     Truncated (preconditioned) conjugate gradients from 0 on the scaled system, stopped when the residual falls
@@ -203,7 +223,8 @@ def newton_direction(hessian: ScaledHessian, gradient: torch.Tensor, forcing: fl
         next_residual = residual - step * product
         # the curvature, the new residual's norm and the first one in one host transfer
         curvature_value, residual_norm2, start_value = torch.stack(
-            [curvature, next_residual @ next_residual, start_norm2]).tolist()
+            [curvature, next_residual @ next_residual, start_norm2]
+        ).tolist()
         if curvature_value <= 0:
             break
         solution += step * direction

@@ -49,10 +49,14 @@ class StorageCheck:
         info = torch.finfo(self.dtype)
         parts = []
         if self.overflowed:
-            parts.append(f"{self.overflowed:,} of {self.numel:,} values would exceed {name}'s largest value {info.max:.4g}")
+            parts.append(
+                f"{self.overflowed:,} of {self.numel:,} values would exceed {name}'s largest value {info.max:.4g}"
+            )
         if self.flushed:
-            parts.append(f"{self.flushed:,} of its {self.normal:,} normal values would fall below {name}'s "
-                         f"smallest normal {info.tiny:.3g} (stored as subnormals or zero)")
+            parts.append(
+                f"{self.flushed:,} of its {self.normal:,} normal values would fall below {name}'s "
+                f"smallest normal {info.tiny:.3g} (stored as subnormals or zero)"
+            )
         return f"tensor '{self.key}' ({name}): " + " and ".join(parts)
 
 
@@ -138,12 +142,18 @@ def _magnitudes(values: torch.Tensor, parts: list[slice]) -> Iterator[torch.Tens
     buffer = torch.empty_like(values[parts[0]])
     for part in parts:
         block = values[part]
-        yield torch.abs(block, out=buffer[:block.numel()])
+        yield torch.abs(block, out=buffer[: block.numel()])
 
 
-def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str, torch.Tensor],
-                    changed: Mapping[str, torch.Tensor], u_inf: float, *,
-                    problems: list[StorageCheck] | None = None) -> list[str]:
+def ensure_storable(
+    source: str,
+    groups: RescalingGroups,
+    original: Mapping[str, torch.Tensor],
+    changed: Mapping[str, torch.Tensor],
+    u_inf: float,
+    *,
+    problems: list[StorageCheck] | None = None,
+) -> list[str]:
     """Warnings for tensors that keep their values with a few flushed below the smallest normal;
     :class:`StorageError` naming the tensors that would overflow or lose their values, and the
     auto bound. A warning does not name that bound: auto bounds only a rescaling that loses
@@ -168,9 +178,11 @@ def ensure_storable(source: str, groups: RescalingGroups, original: Mapping[str,
     listed = ", ".join(f"'{p.key}' {p.flushed:,}/{p.normal:,}" for p in problems[:LISTED_TENSORS])
     more = f" and {len(problems) - LISTED_TENSORS} more" if len(problems) > LISTED_TENSORS else ""
     dtypes = "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in problems}))
-    return [f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {flushed:,} normal values of "
-            f"{len(problems)} {dtypes} tensors would fall below their dtype's smallest normal (stored as subnormals "
-            f"or zero; flushed/normal values per tensor: {listed}{more})."]
+    return [
+        f"{source}: after rescaling (largest log scale |u| = {u_inf:.3g}), {flushed:,} normal values of "
+        f"{len(problems)} {dtypes} tensors would fall below their dtype's smallest normal (stored as subnormals "
+        f"or zero; flushed/normal values per tensor: {listed}{more})."
+    ]
 
 
 LISTED_TENSORS = 5  # the message stays one readable paragraph; the advice comes after the list
@@ -179,10 +191,14 @@ LISTED_TENSORS = 5  # the message stays one readable paragraph; the advice comes
 def _advice(bound: float) -> str:
     """What to do about a rescaling the checkpoint's dtypes cannot hold, given the auto bound."""
     if math.isfinite(bound) and bound > 0:
-        return (f"--max-log-scale auto (the default; max_log_scale='auto' in the API) bounds every neuron scale "
-                f"factor to e^±U with U = {bound:.4g}, the largest bound that keeps every rescaled tensor storable")
-    return ("a tensor already spans its dtype's whole range, so no rescaling keeps it representable; "
-            "convert the checkpoint to a wider dtype first")
+        return (
+            f"--max-log-scale auto (the default; max_log_scale='auto' in the API) bounds every neuron scale "
+            f"factor to e^±U with U = {bound:.4g}, the largest bound that keeps every rescaled tensor storable"
+        )
+    return (
+        "a tensor already spans its dtype's whole range, so no rescaling keeps it representable; "
+        "convert the checkpoint to a wider dtype first"
+    )
 
 
 def lost_values(original: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> list[StorageCheck]:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.diag import DiagG
 from ..engine.groups import RescalingGroups
+from ..engine.log_g import DiagG
 from .objective import Objective
 from .options import DEFAULT_MAX_ITER, DEFAULT_TOL
 from .solvers import ProgressCallback, SolveResult
@@ -105,6 +105,6 @@ def enorm(
         history.append(current.log_total)
         if progress is not None:
             progress(iterations, current.log_total, current.kkt_residual)
-    return SolveResult.of_run(METHOD, u, history, current.kkt_residual, iterations, objective.passes, frozen, start,
-                              tol, max_iter)
-
+    return SolveResult.of_run(
+        METHOD, u, history, current.kkt_residual, iterations, objective.passes, frozen, start, tol, max_iter
+    )

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.diag import LogG, OuterLog
 from ..engine.groups import RescalingGroups
+from ..engine.log_g import LogG, OuterLog
 
 SAFE_RANGE = 650.0
 
@@ -122,9 +122,11 @@ class FlatG:
             return torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=device)
 
         def repeated(values, counts):
-            return torch.repeat_interleave(torch.tensor(values, dtype=torch.long, device=device),
-                                           torch.tensor(counts, dtype=torch.long, device=device),
-                                           output_size=sum(counts))
+            return torch.repeat_interleave(
+                torch.tensor(values, dtype=torch.long, device=device),
+                torch.tensor(counts, dtype=torch.long, device=device),
+                output_size=sum(counts),
+            )
 
         self.row_group = joined([dps[t].dst.reshape(-1) for t in slot_order])
         self.col_group = joined([dps[t].src.reshape(-1) for t in slot_order])
@@ -174,29 +176,48 @@ class FlatG:
             # stacked only while its range is taken (one bucket at a time)
             log_gbar = torch.cat([parts[t] for t in members]) if len(members) > 1 else parts[first]
             loops = [dps[t].self_loops for t in members]
-            self_loops = None if all(m is None for m in loops) else torch.cat(
-                [torch.zeros(parts[t].shape, dtype=torch.bool, device=device) if m is None else m[..., 0]
-                 for t, m in zip(members, loops)])
+            self_loops = (
+                None
+                if all(m is None for m in loops)
+                else torch.cat(
+                    [
+                        torch.zeros(parts[t].shape, dtype=torch.bool, device=device) if m is None else m[..., 0]
+                        for t, m in zip(members, loops)
+                    ]
+                )
+            )
             batches, at = [], 0
             for t in members:
                 batches.append(slice(at, at + parts[t].shape[0]))
                 at += parts[t].shape[0]
             conv_groups += [parts[t].shape[0] for t in members]
             bucket_sizes.append(len(members))
-            self.buckets.append(Bucket([parts[t] for t in members], None, self_loops,
-                                       slice(self.row_slices[first].start, self.row_slices[last].stop),
-                                       slice(self.col_slices[first].start, self.col_slices[last].stop), members, batches))
+            self.buckets.append(
+                Bucket(
+                    [parts[t] for t in members],
+                    None,
+                    self_loops,
+                    slice(self.row_slices[first].start, self.row_slices[last].stop),
+                    slice(self.col_slices[first].start, self.col_slices[last].stop),
+                    members,
+                    batches,
+                )
+            )
             finite = torch.isfinite(log_gbar)
             finite_max.append(torch.where(finite, log_gbar, -torch.inf).amax(dim=(1, 2)))
             finite_min.append(torch.where(finite, log_gbar, torch.inf).amin(dim=(1, 2)))
             del log_gbar, finite
         count = len(self.dense_tensors)
-        batch_tensor = torch.repeat_interleave(torch.arange(count, device=device),
-                                               torch.tensor(conv_groups, dtype=torch.long, device=device),
-                                               output_size=sum(conv_groups))
-        self.bucket_of_dense = torch.repeat_interleave(torch.arange(len(self.buckets), device=device),
-                                                       torch.tensor(bucket_sizes, dtype=torch.long, device=device),
-                                                       output_size=count)
+        batch_tensor = torch.repeat_interleave(
+            torch.arange(count, device=device),
+            torch.tensor(conv_groups, dtype=torch.long, device=device),
+            output_size=sum(conv_groups),
+        )
+        self.bucket_of_dense = torch.repeat_interleave(
+            torch.arange(len(self.buckets), device=device),
+            torch.tensor(bucket_sizes, dtype=torch.long, device=device),
+            output_size=count,
+        )
         empty = torch.zeros(0, dtype=torch.float64, device=device)
         top = finite_extreme(torch.cat(finite_max) if finite_max else empty, batch_tensor, count, "amax")
         low = finite_extreme(torch.cat(finite_min) if finite_min else empty, batch_tensor, count, "amin")
@@ -208,7 +229,7 @@ class FlatG:
         room, at = cache_bytes, 0
         for bucket in self.buckets:
             batches = bucket.batch_count
-            bucket.shift_per_batch = shift_per_batch[at:at + batches]
+            bucket.shift_per_batch = shift_per_batch[at : at + batches]
             at += batches
             size = sum(part.numel() * part.element_size() for part in bucket.log_parts)
             if size <= room:
@@ -232,9 +253,13 @@ class FlatG:
         """Per dense tensor: largest and smallest finite x over its row slots and y over its
         column slots (−inf/+inf when none is finite)."""
         count = len(self.dense_tensors)
-        x_dense, y_dense = x[:self.dense_rows], y[:self.dense_cols]
-        return (finite_extreme(x_dense, self.row_tensor, count, "amax"), finite_extreme(x_dense, self.row_tensor, count, "amin"),
-                finite_extreme(y_dense, self.col_tensor, count, "amax"), finite_extreme(y_dense, self.col_tensor, count, "amin"))
+        x_dense, y_dense = x[: self.dense_rows], y[: self.dense_cols]
+        return (
+            finite_extreme(x_dense, self.row_tensor, count, "amax"),
+            finite_extreme(x_dense, self.row_tensor, count, "amin"),
+            finite_extreme(y_dense, self.col_tensor, count, "amax"),
+            finite_extreme(y_dense, self.col_tensor, count, "amin"),
+        )
 
     def linear_safe(self, ranges: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Per dense tensor: whether its linear-scale products lose no positive term."""
@@ -252,8 +277,8 @@ class FlatG:
         safe = self.linear_safe(ranges)
         top_x = torch.where(torch.isfinite(ranges[0]), ranges[0], 0.0)
         top_y = torch.where(torch.isfinite(ranges[2]), ranges[2], 0.0)
-        e_x = torch.exp(x[:self.dense_rows] - top_x[self.row_tensor], out=self.rows_in.dense)
-        e_y = torch.exp(y[:self.dense_cols] - top_y[self.col_tensor], out=self.cols_in.dense)
+        e_x = torch.exp(x[: self.dense_rows] - top_x[self.row_tensor], out=self.rows_in.dense)
+        e_y = torch.exp(y[: self.dense_cols] - top_y[self.col_tensor], out=self.cols_in.dense)
         for b, bucket in enumerate(self.buckets):
             gbar = bucket.linear_gbar(bucket.shift_per_batch)
             torch.bmm(gbar, self.cols_in.pieces[b], out=self.row_sums.pieces[b])
@@ -269,13 +294,16 @@ class FlatG:
             between_cols = torch.where(self.looped_cols, self.between_col_sums.dense, cols)
         scale = self.shift + top_x + top_y
         row_scale, col_scale = scale[self.row_tensor], scale[self.col_tensor]
-        dense = [torch.log(r * e_x) + row_scale for r in (rows, between_rows)] + \
-                [torch.log(c * e_y) + col_scale for c in (cols, between_cols)]
+        dense = [torch.log(r * e_x) + row_scale for r in (rows, between_rows)] + [
+            torch.log(c * e_y) + col_scale for c in (cols, between_cols)
+        ]
         if exact_everywhere:
             exact = self._log_domain_sums(x, y)
             keep_rows, keep_cols = safe[self.row_tensor], safe[self.col_tensor]
-            dense = [torch.where(keep, linear, logged)
-                     for linear, logged, keep in zip(dense, exact, (keep_rows, keep_rows, keep_cols, keep_cols))]
+            dense = [
+                torch.where(keep, linear, logged)
+                for linear, logged, keep in zip(dense, exact, (keep_rows, keep_rows, keep_cols, keep_cols))
+            ]
         outer = self._outer_sums(x, y)
         all_rows, between_rows, all_cols, between_cols = (torch.cat([d, o]) for d, o in zip(dense, outer))
         return all_rows, all_cols, between_rows, between_cols, ~(safe.all() | torch.tensor(exact_everywhere))
@@ -284,8 +312,7 @@ class FlatG:
         rows, between_rows, cols, between_cols = [], [], [], []
         for bucket in self.buckets:
             batches = bucket.batch_count
-            log_w = (bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1)
-                     + y[bucket.cols].reshape(batches, 1, -1))
+            log_w = bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1) + y[bucket.cols].reshape(batches, 1, -1)
             rows.append(torch.logsumexp(log_w, dim=2).reshape(-1))
             cols.append(torch.logsumexp(log_w, dim=1).reshape(-1))
             if bucket.self_loops is not None:
@@ -301,8 +328,8 @@ class FlatG:
         """The outer-product tensors' log row and column sums, exact in the log domain: a row's
         sum is its factor times the columns' total."""
         count = len(self.outer_tensors)
-        log_rows = self.outer_row_log + x[self.dense_rows:]
-        log_cols = self.outer_col_log + y[self.dense_cols:]
+        log_rows = self.outer_row_log + x[self.dense_rows :]
+        log_cols = self.outer_col_log + y[self.dense_cols :]
         rows = log_rows + group_logsumexp(self.outer_col_tensor, log_cols, count)[self.outer_row_tensor]
         cols = log_cols + group_logsumexp(self.outer_row_tensor, log_rows, count)[self.outer_col_tensor]
         if not self.outer_self_loops:
@@ -312,16 +339,21 @@ class FlatG:
         for t in self.outer_self_loops:
             r, c = self._outer_slices(t)
             between_rows[r] = log_rows[r] + _other_groups(
-                group_logsumexp(self.col_group[self.col_slices[t]], log_cols[c], size), self.row_group[self.row_slices[t]])
+                group_logsumexp(self.col_group[self.col_slices[t]], log_cols[c], size),
+                self.row_group[self.row_slices[t]],
+            )
             between_cols[c] = log_cols[c] + _other_groups(
-                group_logsumexp(self.row_group[self.row_slices[t]], log_rows[r], size), self.col_group[self.col_slices[t]])
+                group_logsumexp(self.row_group[self.row_slices[t]], log_rows[r], size),
+                self.col_group[self.col_slices[t]],
+            )
         return [rows, between_rows, cols, between_cols]
 
     def _outer_slices(self, t: int) -> tuple[slice, slice]:
         """Tensor ``t``'s slots within the outer-product part of the row and column buffers."""
         r, c = self.row_slices[t], self.col_slices[t]
-        return slice(r.start - self.dense_rows, r.stop - self.dense_rows), slice(c.start - self.dense_cols,
-                                                                                  c.stop - self.dense_cols)
+        return slice(r.start - self.dense_rows, r.stop - self.dense_rows), slice(
+            c.start - self.dense_cols, c.stop - self.dense_cols
+        )
 
 
 def _joined(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -332,7 +364,9 @@ def finite_extreme(values: torch.Tensor, index: torch.Tensor, count: int, reduce
     """Finite ``values`` reduced per segment (``amax``/``amin``); ∓inf where a segment has none."""
     empty = -torch.inf if reduce == "amax" else torch.inf
     finite = torch.where(torch.isfinite(values), values, empty)
-    return torch.full((count,), empty, dtype=values.dtype, device=values.device).scatter_reduce(0, index, finite, reduce)
+    return torch.full((count,), empty, dtype=values.dtype, device=values.device).scatter_reduce(
+        0, index, finite, reduce
+    )
 
 
 def group_logsumexp(index: torch.Tensor, log_values: torch.Tensor, size: int) -> torch.Tensor:
@@ -354,4 +388,3 @@ def _other_groups(log_by_group: torch.Tensor, groups: torch.Tensor) -> torch.Ten
     others = torch.logaddexp(before, after)
     others[-1] = torch.logsumexp(log_by_group, 0)
     return others[groups]
-

@@ -27,7 +27,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from ..engine.diag import OuterLog
+from ..engine.log_g import OuterLog
 from .objective import Objective, group_logsumexp
 
 #: per-variable damping |∂F/∂c_I| / REACH caps a step near REACH while far from the optimum
@@ -44,8 +44,9 @@ MIN_STEP = 1e-10
 DENSE_SYSTEM_MAX = 512
 
 
-def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count: int,
-                      frozen: torch.Tensor) -> torch.Tensor:
+def layer_shift_start(
+    objective: Objective, layer_of_group: torch.Tensor, count: int, frozen: torch.Tensor
+) -> torch.Tensor:
     """u with u_h = c*_{L(h)} (0 on frozen groups): the minimiser of F over layer shifts.
 
     ``layer_of_group`` maps each of the H + 1 extended groups (the last is the ground) to its
@@ -73,12 +74,17 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
         blocks.append((aggregate[dp.dst][:, :, None] * size + sources).reshape(-1))
     pairs, slot = torch.unique(torch.cat(blocks), return_inverse=True)
     log_blocks = group_logsumexp(slot, torch.cat(log_rows), len(pairs))
-    shift_k = torch.zeros(size, dtype=torch.float64, device=objective.device).index_add(
-        0, aggregate[:-1], objective.k)[:count]
+    shift_k = torch.zeros(size, dtype=torch.float64, device=objective.device).index_add(0, aggregate[:-1], objective.k)[
+        :count
+    ]
     # one unknown per layer: solved on the CPU whatever the device, without a sync per step;
     # the blocks, their pairs (exact in float64) and the layers' k in one transfer
     on_host = torch.cat([log_blocks, pairs.to(torch.float64), shift_k]).cpu()
-    log_blocks, pairs, shift_k = on_host[:len(pairs)], on_host[len(pairs):2 * len(pairs)].long(), on_host[2 * len(pairs):]
+    log_blocks, pairs, shift_k = (
+        on_host[: len(pairs)],
+        on_host[len(pairs) : 2 * len(pairs)].long(),
+        on_host[2 * len(pairs) :],
+    )
     present = torch.isfinite(log_blocks)
     pairs = pairs[present]
     shifts = _minimise(log_blocks[present], pairs // size, pairs % size, shift_k, count, objective.p)
@@ -88,8 +94,10 @@ def layer_shift_start(objective: Objective, layer_of_group: torch.Tensor, count:
 def _log_row_sums(flat) -> torch.Tensor:
     """log Σ_j ḡ_ij per row slot: the sums of w at u = 0, in the log domain for the tensors whose
     range forbids linear scale."""
-    zeros_rows, zeros_cols = flat.row_group.new_zeros(flat.row_group.shape, dtype=torch.float64), \
-        flat.col_group.new_zeros(flat.col_group.shape, dtype=torch.float64)
+    zeros_rows, zeros_cols = (
+        flat.row_group.new_zeros(flat.row_group.shape, dtype=torch.float64),
+        flat.col_group.new_zeros(flat.col_group.shape, dtype=torch.float64),
+    )
     log_rows, _, _, _, lost = flat.log_sums(zeros_rows, zeros_cols)
     return flat.log_sums(zeros_rows, zeros_cols, exact_everywhere=True)[0] if bool(lost) else log_rows
 
@@ -109,12 +117,15 @@ def _log_rows_by_source(objective: Objective, t: int, local: torch.Tensor, count
     if gbar is not None:
         one_hot = torch.nn.functional.one_hot(local, count).to(torch.float64)
         return torch.log(torch.bmm(gbar, one_hot)) + objective.gbar_shift[t]
-    return torch.stack([torch.logsumexp(torch.where((local == j)[:, None, :], log_gbar, -torch.inf), dim=2)
-                        for j in range(count)], dim=2)
+    return torch.stack(
+        [torch.logsumexp(torch.where((local == j)[:, None, :], log_gbar, -torch.inf), dim=2) for j in range(count)],
+        dim=2,
+    )
 
 
-def _minimise(log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: torch.Tensor, count: int,
-              p: int) -> torch.Tensor:
+def _minimise(
+    log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: torch.Tensor, count: int, p: int
+) -> torch.Tensor:
     """Damped Newton with an Armijo line search on p·ln Σ s e^{−2(c_into − c_out_of)} + 2k·c
     (index ``count`` is the ground, c = 0 there)."""
     moving = into != out_of  # a pair within one aggregate has an exponent no shift changes
@@ -145,8 +156,9 @@ def _minimise(log_s: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, k: 
     return c
 
 
-def armijo_step(value, c: torch.Tensor, step: torch.Tensor, current: float,
-                slope: float) -> tuple[torch.Tensor, float, torch.Tensor] | None:
+def armijo_step(
+    value, c: torch.Tensor, step: torch.Tensor, current: float, slope: float
+) -> tuple[torch.Tensor, float, torch.Tensor] | None:
     """Backtrack from a step capped at 2·REACH along ``step`` until F falls enough (Armijo):
     the new point, F there and its shares; None when no step of at least MIN_STEP does."""
     t = min(1.0, 2 * REACH / float(step.abs().max()))
@@ -158,8 +170,16 @@ def armijo_step(value, c: torch.Tensor, step: torch.Tensor, current: float,
     return None
 
 
-def _newton_step(shares: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor, flow: torch.Tensor,
-                 gradient: torch.Tensor, unused: torch.Tensor, count: int, p: int) -> torch.Tensor:
+def _newton_step(
+    shares: torch.Tensor,
+    into: torch.Tensor,
+    out_of: torch.Tensor,
+    flow: torch.Tensor,
+    gradient: torch.Tensor,
+    unused: torch.Tensor,
+    count: int,
+    p: int,
+) -> torch.Tensor:
     """(H + D)⁻¹ g for the Hessian H = 4p (L − f fᵀ) of the objective, L = Σ_pairs w (e_I − e_J)(e_I − e_J)ᵀ
     (the ground's row and column dropped), f the flow, and the damping D = diag(|g| / REACH +
     [unused] + ridge). Solved as the bordered sparse system [[4pL + D, 2√p f], [2√p fᵀ, 1]],
@@ -177,8 +197,10 @@ def _newton_step(shares: torch.Tensor, into: torch.Tensor, out_of: torch.Tensor,
     border = 2 * np.sqrt(p) * flow.numpy()
     index = np.arange(count)
     entries = np.concatenate([values[inside], damping, border, border, [1.0]])
-    at = (np.concatenate([rows[inside], index, index, np.full(count, count), [count]]),
-          np.concatenate([cols[inside], index, np.full(count, count), index, [count]]))
+    at = (
+        np.concatenate([rows[inside], index, index, np.full(count, count), [count]]),
+        np.concatenate([cols[inside], index, np.full(count, count), index, [count]]),
+    )
     right_side = np.concatenate([gradient.numpy(), [0.0]])
     if count + 1 <= DENSE_SYSTEM_MAX:
         matrix = np.zeros((count + 1, count + 1))

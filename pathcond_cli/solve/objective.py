@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
 import torch
 
-from ..engine.diag import DiagG, GradientLog, LogG, OuterLog, dense, kernel_summed
 from ..engine.groups import RescalingGroups
+from ..engine.log_g import DiagG, GradientLog, LogG, OuterLog, dense, kernel_summed
 from .flat import SAFE_RANGE, Bucket, FlatG, finite_extreme, group_logsumexp
 
 LOG2 = math.log(2.0)
@@ -61,7 +62,7 @@ class Support:
 def support(groups: RescalingGroups, log_g: Iterable[LogG]) -> Support:
     """The :class:`Support` of log g (−inf where g = 0), read one tensor at a time (a generator
     holds one): an outer product by its factors (a row × column is in the support iff both
-    are finite), never expanded, a :class:`~pathcond_cli.engine.diag.GradientLog` by its counts
+    are finite), never expanded, a :class:`~pathcond_cli.engine.log_g.GradientLog` by its counts
     of g > 0 per kernel, never recomputed, and never a float64 copy of the network. p is
     counted on the device and read once."""
     counts = []
@@ -128,8 +129,9 @@ class Objective:
     across tensors and groups are log-sum-exp, so nothing overflows or underflows.
     """
 
-    def __init__(self, groups: RescalingGroups, diag: DiagG, *, device: torch.device | str = "cpu",
-                 bound: float | None = None):
+    def __init__(
+        self, groups: RescalingGroups, diag: DiagG, *, device: torch.device | str = "cpu", bound: float | None = None
+    ):
         self.groups = groups.to(device)
         self.bound = bound
         self.device = torch.device(device)
@@ -163,8 +165,10 @@ class Objective:
         """log w = log ḡ − 2(Bu) per tensor, shaped ``[G, O/G, I/G, 1]`` (kernel summed): dense,
         outer-product tensors included, for the sequential solver, which updates them in place."""
         u_ext = self.groups.extend(u)
-        return [dense(lg).reshape(dp.view[:3])[..., None] - 2 * dp.exponent(u_ext)
-                for lg, dp in zip(self.log_gbar, self.groups.dag_params)]
+        return [
+            dense(lg).reshape(dp.view[:3])[..., None] - 2 * dp.exponent(u_ext)
+            for lg, dp in zip(self.log_gbar, self.groups.dag_params)
+        ]
 
     def evaluate(self, u: torch.Tensor, frozen: torch.Tensor | None = None) -> Evaluation:
         """F(u), log shares, ∂F/∂u and the relative KKT residual (frozen groups excluded).
@@ -178,7 +182,8 @@ class Objective:
         exact_everywhere = False
         while True:
             log_rows, log_cols, between_rows, between_cols, lost = self.flat.log_sums(
-                x, y, exact_everywhere=exact_everywhere)
+                x, y, exact_everywhere=exact_everywhere
+            )
             log_total = torch.logsumexp(log_rows, dim=0)
             log_in = group_logsumexp(self.flat.row_group, between_rows, H + 1)[:H]
             log_out = group_logsumexp(self.flat.col_group, between_cols, H + 1)[:H]
@@ -186,7 +191,9 @@ class Objective:
             gradient = 2 * (self.k - torch.exp(log_a) + torch.exp(log_c))
             if frozen is not None:
                 gradient = torch.where(frozen, torch.zeros_like(gradient), gradient)
-            residual = (self.feasible_gradient(u, gradient).abs() / (2 * self.degree)).max() if H else log_total.new_zeros(())
+            residual = (
+                (self.feasible_gradient(u, gradient).abs() / (2 * self.degree)).max() if H else log_total.new_zeros(())
+            )
             total, shift, kkt, redo = torch.stack([log_total, self.k @ u, residual, lost.to(log_total.dtype)]).tolist()
             if not redo:
                 break
@@ -214,7 +221,9 @@ class Objective:
         down, up = torch.expm1(-2 * step_ext), torch.expm1(2 * step_ext)
         u_ext = self.groups.extend(u)
         coupling = Coupling(self, -2 * u_ext - current.log_total, 2 * u_ext)
-        first = (down[:-1] * torch.exp(current.log_a - self.log_p)).sum() + (up[:-1] * torch.exp(current.log_c - self.log_p)).sum()
+        first = (down[:-1] * torch.exp(current.log_a - self.log_p)).sum() + (
+            up[:-1] * torch.exp(current.log_c - self.log_p)
+        ).sum()
         within = (torch.exp(self.self_loop_log - current.log_total) * down[:-1] * up[:-1]).sum()
         ratio = first + coupling.bilinear(down, up) - within
         return self.p * math.log1p(float(ratio)) + 2 * float(self.k @ step)
@@ -234,11 +243,20 @@ class LinearG:
     def of_flat(cls, flat: FlatG) -> LinearG:
         shifts: list[float | None] = [None] * len(flat.parts)
         # one host transfer for every tensor's scale
-        for t, (shift, usable) in zip(flat.dense_tensors, zip(*torch.stack(
-                [flat.shift, flat.linear_usable.to(flat.shift.dtype)]).tolist()) if flat.dense_tensors else []):
+        for t, (shift, usable) in zip(
+            flat.dense_tensors,
+            zip(*torch.stack([flat.shift, flat.linear_usable.to(flat.shift.dtype)]).tolist())
+            if flat.dense_tensors
+            else [],
+        ):
             shifts[t] = shift if usable else None
-        kept = {t: bucket.linear[batch] for bucket in flat.buckets if bucket.linear is not None
-                for t, batch in zip(bucket.tensors, bucket.batches) if shifts[t] is not None}
+        kept = {
+            t: bucket.linear[batch]
+            for bucket in flat.buckets
+            if bucket.linear is not None
+            for t, batch in zip(bucket.tensors, bucket.batches)
+            if shifts[t] is not None
+        }
         return cls(flat.parts, shifts, kept)
 
     def __getitem__(self, t: int) -> torch.Tensor | None:
@@ -279,21 +297,23 @@ class Coupling:
         top_y = torch.where(torch.isfinite(ranges[2]), ranges[2], 0.0)
         scale = flat.shift + top_x + top_y
         factorised = flat.linear_safe(ranges) & (scale.abs() < SAFE_RANGE)
-        e_dst = torch.exp(x[:flat.dense_rows] - top_x[flat.row_tensor] + scale[flat.row_tensor])
+        e_dst = torch.exp(x[: flat.dense_rows] - top_x[flat.row_tensor] + scale[flat.row_tensor])
         e_dst = torch.where(present[flat.row_tensor], e_dst, 0.0)
-        e_src = torch.exp(y[:flat.dense_cols] - top_y[flat.col_tensor])
+        e_src = torch.exp(y[: flat.dense_cols] - top_y[flat.col_tensor])
         needs_dense = (present & ~factorised).to(torch.float64)
         #: per bucket, 1.0 where it must be materialised: read on the host by :meth:`settle`
-        self.pending = needs_dense.new_zeros(len(flat.buckets)).scatter_reduce(0, flat.bucket_of_dense, needs_dense,
-                                                                              "amax")
+        self.pending = needs_dense.new_zeros(len(flat.buckets)).scatter_reduce(
+            0, flat.bucket_of_dense, needs_dense, "amax"
+        )
         self.matrices: list[torch.Tensor | Bucket] | None = None
         self._logs = x, y
         # An outer product: the first factor scaled to peak at 1 per tensor; with no finite row
         # its peak is float64's lowest, and both factors are then exactly 0.
-        outer_rows = flat.outer_row_log + x[flat.dense_rows:]
-        outer_cols = flat.outer_col_log + y[flat.dense_cols:]
+        outer_rows = flat.outer_row_log + x[flat.dense_rows :]
+        outer_cols = flat.outer_col_log + y[flat.dense_cols :]
         peak = finite_extreme(outer_rows, flat.outer_row_tensor, len(flat.outer_tensors), "amax").clamp_min(
-            torch.finfo(torch.float64).min)
+            torch.finfo(torch.float64).min
+        )
         self.e_rows = torch.cat([e_dst, torch.exp(outer_rows - peak[flat.outer_row_tensor])])
         self.e_cols = torch.cat([e_src, torch.exp(outer_cols + peak[flat.outer_col_tensor])])
 
@@ -308,8 +328,13 @@ class Coupling:
         for bucket, dense_bucket in zip(flat.buckets, materialise):
             if dense_bucket:
                 batches = bucket.batch_count
-                self.matrices.append(torch.exp(bucket.log_gbar + x[bucket.rows].reshape(batches, -1, 1)
-                                               + y[bucket.cols].reshape(batches, 1, -1)))
+                self.matrices.append(
+                    torch.exp(
+                        bucket.log_gbar
+                        + x[bucket.rows].reshape(batches, -1, 1)
+                        + y[bucket.cols].reshape(batches, 1, -1)
+                    )
+                )
                 self.e_rows[bucket.rows] = 1.0
                 self.e_cols[bucket.cols] = 1.0
             else:
@@ -390,8 +415,9 @@ def _self_loop_logs(dp, log_gbar: LogG, size: int) -> torch.Tensor:
     lie in that free group (the within-group terms that ``change`` and the Hessian take out)."""
     if isinstance(log_gbar, OuterLog):
         # Σ over o, i in group h of e^{rows_o + cols_i} = (Σ_{o in h} e^{rows_o})(Σ_{i in h} e^{cols_i}).
-        within = (group_logsumexp(dp.dst.reshape(-1), log_gbar.rows, size)
-                  + group_logsumexp(dp.src.reshape(-1), log_gbar.cols, size))
+        within = group_logsumexp(dp.dst.reshape(-1), log_gbar.rows, size) + group_logsumexp(
+            dp.src.reshape(-1), log_gbar.cols, size
+        )
         return torch.where(torch.arange(size, device=within.device) < size - 1, within, -torch.inf)
     masked = torch.where(dp.self_loops[..., 0], log_gbar, torch.full_like(log_gbar, -torch.inf))
     return group_logsumexp(dp.dst.reshape(-1), torch.logsumexp(masked, dim=2).reshape(-1), size)
@@ -405,8 +431,9 @@ def degenerate_mask(groups: RescalingGroups, diag: DiagG) -> torch.Tensor:
     return support(groups, diag.parts).degenerate
 
 
-def log_positive_root(log_quadratic: torch.Tensor, linear: torch.Tensor, log_linear_abs: torch.Tensor,
-                      log_constant: torch.Tensor) -> torch.Tensor:
+def log_positive_root(
+    log_quadratic: torch.Tensor, linear: torch.Tensor, log_linear_abs: torch.Tensor, log_constant: torch.Tensor
+) -> torch.Tensor:
     """ln z for the positive root of q z² + b z − c = 0 (q, c > 0, given as logs; b signed with
     ``log_linear_abs`` = ln|b|), without cancellation and without leaving the log domain."""
     log_root = 0.5 * torch.logaddexp(2 * log_linear_abs, LOG4 + log_quadratic + log_constant)

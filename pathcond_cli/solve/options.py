@@ -43,10 +43,14 @@ def parse_bound(value: float | str | None) -> tuple[str, float | None]:
         try:
             value = float(text)
         except ValueError:
-            raise InvalidOption("--max-log-scale", f"max_log_scale must be 'auto', 'none' or a number ≥ 0, not {value!r}") from None
+            raise InvalidOption(
+                "--max-log-scale", f"max_log_scale must be 'auto', 'none' or a number ≥ 0, not {value!r}"
+            ) from None
     bound = float(value)
     if not (math.isfinite(bound) and bound >= 0):
-        raise InvalidOption("--max-log-scale", f"max_log_scale must be 'auto', 'none' or a finite number ≥ 0, not {value!r}")
+        raise InvalidOption(
+            "--max-log-scale", f"max_log_scale must be 'auto', 'none' or a finite number ≥ 0, not {value!r}"
+        )
     return USER, bound
 
 
@@ -64,23 +68,34 @@ class SolveOptions:
 
     def __post_init__(self) -> None:
         if self.criterion not in CRITERIA:
-            raise InvalidOption("--criterion", f"unknown criterion '{self.criterion}'; choose one of {', '.join(CRITERIA)}")
+            raise InvalidOption(
+                "--criterion", f"unknown criterion '{self.criterion}'; choose one of {', '.join(CRITERIA)}"
+            )
         if self.solver not in SOLVERS:
             raise InvalidOption("--solver", f"unknown solver '{self.solver}'; choose one of {', '.join(SOLVERS)}")
         if self.criterion == "enorm" and self.solver != DEFAULT_SOLVER:
-            raise InvalidOption("--solver", f"solver '{self.solver}' minimises PathCond; ENorm (criterion 'enorm') has "
-                                "its own closed-form block updates")
+            raise InvalidOption(
+                "--solver",
+                f"solver '{self.solver}' minimises PathCond; ENorm (criterion 'enorm') has "
+                "its own closed-form block updates",
+            )
         if not (isinstance(self.tol, (int, float)) and math.isfinite(self.tol) and self.tol >= 0):
             raise InvalidOption("--tol", f"{self.tol} is not a finite tolerance ≥ 0")
         if not (isinstance(self.max_iter, int) and self.max_iter >= 0):
             raise InvalidOption("--max-iter", f"{self.max_iter} is not an iteration count ≥ 0")
         rule, bound = parse_bound(self.max_log_scale)
         if rule == USER and self.criterion == "enorm":
-            raise InvalidOption("--max-log-scale", "max_log_scale bounds PathCond's solvers; ENorm's closed-form updates "
-                                "(criterion 'enorm') take no bound")
+            raise InvalidOption(
+                "--max-log-scale",
+                "max_log_scale bounds PathCond's solvers; ENorm's closed-form updates "
+                "(criterion 'enorm') take no bound",
+            )
         if rule == USER and self.solver not in BOUNDED_SOLVERS:
-            raise InvalidOption("--solver", f"solver '{self.solver}' is unconstrained; with a maximum log scale use one "
-                                f"of {', '.join(BOUNDED_SOLVERS)}")
+            raise InvalidOption(
+                "--solver",
+                f"solver '{self.solver}' is unconstrained; with a maximum log scale use one "
+                f"of {', '.join(BOUNDED_SOLVERS)}",
+            )
 
     @property
     def bound_rule(self) -> str:

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..engine.diag import DiagG
 from ..engine.groups import RescalingGroups
+from ..engine.log_g import DiagG
 from .curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
 from .layer_shift import layer_shift_start
 from .objective import Evaluation, Objective, block_step, paper_step
@@ -66,15 +66,34 @@ class SolveResult:
     max_log_scale: float | None = None
 
     @classmethod
-    def of_run(cls, method: str, u: torch.Tensor, history: list[float], kkt_residual: float, iterations: int,
-               passes: int, frozen: torch.Tensor, started: float, tol: float, max_iter: int,
-               max_log_scale: float | None = None) -> SolveResult:
+    def of_run(
+        cls,
+        method: str,
+        u: torch.Tensor,
+        history: list[float],
+        kkt_residual: float,
+        iterations: int,
+        passes: int,
+        frozen: torch.Tensor,
+        started: float,
+        tol: float,
+        max_iter: int,
+        max_log_scale: float | None = None,
+    ) -> SolveResult:
         """The result of a run begun at ``started`` (``time.perf_counter``) with ``frozen`` groups."""
         return cls(
-            method=method, u=u.detach().to("cpu"), objective=history, kkt_residual=kkt_residual,
-            converged=kkt_residual <= tol, iterations=iterations, passes=passes,
-            degenerate=torch.nonzero(frozen.cpu()).flatten().tolist(), seconds=time.perf_counter() - started,
-            tol=tol, max_iter=max_iter, max_log_scale=max_log_scale,
+            method=method,
+            u=u.detach().to("cpu"),
+            objective=history,
+            kkt_residual=kkt_residual,
+            converged=kkt_residual <= tol,
+            iterations=iterations,
+            passes=passes,
+            degenerate=torch.nonzero(frozen.cpu()).flatten().tolist(),
+            seconds=time.perf_counter() - started,
+            tol=tol,
+            max_iter=max_iter,
+            max_log_scale=max_log_scale,
         )
 
     @property
@@ -124,8 +143,19 @@ def solve(
     first = objective.evaluate(u, frozen)
     run = {"newton": _newton, "block": _block, "lbfgs": _lbfgs, "sequential": _sequential}[options.solver]
     u, history, final, iterations = run(objective, u, frozen, first, options.tol, options.max_iter, progress)
-    return SolveResult.of_run(options.solver, u, history, final.kkt_residual, iterations, objective.passes, frozen,
-                              start, options.tol, options.max_iter, bound)
+    return SolveResult.of_run(
+        options.solver,
+        u,
+        history,
+        final.kkt_residual,
+        iterations,
+        objective.passes,
+        frozen,
+        start,
+        options.tol,
+        options.max_iter,
+        bound,
+    )
 
 
 def _report(progress: ProgressCallback | None, iteration: int, ev: Evaluation) -> None:
@@ -186,7 +216,9 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
         gradient = current.gradient * active
         hessian = ScaledHessian(objective, u, current, active, NEWTON_REACH)
         forcing = min(0.5, max(current.kkt_residual**0.5, 0.1 * tol / current.kkt_residual))
-        direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS, CoarseCorrection(hessian, aggregates, current))
+        direction = newton_direction(
+            hessian, gradient, forcing, MAX_CG_STEPS, CoarseCorrection(hessian, aggregates, current)
+        )
         # the largest move and the slope along the direction in one host transfer
         largest, slope = torch.stack([direction.abs().max(), current.gradient @ direction]).tolist()
         t = min(1.0, MAX_FIRST_STEP / max(largest, 1e-300))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ...engine.model import LoadedModel
 from ...errors import InputError
-from ..companions import companion_format
+from ..companions import SHARD_INDEX_SUFFIX, companion_format
 from ..fileio import file_state
 from .common import (
     InputShape,
@@ -27,15 +27,29 @@ from .common import (
     shapes_by_input,
     shown,
 )
-from ..companions import SHARD_INDEX_SUFFIX
 from .detection import FORMAT_OF_KIND, checked_structure, format_mismatch
 from .interface import Format
 
 __all__ = [
-    "SHARD_INDEX_SUFFIX", "Format", "InputShape", "available_memory", "check_readable", "check_streamable",
-    "check_weight_types", "checkpoint_files", "detect_format", "exception_line", "files_read", "format_mismatch",
-    "format_named", "load_model", "refuse_beyond_memory", "replaced_companions", "shapes_by_input",
-    "shown", "write_model",
+    "SHARD_INDEX_SUFFIX",
+    "Format",
+    "InputShape",
+    "available_memory",
+    "check_readable",
+    "check_streamable",
+    "check_weight_types",
+    "checkpoint_files",
+    "detect_format",
+    "exception_line",
+    "files_read",
+    "format_mismatch",
+    "format_named",
+    "load_model",
+    "refuse_beyond_memory",
+    "replaced_companions",
+    "shapes_by_input",
+    "shown",
+    "write_model",
 ]
 
 # Each format's module, imported when the format is first used: importing onnx takes about 0.2 s,
@@ -81,8 +95,9 @@ def load_model(
         kind = detect_format(source)
     except OSError as exc:
         raise InputError(f"cannot read '{shown(name or str(source))}': {exc.strerror or exc}.") from None
-    model = format_named(FORMAT_OF_KIND[kind]).load(source, arch=arch, input_shape=input_shape, name=name,
-                                                    allow_unused=allow_unused)
+    model = format_named(FORMAT_OF_KIND[kind]).load(
+        source, arch=arch, input_shape=input_shape, name=name, allow_unused=allow_unused
+    )
     model.file_states = {path: file_state(path) for path in model.files}
     return model
 
@@ -142,5 +157,6 @@ def write_model(
     """
     if model.format not in _MODULES:
         raise InputError(f"{model.source}: models of format '{model.format}' are written with torch, not by pathcond.")
-    format_named(model.format).write(model, changed, destination, metadata, companion_name=companion_name,
-                                     self_contained=self_contained)
+    format_named(model.format).write(
+        model, changed, destination, metadata, companion_name=companion_name, self_contained=self_contained
+    )

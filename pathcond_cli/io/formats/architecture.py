@@ -46,7 +46,11 @@ def sidecar_candidates(checkpoint: Path) -> list[Path]:
 
 
 def resolve_architecture(
-    arch: str | None, path: Path | None, metadata: Mapping[str, Any], input_shape: InputShape | None, display: str,
+    arch: str | None,
+    path: Path | None,
+    metadata: Mapping[str, Any],
+    input_shape: InputShape | None,
+    display: str,
     params: Mapping[str, torch.Tensor],
 ) -> tuple[Graph, str, Path | None, list[str], frozenset[str]]:
     """The graph, where it came from (``--arch ...``, ``metadata``, ``sidecar FILE``), the spec
@@ -72,8 +76,9 @@ def resolve_architecture(
     raise InputError(_no_architecture_message(display, candidates))
 
 
-def _graph_from_arch(arch: str, input_shape: InputShape | None, params: Mapping[str, torch.Tensor],
-                     display: str) -> tuple[Graph, list[str], frozenset[str]]:
+def _graph_from_arch(
+    arch: str, input_shape: InputShape | None, params: Mapping[str, torch.Tensor], display: str
+) -> tuple[Graph, list[str], frozenset[str]]:
     """The graph of a spec file or a factory, the factory's import notes and the keys it reads as constants."""
     if arch.lower().endswith(SPEC_SUFFIXES):
         return graph_from_spec(load_spec_file(arch), source=arch, input_shape=input_shape), [], frozenset()
@@ -87,7 +92,8 @@ def _graph_from_arch(arch: str, input_shape: InputShape | None, params: Mapping[
 def _no_architecture_message(display: str, candidates: list[Path]) -> str:
     sidecars = (
         f"sidecar spec files {', '.join(str(c) for c in candidates)}: none exists"
-        if candidates else "sidecar spec files: none, the checkpoint was not given as a file"
+        if candidates
+        else "sidecar spec files: none, the checkpoint was not given as a file"
     )
     return (
         f"{display}: no architecture found for this checkpoint. Searched, in order:\n"
@@ -122,35 +128,53 @@ def _mismatch_hint(graph: Graph, params: Mapping[str, torch.Tensor], from_factor
     export that folded them, or a factory building another variant) or not."""
     wanted = set(graph.parameter_keys())
     matched = len(wanted & params.keys())
-    missing_required = [key for node in graph.nodes for role, key in node.parameter_keys().items()
-                        if key not in params and role not in node.optional_roles]
+    missing_required = [
+        key
+        for node in graph.nodes
+        for role, key in node.parameter_keys().items()
+        if key not in params and role not in node.optional_roles
+    ]
     if missing_required or 2 * matched < len(wanted):
         route = "the factory's module" if from_factory else "the spec"
         examples = ", ".join(f"'{shown(key)}'" for key in missing_required[:MISSING_WEIGHTS_SHOWN])
         lacks = f", and lacks {len(missing_required)} that are no bias, such as {examples}" if missing_required else ""
-        return (f"(the checkpoint holds {matched} of the {len(wanted)} tensors {route} reads{lacks}: it was probably "
-                f"saved from another model than {route} describes; check that the architecture passed is this "
-                "checkpoint's)")
-    missing_biases = [node.name for node in graph.nodes
-                      if "bias" in node.optional_roles and node.bias is not None and node.bias not in params]
+        return (
+            f"(the checkpoint holds {matched} of the {len(wanted)} tensors {route} reads{lacks}: it was probably "
+            f"saved from another model than {route} describes; check that the architecture passed is this "
+            "checkpoint's)"
+        )
+    missing_biases = [
+        node.name
+        for node in graph.nodes
+        if "bias" in node.optional_roles and node.bias is not None and node.bias not in params
+    ]
     if not missing_biases:
         return None
     folded = any(key.endswith("running_mean") and key not in wanted for key in params)
     if from_factory:
-        remedy = ("the checkpoint holds BatchNorm statistics the module does not read: it was probably saved "
-                  "from another variant of the model (a BatchNorm after each conv without bias); check the "
-                  "factory's arguments" if folded else "the checkpoint was probably saved from another variant "
-                  "of the model (layers built with bias=False); check the factory's arguments")
+        remedy = (
+            "the checkpoint holds BatchNorm statistics the module does not read: it was probably saved "
+            "from another variant of the model (a BatchNorm after each conv without bias); check the "
+            "factory's arguments"
+            if folded
+            else "the checkpoint was probably saved from another variant "
+            "of the model (layers built with bias=False); check the factory's arguments"
+        )
     else:
-        remedy = ("the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
-                  "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
-                  "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
-                  "--input-shape ...)" if folded else "a layer without bias needs 'bias: null' in the spec")
+        remedy = (
+            "the checkpoint holds BatchNorm statistics that the architecture does not read, as in a spec "
+            "written from an ONNX export that folded each BatchNorm into its conv's weight and bias: take "
+            "the spec from the module instead (pathcond spec CHECKPOINT --arch module:factory "
+            "--input-shape ...)"
+            if folded
+            else "a layer without bias needs 'bias: null' in the spec"
+        )
     return f"({len(missing_biases)} layer(s) have no bias tensor: {some_keys(set(missing_biases))}; {remedy})"
 
 
-def unused_tensors(graph: Graph, params: Mapping[str, torch.Tensor], display: str,
-                   constants: frozenset[str] = frozenset()) -> str:
+def unused_tensors(
+    graph: Graph, params: Mapping[str, torch.Tensor], display: str, constants: frozenset[str] = frozenset()
+) -> str:
     """A paragraph naming the checkpoint tensors the architecture does not read ('' if none),
     neither as parameters nor as the ``constants`` it holds, grouped by the layer they most
     likely belong to."""

@@ -55,12 +55,16 @@ def shapes_by_input(input_shape: InputShape | None, inputs: Sequence[str], label
     if isinstance(input_shape, Mapping):
         unknown = [name for name in input_shape if name not in inputs]
         if unknown:
-            raise UsageError(f"{label}: --input-shape names {', '.join(repr(shown(n)) for n in unknown)}, which "
-                             f"is not an input of the model (its inputs: {names}).")
+            raise UsageError(
+                f"{label}: --input-shape names {', '.join(repr(shown(n)) for n in unknown)}, which "
+                f"is not an input of the model (its inputs: {names})."
+            )
         return dict(input_shape)
     if len(inputs) != 1:
-        raise UsageError(f"{label}: one input shape was given, but the model has {len(inputs)} inputs ({names}); "
-                         "give each its shape by name: --input-shape NAME:SHAPE, once per input.")
+        raise UsageError(
+            f"{label}: one input shape was given, but the model has {len(inputs)} inputs ({names}); "
+            "give each its shape by name: --input-shape NAME:SHAPE, once per input."
+        )
     return {inputs[0]: input_shape}
 
 
@@ -180,13 +184,20 @@ def _bias_size_problem(node, params: Mapping[str, torch.Tensor]) -> str | None:
     rule = rule_for(node)
     keys = node.parameter_keys()
     weight, bias = params.get(keys.get("weight", "")), params.get(keys.get("bias", ""))
-    if weight is None or bias is None or not hasattr(rule, "out_channels") or weight.dim() not in type(node).roles["weight"]:
+    if (
+        weight is None
+        or bias is None
+        or not hasattr(rule, "out_channels")
+        or weight.dim() not in type(node).roles["weight"]
+    ):
         return None
     units = rule.out_channels(node, params)
     if bias.dim() == 1 and bias.numel() == units:
         return None
-    return (f"tensor '{shown(keys['bias'])}' (bias of '{shown(node.name)}') has shape {tuple(bias.shape)}; the layer has "
-            f"{units} output units and needs one bias value for each")
+    return (
+        f"tensor '{shown(keys['bias'])}' (bias of '{shown(node.name)}') has shape {tuple(bias.shape)}; the layer has "
+        f"{units} output units and needs one bias value for each"
+    )
 
 
 def available_memory() -> int | None:

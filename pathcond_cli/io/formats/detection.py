@@ -35,9 +35,11 @@ def checked_structure(source: Path | bytes) -> str | None:
         if source.suffix.lower() in TORCH_PICKLE_SUFFIXES or structure == "torch-pickle":
             raise InputError(_torch_pickle_message(str(source)))
         if source.suffix.lower() in YAML_SUFFIXES:
-            raise InputError(f"cannot read '{shown(str(source))}' as a checkpoint: it is named as an architecture "
-                             "spec (YAML). Give the checkpoint as MODEL and the spec with --arch, e.g. "
-                             "pathcond rescale model.safetensors --arch model.yaml")
+            raise InputError(
+                f"cannot read '{shown(str(source))}' as a checkpoint: it is named as an architecture "
+                "spec (YAML). Give the checkpoint as MODEL and the spec with --arch, e.g. "
+                "pathcond rescale model.safetensors --arch model.yaml"
+            )
         return structure
     structure = file_structure(io.BytesIO(source), len(source))
     if structure == "torch-pickle":
@@ -83,8 +85,8 @@ def _torch_pickle_message(label: str) -> str:
     return (
         f"cannot read '{shown(label)}': it is a torch pickle (torch.save / a .pt, .pth or .bin checkpoint), and "
         "pathcond never unpickles files, because unpickling runs code from the file. Convert it once, where you "
-        "trust it: safetensors.torch.save_file(model.state_dict(), \"model.safetensors\") plus an architecture "
-        "spec (--arch, see docs/spec-format.md), or torch.onnx.export(model, example_input, \"model.onnx\")."
+        'trust it: safetensors.torch.save_file(model.state_dict(), "model.safetensors") plus an architecture '
+        'spec (--arch, see docs/spec-format.md), or torch.onnx.export(model, example_input, "model.onnx").'
     )
 
 
@@ -107,14 +109,22 @@ def format_mismatch(kind: str, destination: Path) -> str | None:
         return None
     if wanted == kind:
         return None
-    return (f"the input is {_FORMAT_NAMES[kind]} and pathcond writes the input's format, but the output name "
-            f"'{shown(str(destination))}' says {_FORMAT_NAMES[wanted]}; name it like "
-            f"'{_EXAMPLE_NAMES[kind]}'")
+    return (
+        f"the input is {_FORMAT_NAMES[kind]} and pathcond writes the input's format, but the output name "
+        f"'{shown(str(destination))}' says {_FORMAT_NAMES[wanted]}; name it like "
+        f"'{_EXAMPLE_NAMES[kind]}'"
+    )
 
 
-_FORMAT_NAMES = {"onnx": "an ONNX model", "safetensors": "a safetensors file",
-                 "safetensors-index": "a sharded safetensors checkpoint (an index .json and its shards)"}
+_FORMAT_NAMES = {
+    "onnx": "an ONNX model",
+    "safetensors": "a safetensors file",
+    "safetensors-index": "a sharded safetensors checkpoint (an index .json and its shards)",
+}
 
 
-_EXAMPLE_NAMES = {"onnx": "out.onnx", "safetensors": "out.safetensors",
-                  "safetensors-index": "out.safetensors.index.json"}
+_EXAMPLE_NAMES = {
+    "onnx": "out.onnx",
+    "safetensors": "out.safetensors",
+    "safetensors-index": "out.safetensors.index.json",
+}

@@ -3,13 +3,14 @@
 torch.fx refuses a forward that branches on its input's shape; ``torch.export`` runs such
 branches at the given input shape and records the ATen operations taken. The result is
 rewritten into the torch functions the fx import translates (``aten.conv2d`` becomes
-``torch.conv2d``, ...), so that both routes share one translation. An ATen operation with no
-counterpart here is left as it is and refused by name where it is translated.
+``torch.conv2d``, ...), so that both routes share one translation: the translated function of
+the operation's name, or the one of :data:`_EQUIVALENTS` where the names or the arguments differ.
+An ATen operation with neither is left as it is and refused by name where it is translated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -32,8 +33,9 @@ def _batch_norm_arguments(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (x, mean, var, weight, bias, *rest[:3])
 
 
-def slice_along(x: torch.Tensor, dim: int = 0, start: int | None = None, end: int | None = None,
-                step: int = 1) -> torch.Tensor:
+def slice_along(
+    x: torch.Tensor, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1
+) -> torch.Tensor:
     """``x[..., start:end:step, ...]`` on axis ``dim``: what ``aten.slice`` records for indexing with a slice."""
     index = [slice(None)] * x.dim()
     index[dim] = slice(start, end, step)
@@ -54,56 +56,56 @@ def _resize(mode: str) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
             return (x, size, scale_factors, mode)
         x, size, align_corners, scale_factors = args
         return (x, size, scale_factors, mode, align_corners, None, antialias)
+
     return arguments
 
 
-# Each ATen operation torch.export records for a supported layer (any overload of a packet, or
-# one overload): the torch function the fx import translates, and how its positional arguments
-# map onto that function's.
+# The ATen operations torch.export records for a supported layer whose torch function has another
+# name or takes other positional arguments (any overload of a packet, or one overload): the torch
+# function the fx import translates, and how its positional arguments map onto that function's.
+# Any other ATen operation is its namesake's (:func:`_namesake`).
 _Equivalent = tuple[Callable[..., Any], Callable[[tuple[Any, ...]], tuple[Any, ...]]]
 _EQUIVALENTS: dict[Any, _Equivalent] = {
-    **{packet: (function, _unchanged) for packet, function in (
-        (aten.conv1d, torch.conv1d), (aten.conv2d, torch.conv2d), (aten.conv3d, torch.conv3d),
-        (aten.conv_transpose1d, torch.conv_transpose1d), (aten.conv_transpose2d, torch.conv_transpose2d),
-        (aten.conv_transpose3d, torch.conv_transpose3d),
-        (aten.linear, F.linear), (aten.prelu, F.prelu), (aten.relu, torch.relu), (aten.relu_, torch.relu_),
-        (aten.abs, torch.abs),
-        (aten.leaky_relu, F.leaky_relu), (aten.dropout, F.dropout),
-        (aten.max_pool1d, F.max_pool1d), (aten.max_pool2d, F.max_pool2d), (aten.max_pool3d, F.max_pool3d),
-        (aten.avg_pool1d, F.avg_pool1d), (aten.avg_pool2d, F.avg_pool2d), (aten.avg_pool3d, F.avg_pool3d),
-        (aten.adaptive_avg_pool1d, F.adaptive_avg_pool1d), (aten.adaptive_avg_pool2d, F.adaptive_avg_pool2d),
-        (aten.adaptive_avg_pool3d, F.adaptive_avg_pool3d), (aten.pad, F.pad),
-        (aten.add, torch.add), (aten.add_, torch.add), (aten.mul, torch.mul), (aten.div, torch.div),
-        (aten.sub, torch.sub), (aten.neg, torch.neg),
-        (aten.mean, torch.mean), (aten.cat, torch.cat),
-        (aten.flatten, torch.flatten), (aten.view, torch.reshape), (aten.reshape, torch.reshape),
-        (aten.transpose, torch.transpose), (aten.permute, torch.permute), (aten.squeeze, torch.squeeze),
-        (aten.unsqueeze, torch.unsqueeze), (aten.split, torch.split), (aten.split_with_sizes, torch.split),
-        (aten.tensor_split, torch.tensor_split), (aten.chunk, torch.chunk), (aten.unbind, torch.unbind),
-        (aten.narrow, torch.narrow), (aten.channel_shuffle, torch.channel_shuffle),
-    )},
+    **{
+        packet: (function, _unchanged)
+        for packet, function in (
+            (aten.add_, torch.add),
+            (aten.view, torch.reshape),
+            (aten.split_with_sizes, torch.split),
+        )
+    },
     aten.slice.Tensor: (slice_along, _unchanged),
     aten.alias.default: (slice_along, _unchanged),  # a slice that keeps every element: x[:]
-    aten.select.int: (torch.select, _unchanged),
     aten.batch_norm: (F.batch_norm, _batch_norm_arguments),
     # Every mode F.interpolate has: the unsupported ones are refused with its reason.
-    **{overload: (F.interpolate, _resize(mode)) for overload, mode in (
-        (aten.upsample_nearest1d.vec, "nearest"), (aten.upsample_nearest2d.vec, "nearest"),
-        (aten.upsample_nearest3d.vec, "nearest"), (aten._upsample_nearest_exact1d.vec, "nearest-exact"),
-        (aten._upsample_nearest_exact2d.vec, "nearest-exact"), (aten._upsample_nearest_exact3d.vec, "nearest-exact"),
-        (aten.upsample_linear1d.vec, "linear"), (aten.upsample_bilinear2d.vec, "bilinear"),
-        (aten.upsample_trilinear3d.vec, "trilinear"), (aten.upsample_bicubic2d.vec, "bicubic"),
-        (aten._upsample_bilinear2d_aa.vec, "bilinear-antialias"),
-        (aten._upsample_bicubic2d_aa.vec, "bicubic-antialias"),
-    )},
+    **{
+        overload: (F.interpolate, _resize(mode))
+        for overload, mode in (
+            (aten.upsample_nearest1d.vec, "nearest"),
+            (aten.upsample_nearest2d.vec, "nearest"),
+            (aten.upsample_nearest3d.vec, "nearest"),
+            (aten._upsample_nearest_exact1d.vec, "nearest-exact"),
+            (aten._upsample_nearest_exact2d.vec, "nearest-exact"),
+            (aten._upsample_nearest_exact3d.vec, "nearest-exact"),
+            (aten.upsample_linear1d.vec, "linear"),
+            (aten.upsample_bilinear2d.vec, "bilinear"),
+            (aten.upsample_trilinear3d.vec, "trilinear"),
+            (aten.upsample_bicubic2d.vec, "bicubic"),
+            (aten._upsample_bilinear2d_aa.vec, "bilinear-antialias"),
+            (aten._upsample_bicubic2d_aa.vec, "bicubic-antialias"),
+        )
+    },
 }
 
 # Checks torch.export inserts (its guards on the input, asserts on symbolic sizes): no value.
 _CHECKS = (aten._assert_scalar, aten._assert_tensor_metadata, aten.sym_constrain_range_for_size)
 
 
-def exported_graph(module: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
-    """The module's forward at ``example``'s shape, in eval mode, as fx-importable nodes.
+def exported_graph(
+    module: nn.Module, example: torch.Tensor, translated: Collection[Callable[..., Any]]
+) -> torch.fx.GraphModule:
+    """The module's forward at ``example``'s shape, in eval mode, as fx-importable nodes:
+    ``translated`` are the torch functions the fx import reads.
 
     Raises whatever ``torch.export`` raises; the caller reports it.
     """
@@ -119,7 +121,7 @@ def exported_graph(module: nn.Module, example: torch.Tensor) -> torch.fx.GraphMo
         if _is_check(node):
             graph.erase_node(node)
             continue
-        equivalent = _equivalent(node)
+        equivalent = _equivalent(node, translated)
         if equivalent is not None:
             function, arguments = equivalent
             node.target, node.args = function, arguments(tuple(node.args))
@@ -128,10 +130,24 @@ def exported_graph(module: nn.Module, example: torch.Tensor) -> torch.fx.GraphMo
     return graph_module
 
 
-def _equivalent(node: torch.fx.Node) -> _Equivalent | None:
+def _equivalent(node: torch.fx.Node, translated: Collection[Callable[..., Any]]) -> _Equivalent | None:
     if node.op != "call_function":
         return None
-    return _EQUIVALENTS.get(node.target) or _EQUIVALENTS.get(getattr(node.target, "overloadpacket", None))
+    packet = getattr(node.target, "overloadpacket", None)
+    return _EQUIVALENTS.get(node.target) or _EQUIVALENTS.get(packet) or _namesake(packet, translated)
+
+
+def _namesake(packet: Any, translated: Collection[Callable[..., Any]]) -> _Equivalent | None:
+    """The translated function named as ATen operation ``packet`` (``torch.sub`` for ``aten.sub``,
+    ``F.max_pool2d`` for ``aten.max_pool2d``, torch's first), which takes its positional arguments
+    in the same order; None for an operation that is no ATen one or has no translated namesake."""
+    if packet is None:
+        return None
+    for namespace in (torch, F):
+        function = getattr(namespace, packet.__name__, None)
+        if function is not None and function in translated:
+            return function, _unchanged
+    return None
 
 
 def _is_check(node: torch.fx.Node) -> bool:

@@ -93,8 +93,9 @@ def _raised(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def graph_from_factory(arch: str, input_shape: InputShape | None, checkpoint: Mapping[str, torch.Tensor],
-                       display: str) -> tuple[Graph, list[str], frozenset[str]]:
+def graph_from_factory(
+    arch: str, input_shape: InputShape | None, checkpoint: Mapping[str, torch.Tensor], display: str
+) -> tuple[Graph, list[str], frozenset[str]]:
     """The traced graph of the module ``arch`` returns, its import notes, and the keys of the
     ``checkpoint`` tensors it reads as constants: the persistent filter buffers of its fixed
     filters, whose coefficients are the checkpoint's, not the factory's (as ``load_state_dict``
@@ -121,20 +122,27 @@ def _checkpoint_filters(read: ModuleRead, checkpoint: Mapping[str, torch.Tensor]
     for layer, key in read.filter_buffers.items():
         expected = tuple(read.params[key].shape)
         if key not in checkpoint:
-            problems.append(f"node '{layer}' (fixed_filter) needs tensor '{key}' (the filter buffer of the "
-                            f"factory's module, a persistent buffer of shape {expected}), which the checkpoint lacks")
+            problems.append(
+                f"node '{layer}' (fixed_filter) needs tensor '{key}' (the filter buffer of the "
+                f"factory's module, a persistent buffer of shape {expected}), which the checkpoint lacks"
+            )
             continue
         tensor = checkpoint[key]
         if tuple(tensor.shape) != expected or not tensor.is_floating_point():
-            problems.append(f"node '{layer}' (fixed_filter): tensor '{key}' has shape {tuple(tensor.shape)} and dtype "
-                            f"{tensor.dtype}, expected the factory's filter buffer's shape {expected}, floating point")
+            problems.append(
+                f"node '{layer}' (fixed_filter): tensor '{key}' has shape {tuple(tensor.shape)} and dtype "
+                f"{tensor.dtype}, expected the factory's filter buffer's shape {expected}, floating point"
+            )
         elif not all_finite(tensor):
-            raise InvalidWeightsError(f"{display}: tensor '{key}' (the filter of fixed filter '{layer}') holds NaN "
-                                      "or Inf values")
+            raise InvalidWeightsError(
+                f"{display}: tensor '{key}' (the filter of fixed filter '{layer}') holds NaN or Inf values"
+            )
         else:
             coefficients[layer] = tuple(tensor.detach().double().flatten().tolist())
     if problems:
         raise InputError(f"{display}: the checkpoint does not match the architecture:", problems)
-    nodes = [replace(node, coefficients=coefficients[node.name]) if node.name in coefficients else node
-             for node in read.graph.nodes]
+    nodes = [
+        replace(node, coefficients=coefficients[node.name]) if node.name in coefficients else node
+        for node in read.graph.nodes
+    ]
     return Graph(nodes, read.graph.outputs, source=read.graph.source)

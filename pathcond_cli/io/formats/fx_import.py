@@ -4,12 +4,14 @@ The traced graph is translated into an architecture spec (see :mod:`.spec`) and 
 :func:`graph_from_spec`, so a module and a spec file go through the same validation and give
 the same nodes. Parameter keys are the module's ``state_dict`` keys. Every node that cannot
 be translated is collected, so one error lists the whole graph's unsupported operations.
+
+This module traces the module (torch.fx, else torch.export), checks the graph against it and
+walks it; the handler of each operation, and the registries it is looked up in, are in
+:mod:`.fx_ops`.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -19,30 +21,27 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ...engine.graph import COPYING_PAD_MODES, Graph
+from ...engine.graph import Graph
 from ...errors import UnsupportedModelError, UsageError
 from .common import shown
-from .export_graph import exported_graph, slice_along
+from .export_graph import exported_graph
+from .fx_ops import (
+    BUILTIN_SIGNATURES,
+    CALLS,
+    FILTER_BUFFER,
+    FUNCTIONS,
+    METHODS,
+    MODULES,
+    MOVEMENT_FUNCTIONS,
+    MOVEMENT_METHODS,
+    STORED_READERS,
+    SUPPORTED_SUMMARY,
+    StoredTensors,
+)
 from .movement import UnsupportedMovement, movement_layer
 from .offenders import NOT_HOMOGENEOUS_TYPES, NotHomogeneous, Unsupported, grouped, offender_note
 from .spec import graph_from_spec
-
-SUPPORTED_SUMMARY = (
-    "pathcond supports Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, BatchNorm1d/2d/3d, ReLU, LeakyReLU, "
-    "PReLU, abs, Identity, Dropout, max/avg/adaptive-avg pooling, mean over spatial axes, zero, reflect, replicate "
-    "and circular padding, spatial crops, -inf padding before max pooling, multiplication or division by a "
-    "constant, negation, a per-channel scale and shift by stored tensors (or a shift alone), a depthwise "
-    "convolution by a filter buffer (fixed), nearest and (bi/tri)linear Upsample/interpolate, flatten, channel "
-    "slices/chunks/splits and shuffles, residual add, the difference of two tensors and torch.cat(dim=1)"
-)
-
-
-# Translators of one fx node into spec layers: from normalised kwargs (with the node and the
-# traced values), or from the node's raw arguments.
-_FunctionTranslator = Callable[[Mapping[str, Any], torch.fx.Node, Mapping[torch.fx.Node, Any]], dict[str, Any]]
-_CallTranslator = Callable[[torch.fx.Node, Mapping[torch.fx.Node, Any]], list[dict[str, Any]]]
 
 
 def graph_from_module(
@@ -95,10 +94,14 @@ def read_module(module: nn.Module, input_shape: Sequence[int], *, source: str) -
         raise UnsupportedModelError(
             f"{source}: the network is not a supported ReLU DAG ({SUPPORTED_SUMMARY}):", problems, follow_on, note=note
         )
-    buffers = {layer["name"]: layer.pop(_FILTER_BUFFER) for layer in spec["layers"] if _FILTER_BUFFER in layer}
+    buffers = {layer["name"]: layer.pop(FILTER_BUFFER) for layer in spec["layers"] if FILTER_BUFFER in layer}
     graph = graph_from_spec(spec, source=source, input_shape=tuple(input_shape))
-    return ModuleRead(graph, {key: tensor.detach() for key, tensor in state.items()}, _dropped_note(dropped, source),
-                      {name: key for name, key in buffers.items() if key in state})
+    return ModuleRead(
+        graph,
+        {key: tensor.detach() for key, tensor in state.items()},
+        _dropped_note(dropped, source),
+        {name: key for name, key in buffers.items() if key in state},
+    )
 
 
 def _export_may_read(traced: torch.fx.GraphModule, note: str | None) -> bool:
@@ -109,29 +112,31 @@ def _export_may_read(traced: torch.fx.GraphModule, note: str | None) -> bool:
 
 
 def _exported_read(
-    module: nn.Module, input_shape: tuple[int, ...], source: str, state_keys: frozenset[str],
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    source: str,
+    state_keys: frozenset[str],
     parameter_keys: frozenset[str],
 ) -> tuple[dict[str, Any], list[str], list[str], list[str], None] | None:
     """The spec of torch.export's graph where it reads without a problem (None otherwise, and
     the fx graph's problems stand: they name the module's own calls)."""
     try:
-        exported, values = _exported_and_run(module, input_shape, source,
-                                             "torch.fx's graph has operations pathcond cannot read")
+        exported, values = _exported_and_run(
+            module, input_shape, source, "torch.fx's graph has operations pathcond cannot read"
+        )
     except UnsupportedModelError:
         return None
     spec, problems, follow_on, dropped, note = _spec_from_trace(exported, values, state_keys, parameter_keys)
     return None if problems or follow_on or note is not None else (spec, problems, follow_on, dropped, note)
 
 
-# The field of a fixed filter's spec layer that names its buffer until the graph is built (no spec field).
-_FILTER_BUFFER = "filter_buffer"
-
-
 def _dropped_note(dropped: Sequence[str], source: str) -> list[str]:
     if not dropped:
         return []
-    return [f"{source}: {len(dropped)} operation(s) whose result reaches no output were dropped, as the ONNX "
-            f"exporters drop them: {shown(', '.join(repr(name) for name in dropped), 400)}"]
+    return [
+        f"{source}: {len(dropped)} operation(s) whose result reaches no output were dropped, as the ONNX "
+        f"exporters drop them: {shown(', '.join(repr(name) for name in dropped), 400)}"
+    ]
 
 
 def _check_one_input(traced: torch.fx.GraphModule, source: str) -> None:
@@ -148,8 +153,9 @@ def _check_one_input(traced: torch.fx.GraphModule, source: str) -> None:
         )
 
 
-def _traced_and_run(module: nn.Module, input_shape: tuple[int, ...],
-                    source: str) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any], bool]:
+def _traced_and_run(
+    module: nn.Module, input_shape: tuple[int, ...], source: str
+) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any], bool]:
     """The module's graph, the value of each of its nodes on a zero input of batch 1, and
     whether the graph is torch.fx's (which :func:`read_module` may still replace by torch.export's).
 
@@ -171,22 +177,29 @@ def _traced_and_run(module: nn.Module, input_shape: tuple[int, ...],
             difference = _difference_from_module(module, traced, input_shape, batches=(2, 1))
             if difference is None:
                 return traced, values, True
-            fx_failure = (f"the graph torch.fx traced {difference}: fx took another branch than the module's "
-                          "forward (a test of isinstance or of None on a traced value)")
+            fx_failure = (
+                f"the graph torch.fx traced {difference}: fx took another branch than the module's "
+                "forward (a test of isinstance or of None on a traced value)"
+            )
         else:
             _check_module_runs(module, input_shape, source)
-            fx_failure = (f"the graph torch.fx traced raises where the module does not ({_failed_node(traced, values)}: "
-                          f"{_first_line(failure)}): fx took another branch than the module's forward")
+            fx_failure = (
+                f"the graph torch.fx traced raises where the module does not ({_failed_node(traced, values)}: "
+                f"{_first_line(failure)}): fx took another branch than the module's forward"
+            )
     exported, values = _exported_and_run(module, input_shape, source, fx_failure)
     return exported, values, False
 
 
-def _exported_and_run(module: nn.Module, input_shape: tuple[int, ...], source: str,
-                      fx_failure: str) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]:
+def _exported_and_run(
+    module: nn.Module, input_shape: tuple[int, ...], source: str, fx_failure: str
+) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, Any]]:
     """torch.export's graph of the module and the value of each of its nodes on a zero input of
     batch 1, checked against the module; ``fx_failure`` says why torch.fx's graph is not used."""
     try:
-        exported = exported_graph(module, _zero_input(module, input_shape))
+        exported = exported_graph(
+            module, _zero_input(module, input_shape), {*FUNCTIONS, *CALLS, *STORED_READERS, *MOVEMENT_FUNCTIONS}
+        )
     except Exception as exc:  # noqa: BLE001 - torch.export runs user code and raises many types
         _check_module_runs(module, input_shape, source)
         raise UnsupportedModelError(
@@ -216,8 +229,9 @@ def _exported_and_run(module: nn.Module, input_shape: tuple[int, ...], source: s
     return exported, values
 
 
-def _difference_from_module(module: nn.Module, graph_module: torch.fx.GraphModule, input_shape: tuple[int, ...],
-                            *, batches: Sequence[int]) -> str | None:
+def _difference_from_module(
+    module: nn.Module, graph_module: torch.fx.GraphModule, input_shape: tuple[int, ...], *, batches: Sequence[int]
+) -> str | None:
     """How the graph's outputs differ from the module's own on a random input, in eval mode
     (None when they agree to rounding in the module's dtype): a trace may take another branch
     than the forward and still run. The first batch size in ``batches`` the module runs on is
@@ -231,13 +245,17 @@ def _difference_from_module(module: nn.Module, graph_module: torch.fx.GraphModul
                 break
             except Exception as exc:  # noqa: BLE001 - the user's forward, which may raise anything
                 if batch == batches[-1]:
-                    return (f"cannot be checked: the module raises on a random input of shape "
-                            f"{tuple(example.shape)} ({_first_line(exc)})")
+                    return (
+                        f"cannot be checked: the module raises on a random input of shape "
+                        f"{tuple(example.shape)} ({_first_line(exc)})"
+                    )
         try:
             got = _in_eval_mode(module, lambda: torch.fx.Interpreter(graph_module).run(example))
         except Exception as exc:  # noqa: BLE001 - user code recorded in the graph
-            return (f"raises on a random input of shape {tuple(example.shape)} where the module does not "
-                    f"({_first_line(exc)})")
+            return (
+                f"raises on a random input of shape {tuple(example.shape)} where the module does not "
+                f"({_first_line(exc)})"
+            )
         return _outputs_difference(wanted, got)
     finally:
         with torch.no_grad():
@@ -269,20 +287,25 @@ def _outputs_difference(wanted: Any, got: Any) -> str | None:
         # sit where the module's do; the rest is compared.
         finite = torch.isfinite(want)
         if not torch.equal(finite, torch.isfinite(have)):
-            return (f"computes another function than the module on a random input (output {index} is not "
-                    "finite at other positions than the module's)")
+            return (
+                f"computes another function than the module on a random input (output {index} is not "
+                "finite at other positions than the module's)"
+            )
         want, have = want[finite].double(), have[finite].double()
         tolerance = torch.finfo(wanted_leaves[index].dtype).eps ** 0.5
         error = (have - want).abs().max().item() if want.numel() else 0.0
         scale = want.abs().max().item() if want.numel() else 0.0
         if not error <= tolerance * max(scale, 1.0):
-            return (f"computes another function than the module on a random input (output {index} differs by "
-                    f"{error:.3g}, the module's largest output being {scale:.3g})")
+            return (
+                f"computes another function than the module on a random input (output {index} differs by "
+                f"{error:.3g}, the module's largest output being {scale:.3g})"
+            )
     return None
 
 
-def _run_on_zeros(module: nn.Module, traced: torch.fx.GraphModule,
-                  input_shape: tuple[int, ...]) -> tuple[dict[torch.fx.Node, Any], Exception | None]:
+def _run_on_zeros(
+    module: nn.Module, traced: torch.fx.GraphModule, input_shape: tuple[int, ...]
+) -> tuple[dict[torch.fx.Node, Any], Exception | None]:
     """The value of every fx node on a zero input of batch 1, in eval mode (as far as it runs),
     and the exception that stopped the run, if one did."""
     values: dict[torch.fx.Node, Any] = {}
@@ -325,12 +348,20 @@ def _check_batch_free(module: nn.Module, input_shape: tuple[int, ...], source: s
         _in_eval_mode(module, lambda: module(_zero_input(module, input_shape, batch=2)))
     except Exception:  # noqa: BLE001 - the user's forward: it raises on any batch, the shape is blamed
         return
-    batch_statistics = ", ".join(f"'{name}' ({type(layer).__name__})" for name, layer in module.named_modules()
-                                 if isinstance(layer, _BATCH_NORMS) and layer.running_mean is None)
-    culprit, remedy = ((f"the BatchNorm {batch_statistics} normalises with the batch's statistics in eval mode too "
-                        "(track_running_stats=False)", ". Give it running statistics (track_running_stats=True, "
-                        "then train or load them)") if batch_statistics else
-                       ("its forward computes across the batch", ""))
+    batch_statistics = ", ".join(
+        f"'{name}' ({type(layer).__name__})"
+        for name, layer in module.named_modules()
+        if isinstance(layer, _BATCH_NORMS) and layer.running_mean is None
+    )
+    culprit, remedy = (
+        (
+            f"the BatchNorm {batch_statistics} normalises with the batch's statistics in eval mode too "
+            "(track_running_stats=False)",
+            ". Give it running statistics (track_running_stats=True, then train or load them)",
+        )
+        if batch_statistics
+        else ("its forward computes across the batch", "")
+    )
     raise UnsupportedModelError(
         f"{source}: the module raises on a batch of one example of the input shape {input_shape} "
         f"({_first_line(failure)}) but runs on a batch of two: {culprit}, so each example's output depends on "
@@ -391,7 +422,9 @@ def _input_dtype(module: nn.Module) -> torch.dtype:
 
 
 def _spec_from_trace(
-    traced: torch.fx.GraphModule, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str],
+    traced: torch.fx.GraphModule,
+    values: Mapping[torch.fx.Node, Any],
+    state_keys: frozenset[str],
     parameter_keys: frozenset[str],
 ) -> tuple[dict[str, Any], list[str], list[str], list[str], str | None]:
     """The architecture spec of a traced module, every reason it is not a ReLU DAG (each
@@ -411,7 +444,7 @@ def _spec_from_trace(
     after_refusal: set[torch.fx.Node] = set()
     layers: list[dict[str, Any]] = []
     outputs: list[str] = []
-    stored = _StoredTensors(values, state_keys, parameter_keys)
+    stored = StoredTensors(values, state_keys, parameter_keys)
     dropped: list[str] = []
     for node in traced.graph.nodes:
         follows_refusal = any(arg in after_refusal for arg in node.all_input_nodes)
@@ -436,8 +469,11 @@ def _spec_from_trace(
             steps = _translate(node, modules, traced, values, stored)
             for index, layer in enumerate(steps):
                 name = names[node] if index == len(steps) - 1 else f"{names[node]}/{layer['type']}"
-                inputs = ([layers[-1]["name"]] if index else
-                          [moves.layer_input(_tensor(arg), layers) for arg in layer.pop("inputs")])
+                inputs = (
+                    [layers[-1]["name"]]
+                    if index
+                    else [moves.layer_input(_tensor(arg), layers) for arg in layer.pop("inputs")]
+                )
                 layer.pop("inputs", None)
                 layers.append({"name": name, **({"inputs": inputs} if inputs else {}), **layer})
         except NotHomogeneous:
@@ -479,8 +515,14 @@ def _reaching_no_output(graph: torch.fx.Graph, modules: Mapping[str, nn.Module])
         if node not in live:
             live.add(node)
             stack.extend(node.all_input_nodes)
-    return {node for node in graph.nodes if node not in live and node.op.startswith("call_")
-            and not _is_shape_check(node) and not _may_write_its_input(node, modules)}
+    return {
+        node
+        for node in graph.nodes
+        if node not in live
+        and node.op.startswith("call_")
+        and not _is_shape_check(node)
+        and not _may_write_its_input(node, modules)
+    }
 
 
 _IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem)
@@ -519,8 +561,7 @@ def _once_per_module_type(refused: Sequence[tuple[torch.fx.Node, str]], modules:
         line = f"fx node '{node.name}' ({_describe(node, modules)}): {reason}"
         if len(occurrences) > 1:
             paths = ", ".join(f"'{path}'" for _, _, path in occurrences[1:])
-            line += (f" (and the same in {len(occurrences) - 1} more {cause[0]} module(s): "
-                     f"{shown(paths, 300)})")
+            line += f" (and the same in {len(occurrences) - 1} more {cause[0]} module(s): {shown(paths, 300)})"
         lines.append(line)
     return lines
 
@@ -544,8 +585,9 @@ class _Movements:
     the index map must be the identity, a flatten, a channel slice or a channel shuffle.
     """
 
-    def __init__(self, values: Mapping[torch.fx.Node, Any], names: Mapping[torch.fx.Node, str],
-                 dead: set[torch.fx.Node]):
+    def __init__(
+        self, values: Mapping[torch.fx.Node, Any], names: Mapping[torch.fx.Node, str], dead: set[torch.fx.Node]
+    ):
         self.values = values
         self.names = names
         self.dead = dead
@@ -590,9 +632,14 @@ class _Movements:
         reported again: the operation already is. Users whose result reaches no output (the
         pieces of a split that nothing reads) read nothing.
         """
-        return [node for node in self.index if node not in self.emitted
-                and any(user not in self.index and user not in self.offenders and user not in self.dead
-                        for user in node.users)]
+        return [
+            node
+            for node in self.index
+            if node not in self.emitted
+            and any(
+                user not in self.index and user not in self.offenders and user not in self.dead for user in node.users
+            )
+        ]
 
     def layer_input(self, arg: torch.fx.Node, layers: list[dict[str, Any]]) -> str:
         """The spec layer standing for ``arg``: its own, or one made for a data movement."""
@@ -653,8 +700,9 @@ def _reused_modules(graph: torch.fx.Graph, modules: Mapping[str, nn.Module]) -> 
     ]
 
 
-def _outputs(node: torch.fx.Node, names: Mapping[torch.fx.Node, str], moves: _Movements,
-             layers: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+def _outputs(
+    node: torch.fx.Node, names: Mapping[torch.fx.Node, str], moves: _Movements, layers: list[dict[str, Any]]
+) -> tuple[list[str], list[str]]:
     result = node.args[0]
     values = list(result.values()) if isinstance(result, dict) else result
     values = list(values) if isinstance(values, (list, tuple)) else [values]
@@ -673,13 +721,20 @@ def _tensor(arg: Any) -> torch.fx.Node:
     if not isinstance(arg, torch.fx.Node) or _is_shape_query(arg):
         raise Unsupported(f"{arg!r} is not a tensor computed from the network's input")
     if arg.op == "get_attr":
-        raise Unsupported(f"the stored tensor '{arg.target}' is used as an activation; a parameter or constant "
-                           "outside its module is supported only as a per-channel scale or shift")
+        raise Unsupported(
+            f"the stored tensor '{arg.target}' is used as an activation; a parameter or constant "
+            "outside its module is supported only as a per-channel scale or shift"
+        )
     return arg
 
 
-def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.Module,
-               values: Mapping[torch.fx.Node, Any], stored: _StoredTensors) -> list[dict[str, Any]]:
+def _translate(
+    node: torch.fx.Node,
+    modules: Mapping[str, nn.Module],
+    root: nn.Module,
+    values: Mapping[torch.fx.Node, Any],
+    stored: StoredTensors,
+) -> list[dict[str, Any]]:
     """The spec layers (without names; ``inputs`` of the first as fx nodes) for one fx node."""
     if node.op == "placeholder":
         return [{"type": "input", "inputs": []}]
@@ -713,7 +768,7 @@ def _translate(node: torch.fx.Node, modules: Mapping[str, nn.Module], root: nn.M
     raise Unsupported(f"fx operation '{node.op}' is not supported")
 
 
-def _held_in_state(steps: list[dict[str, Any]], stored: _StoredTensors) -> list[dict[str, Any]]:
+def _held_in_state(steps: list[dict[str, Any]], stored: StoredTensors) -> list[dict[str, Any]]:
     """``steps``, once every stored tensor they read as a per-channel scale or shift is checked
     to be in the module's state_dict."""
     for step in steps:
@@ -728,9 +783,11 @@ def _stored_reads(node: torch.fx.Node) -> str:
     keys = [f"'{arg.target}'" for arg in node.all_input_nodes if arg.op == "get_attr"]
     if not keys:
         return ""
-    return (f" (it reads the stored tensor {', '.join(keys)}: a parameter or constant used outside its module is "
-            "supported only as the weight of F.conv1d/2d/3d, F.linear and F.batch_norm, or as a per-channel "
-            "scale or shift, x * scale + shift)")
+    return (
+        f" (it reads the stored tensor {', '.join(keys)}: a parameter or constant used outside its module is "
+        "supported only as the weight of F.conv1d/2d/3d, F.linear and F.batch_norm, or as a per-channel "
+        "scale or shift, x * scale + shift)"
+    )
 
 
 def _not_supported(name: str) -> str:
@@ -738,13 +795,6 @@ def _not_supported(name: str) -> str:
     if name.partition(".")[0].lower().rstrip("_") in NOT_HOMOGENEOUS_TYPES:
         raise NotHomogeneous()
     return "not supported"
-
-
-def _rank(arg: Any, values: Mapping[torch.fx.Node, Any]) -> int:
-    value = values.get(arg) if isinstance(arg, torch.fx.Node) else None
-    if not isinstance(value, torch.Tensor):
-        raise Unsupported("the rank of its input is unknown (the module could not be run on a zero input)")
-    return value.dim()
 
 
 def _describe(node: torch.fx.Node, modules: Mapping[str, nn.Module]) -> str:
@@ -773,8 +823,11 @@ def _module_of_aten(node: torch.fx.Node) -> str:
     return f" in {owner[1]}" if owner else ""
 
 
-_PUBLIC_MODULE_NAMES = {"torch._C._nn": "torch.nn.functional", "_operator": "operator",
-                        "torch._ops.aten": "torch.ops.aten"}
+_PUBLIC_MODULE_NAMES = {
+    "torch._C._nn": "torch.nn.functional",
+    "_operator": "operator",
+    "torch._ops.aten": "torch.ops.aten",
+}
 
 
 def _qualified_name(function: Callable[..., Any]) -> str:
@@ -784,287 +837,9 @@ def _qualified_name(function: Callable[..., Any]) -> str:
     return f"{module}.{name}" if module else name
 
 
-# -- modules -------------------------------------------------------------------------------
-
-
-def _bias_key(module: nn.Module, target: str) -> str | None:
-    return f"{target}.bias" if module.bias is not None else None
-
-
-def _linear(module: nn.Linear, target: str) -> dict[str, Any]:
-    return {"type": "linear", "weight": f"{target}.weight", "bias": _bias_key(module, target)}
-
-
-def _conv(module: nn.Conv1d | nn.Conv2d, target: str) -> list[dict[str, Any]]:
-    """A convolution; with a ``padding_mode`` other than zeros, the pad torch applies first
-    (``F.pad(x, module._reversed_padding_repeated_twice, mode)``) and the conv without padding."""
-    conv = _conv_layer(f"{target}.weight", _bias_key(module, target), module.stride, module.dilation, module.groups)
-    if module.padding_mode == "zeros":
-        return [{**conv, "padding": _conv_padding(module.padding, module.dilation, module.kernel_size)}]
-    pad = _pad({"pad": module._reversed_padding_repeated_twice, "mode": module.padding_mode}, module.weight.dim())
-    return [pad, {**conv, "padding": 0}]
-
-
-def _conv_layer(weight: str, bias: str | None, stride: Any, dilation: Any, groups: int) -> dict[str, Any]:
-    return {"type": "conv", "weight": weight, "bias": bias, "stride": stride, "dilation": dilation, "groups": groups}
-
-
-def _conv_padding(padding: Any, dilation: Any, kernel_size: Sequence[int]) -> int | tuple[int, ...]:
-    if padding == "valid":
-        return 0
-    if padding == "same":
-        dilation = [dilation] * len(kernel_size) if isinstance(dilation, int) else dilation
-        totals = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
-        if any(total % 2 for total in totals):
-            raise Unsupported("padding='same' with an even receptive field pads asymmetrically")
-        return tuple(total // 2 for total in totals)
-    return padding
-
-
-class _StoredTensors:
-    """The tensors a functional layer reads through ``get_attr``: parameters, which it may
-    rescale, and buffers, which are constants (timm's BatchNormAct2d calls ``F.batch_norm`` on
-    its own parameters and statistics, BlurPool2d convolves with a filter buffer)."""
-
-    def __init__(self, values: Mapping[torch.fx.Node, Any], state_keys: frozenset[str],
-                 parameter_keys: frozenset[str]):
-        self.values = values
-        self.state_keys = state_keys
-        self.parameter_keys = parameter_keys
-
-    def key(self, arg: Any, role: str) -> str:
-        """The ``state_dict`` key of a parameter the layer reads as its ``role``."""
-        target = self._target(arg, role)
-        if target not in self.parameter_keys:
-            raise Unsupported(_constant_outside_filter(target, role))
-        return target
-
-    def optional_key(self, arg: Any, role: str) -> str | None:
-        return None if arg is None else self.key(arg, role)
-
-    def statistic(self, arg: Any, role: str) -> str:
-        """The ``state_dict`` key of a BatchNorm statistic (a buffer: read, never rescaled)."""
-        return self.in_state(self._target(arg, role), role)
-
-    def in_state(self, target: str, role: str) -> str:
-        """``target``, a stored tensor the layer reads by name, which must be a ``state_dict`` key."""
-        if target not in self.state_keys:
-            raise Unsupported(
-                f"its {role} '{target}' is not in the module's state_dict, where pathcond reads and writes the "
-                "network's tensors: a buffer registered with persistent=False, or a tensor the forward computes "
-                "from a stored one (self.scale.float(), which torch.fx keeps as a constant of its own). Register it "
-                "as a parameter or a persistent buffer, and use it as stored"
-            )
-        return target
-
-    def is_buffer(self, arg: Any) -> bool:
-        return isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and arg.target not in self.parameter_keys
-
-    def value(self, arg: torch.fx.Node) -> torch.Tensor:
-        return self.values[arg]
-
-    @staticmethod
-    def _target(arg: Any, role: str) -> str:
-        if not isinstance(arg, torch.fx.Node) or arg.op != "get_attr":
-            raise Unsupported(f"its {role} is not a parameter or buffer of the module ({arg!r}); only stored "
-                               "tensors are layer parameters")
-        return arg.target
-
-
-def _constant_outside_filter(target: str, role: str) -> str:
-    return (f"its {role} '{target}' is a buffer of the module, a constant and not a parameter: pathcond reads a "
-            "buffer as BatchNorm statistics, or as the filter of a depthwise convolution without bias (groups = "
-            "channels, one filter per channel, as timm's BlurPool2d: a fixed per-channel filter), and nowhere "
-            "else. Register it as an nn.Parameter to have it rescaled as a weight, or rescale the module's ONNX "
-            "export, which stores it as a weight")
-
-
-def _conv_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    """``F.conv1d/2d/3d`` on a stored weight: a parameter, or a buffer holding fixed filters."""
-    if stored.is_buffer(kwargs["weight"]):
-        return _fixed_filter(kwargs, stored)
-    conv = _conv_layer(stored.key(kwargs["weight"], "weight"), stored.optional_key(kwargs.get("bias"), "bias"),
-                       kwargs.get("stride", 1), kwargs.get("dilation", 1), kwargs.get("groups", 1))
-    padding = _conv_padding(kwargs.get("padding", 0), conv["dilation"], stored.value(kwargs["weight"]).shape[2:])
-    return {**conv, "padding": padding}
-
-
-def _fixed_filter(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    """A depthwise convolution by a buffer (timm's BlurPool2d): a filter of constants per channel."""
-    weight = kwargs["weight"]
-    filters = stored.value(weight)
-    x = stored.values.get(kwargs["input"])
-    channels = x.shape[1] if isinstance(x, torch.Tensor) else None
-    if kwargs.get("groups", 1) != channels or tuple(filters.shape[:2]) != (channels, 1) or kwargs.get("bias") is not None:
-        raise Unsupported(_constant_outside_filter(weight.target, "weight"))
-    dilation = kwargs.get("dilation", 1)
-    return {"type": "fixed_filter", _FILTER_BUFFER: weight.target, "kernel": list(filters.shape[2:]),
-            "coefficients": filters.detach().double().flatten().tolist(), "stride": kwargs.get("stride", 1),
-            "padding": _conv_padding(kwargs.get("padding", 0), dilation, filters.shape[2:]), "dilation": dilation}
-
-
-def _linear_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    return {"type": "linear", "weight": stored.key(kwargs["weight"], "weight"),
-            "bias": stored.optional_key(kwargs.get("bias"), "bias")}
-
-
-def _batch_norm_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    """``F.batch_norm`` on stored statistics and affine terms, in eval mode (timm's BatchNormAct2d)."""
-    if kwargs.get("training"):
-        raise Unsupported("training=True normalises with batch statistics even in eval mode")
-    if kwargs.get("weight") is None or kwargs.get("bias") is None:
-        raise Unsupported("without weight and bias (affine=False) there is nothing to rescale; not supported")
-    return _batchnorm_layer(
-        stored.key(kwargs["weight"], "weight"), stored.key(kwargs["bias"], "bias"),
-        *(stored.statistic(kwargs.get(role), role) for role in ("running_mean", "running_var")),
-        eps=kwargs.get("eps", 1e-5), momentum=kwargs.get("momentum", 0.1),
-    )
-
-
-def _conv_transpose(module: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, target: str) -> dict[str, Any]:
-    if module.padding_mode != "zeros":
-        raise Unsupported(f"padding_mode='{module.padding_mode}' is not supported (only zero padding)")
-    return _conv_transpose_layer(f"{target}.weight", _bias_key(module, target), vars(module))
-
-
-def _conv_transpose_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    """``F.conv_transpose1d/2d/3d`` on a stored weight (torch.export records nn.ConvTranspose2d so)."""
-    return _conv_transpose_layer(stored.key(kwargs["weight"], "weight"),
-                                 stored.optional_key(kwargs.get("bias"), "bias"), kwargs)
-
-
-def _conv_transpose_layer(weight: str, bias: str | None, args: Mapping[str, Any]) -> dict[str, Any]:
-    """A transposed convolution from a module's attributes or the function's kwargs (named alike)."""
-    return {"type": "conv_transpose", "weight": weight, "bias": bias,
-            **{field: args[field] for field in ("stride", "padding", "output_padding", "dilation", "groups")}}
-
-
-def _prelu(module: nn.PReLU, target: str) -> dict[str, Any]:
-    return {"type": "prelu", "weight": f"{target}.weight"}
-
-
-def _prelu_function(kwargs: Mapping[str, Any], stored: _StoredTensors) -> dict[str, Any]:
-    """``F.prelu`` on a stored slope (torch.export records nn.PReLU so)."""
-    return {"type": "prelu", "weight": stored.key(kwargs["weight"], "weight")}
-
-
-_PAD_MODULES = {
-    **{cls: ("constant", rank) for rank, cls in ((1, nn.ConstantPad1d), (2, nn.ConstantPad2d), (3, nn.ConstantPad3d),
-                                                 (1, nn.ZeroPad1d), (2, nn.ZeroPad2d), (3, nn.ZeroPad3d))},
-    **{cls: ("reflect", rank) for rank, cls in ((1, nn.ReflectionPad1d), (2, nn.ReflectionPad2d),
-                                                (3, nn.ReflectionPad3d))},
-    **{cls: ("replicate", rank) for rank, cls in ((1, nn.ReplicationPad1d), (2, nn.ReplicationPad2d),
-                                                  (3, nn.ReplicationPad3d))},
-    **{cls: ("circular", rank) for rank, cls in ((1, nn.CircularPad1d), (2, nn.CircularPad2d),
-                                                 (3, nn.CircularPad3d))},
-}
-
-
-def _pad_module(module: nn.Module, target: str) -> dict[str, Any]:
-    mode, rank = _PAD_MODULES[type(module)]
-    return _pad({"pad": module.padding, "mode": mode, "value": getattr(module, "value", 0)}, rank + 2)
-
-
-def _channel_shuffle_module(module: nn.ChannelShuffle, target: str) -> dict[str, Any]:
-    return {"type": "channel_shuffle", "groups": module.groups}
-
-
-def _batchnorm(module: nn.BatchNorm1d | nn.BatchNorm2d, target: str) -> dict[str, Any]:
-    if not module.affine:
-        raise Unsupported("affine=False (no weight and bias to rescale) is not supported")
-    if module.running_mean is None:
-        raise Unsupported("track_running_stats=False normalises with batch statistics even in eval mode")
-    keys = (f"{target}.{role}" for role in ("weight", "bias", "running_mean", "running_var"))
-    return _batchnorm_layer(*keys, eps=module.eps, momentum=module.momentum)
-
-
-def _batchnorm_layer(weight: str, bias: str, running_mean: str, running_var: str, *, eps: float,
-                     momentum: float | None) -> dict[str, Any]:
-    layer = {"type": "batchnorm", "weight": weight, "bias": bias, "running_mean": running_mean,
-             "running_var": running_var, "eps": eps}
-    # momentum=None (cumulative average) only affects training; the spec default stands in.
-    if momentum is not None:
-        layer["momentum"] = momentum
-    return layer
-
-
-def _by_attributes(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> Callable[[nn.Module, str], dict[str, Any]]:
-    """A module translator from a functional one: torch names module attributes like the kwargs."""
-    return lambda module, target: translate(vars(module))
-
-
-def _fixed(layer_type: str) -> Callable[..., dict[str, Any]]:
-    return lambda *_: {"type": layer_type}
-
-
-# -- hyper-parameters shared by modules (attributes) and functions (normalised kwargs) -------
-
-
-def _leaky_relu(args: Mapping[str, Any]) -> dict[str, Any]:
-    return {"type": "leaky_relu", "negative_slope": args.get("negative_slope", 0.01)}
-
-
-def _kernel_and_stride(args: Mapping[str, Any]) -> dict[str, Any]:
-    # A missing stride is None for modules and [] for normalised avg_pool kwargs: the kernel size.
-    return {"kernel": args["kernel_size"], "stride": args.get("stride") or args["kernel_size"],
-            "padding": args.get("padding", 0)}
-
-
-def _max_pool(args: Mapping[str, Any]) -> dict[str, Any]:
-    if args.get("return_indices"):
-        raise Unsupported("return_indices=True is not supported")
-    return {"type": "maxpool", **_kernel_and_stride(args), "dilation": args.get("dilation", 1),
-            "ceil_mode": bool(args.get("ceil_mode", False))}
-
-
-def _avg_pool(args: Mapping[str, Any]) -> dict[str, Any]:
-    if args.get("divisor_override") is not None:
-        raise Unsupported("divisor_override is not supported")
-    return {"type": "avgpool", **_kernel_and_stride(args), "ceil_mode": bool(args.get("ceil_mode", False)),
-            "count_include_pad": bool(args.get("count_include_pad", True))}
-
-
-def _adaptive_avg_pool(args: Mapping[str, Any]) -> dict[str, Any]:
-    size = args["output_size"]
-    if size is None or (isinstance(size, (list, tuple)) and None in size):
-        raise Unsupported("an output_size that keeps an input size (None) is not a fixed output size")
-    return {"type": "adaptive_avgpool", "output_size": size}
-
-
-def _flatten_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    return _flatten(args.get("start_dim", 0), args.get("end_dim", -1))
-
-
-def _flatten(start_dim: Any, end_dim: Any) -> dict[str, Any]:
-    if start_dim != 1 or end_dim != -1:
-        raise Unsupported(f"only flattening from dim 1 to the end is supported (got start_dim={start_dim}, end_dim={end_dim})")
-    return {"type": "flatten"}
-
-
-# torch's own functions are overloaded C builtins whose overload fx's normaliser has to pick
-# (ambiguous on some torch versions): their arguments are bound to these signatures.
-_BUILTIN_SIGNATURES = {
-    function: inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, **extra)
-                                 for name, extra in parameters])
-    for function, parameters in (
-        (torch.relu, (("input", {}),)),
-        (torch.relu_, (("input", {}),)),
-        (F.linear, (("input", {}), ("weight", {}), ("bias", {"default": None}))),
-        (F.prelu, (("input", {}), ("weight", {}))),
-        *((conv, (("input", {}), ("weight", {}), ("bias", {"default": None}), ("stride", {"default": 1}),
-                  ("padding", {"default": 0}), ("dilation", {"default": 1}), ("groups", {"default": 1})))
-          for conv in (torch.conv1d, torch.conv2d, torch.conv3d)),
-        *((conv, (("input", {}), ("weight", {}), ("bias", {"default": None}), ("stride", {"default": 1}),
-                  ("padding", {"default": 0}), ("output_padding", {"default": 0}), ("groups", {"default": 1}),
-                  ("dilation", {"default": 1})))
-          for conv in (torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d)),
-    )
-}
-
-
 def _keyword_arguments(node: torch.fx.Node, root: nn.Module) -> dict[str, Any]:
     """The call's arguments by parameter name (defaults filled in for torch's builtins)."""
-    signature = _BUILTIN_SIGNATURES.get(node.target)
+    signature = BUILTIN_SIGNATURES.get(node.target)
     if signature is None:
         normalized = node.normalized_arguments(root, normalize_to_only_use_kwargs=True)
         if normalized is None:
@@ -1076,260 +851,6 @@ def _keyword_arguments(node: torch.fx.Node, root: nn.Module) -> dict[str, Any]:
         raise Unsupported(f"its arguments cannot be matched to the function's signature ({exc})") from None
     bound.apply_defaults()
     return dict(bound.arguments)
-
-
-def _with_input(translate: Callable[[Mapping[str, Any]], dict[str, Any]]) -> _FunctionTranslator:
-    """A function translator: the layer from the kwargs, reading the ``input`` kwarg."""
-    return lambda kwargs, node, values: {**translate(kwargs), "inputs": [kwargs["input"]]}
-
-
-# -- functions and methods -------------------------------------------------------------------
-
-
-def _pad(args: Mapping[str, Any], rank: int) -> dict[str, Any]:
-    """F.pad's ``(last_begin, last_end, previous_begin, ...)`` as per-axis begin and end (a
-    negative width crops, as in timm's NASNet ``nn.ZeroPad2d((-1, 1, -1, 1))``)."""
-    mode, value = args.get("mode", "constant"), args.get("value") or 0
-    if mode not in ("constant", *COPYING_PAD_MODES):
-        raise Unsupported(f"mode={mode!r} is not supported (constant, {', '.join(COPYING_PAD_MODES)})")
-    if mode == "constant" and value not in (0, -math.inf):
-        raise Unsupported(f"padding with the constant {value!r} is not positively homogeneous (a padded neuron keeps "
-                           "its value whatever its channel's scale); only 0, and -inf before max pooling, are")
-    if mode == "constant":
-        mode = "-inf" if value == -math.inf else "zeros"
-    pad = list(args["pad"])
-    spatial = rank - 2
-    if len(pad) % 2 or len(pad) > 2 * spatial or any(not isinstance(v, int) for v in pad):
-        raise Unsupported(f"only integer padding or cropping of the spatial axes is supported (pad={tuple(pad)})")
-    pairs = [(0, 0)] * (spatial - len(pad) // 2) + [(pad[i], pad[i + 1]) for i in range(len(pad) - 2, -1, -2)]
-    return {"type": "pad", "begin": [b for b, _ in pairs], "end": [e for _, e in pairs], "mode": mode}
-
-
-def _pad_function(kwargs: Mapping[str, Any], node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> dict[str, Any]:
-    return {**_pad(kwargs, _rank(kwargs["input"], values)), "inputs": [kwargs["input"]]}
-
-
-def _scale(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``x * c``, ``c * x``, ``x / c``: a fixed edge of weight c (1/c)."""
-    if len(args) != 2 or kwargs:
-        raise Unsupported("only a product or quotient of a tensor and a number is supported")
-    tensors = [a for a in args if isinstance(a, torch.fx.Node)]
-    numbers = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-    if len(tensors) == 2:
-        raise NotHomogeneous()
-    if len(tensors) != 1 or len(numbers) != 1:
-        raise Unsupported("only a product or quotient of a tensor and a number is supported")
-    divides = getattr(target, "__name__", target) in ("truediv", "div", "div_", "itruediv")
-    if divides and args[0] is not tensors[0]:
-        raise Unsupported("dividing a number by a tensor is not homogeneous")
-    factor = float(numbers[0])
-    if divides:
-        if factor == 0:
-            raise Unsupported("division by zero")
-        factor = 1.0 / factor
-    return {"type": "scale", "factor": factor, "inputs": tensors}
-
-
-def _mean(args: Sequence[Any], kwargs: Mapping[str, Any], values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    """``x.mean([2, 3])`` / ``torch.mean(x, (2, 3), keepdim=...)`` over every spatial axis: global average pooling."""
-    x = args[0]
-    dims = args[1] if len(args) > 1 else kwargs.get("dim")
-    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-    rank = _rank(x, values)
-    dims = [dims] if isinstance(dims, int) else list(dims or [])
-    if set(kwargs) - {"dim", "keepdim"} or rank < 3 or sorted(d % rank for d in dims) != list(range(2, rank)):
-        raise Unsupported(f"only a mean over every spatial axis is supported (dims {dims} of a rank-{rank} input)")
-    pool = {"type": "adaptive_avgpool", "output_size": [1] * (rank - 2), "inputs": [x]}
-    return [pool] if keepdim else [pool, {"type": "flatten"}]
-
-
-_RESIZE_MODES = {"nearest": "nearest", "linear": "linear", "bilinear": "linear", "trilinear": "linear"}
-
-
-def _upsample(args: Mapping[str, Any], input_size: Sequence[int] | None = None) -> dict[str, Any]:
-    """nn.Upsample (attributes) and F.interpolate (kwargs): nearest or (bi/tri)linear, and
-    nearest-exact where it copies what nearest does. ``input_size`` is the input's spatial size
-    where known (F.interpolate's traced run)."""
-    mode = args.get("mode", "nearest")
-    if mode == "nearest-exact":
-        mode = _nearest_exact_as_nearest(args, input_size)
-    if mode not in _RESIZE_MODES:
-        raise Unsupported(
-            f"mode={mode!r} is not supported (nearest, linear, bilinear, trilinear): bicubic weights are negative "
-            "and torch and ONNX runtimes disagree at the borders, area is adaptive average pooling"
-        )
-    if args.get("antialias"):
-        raise Unsupported("antialias=True is not supported")
-    if args.get("recompute_scale_factor"):
-        raise Unsupported("recompute_scale_factor=True is not supported; pass the output size instead")
-    size, scale_factor = args.get("size"), args.get("scale_factor")
-    if (size is None) == (scale_factor is None):
-        raise Unsupported("exactly one of size and scale_factor must be given")
-    layer: dict[str, Any] = {"type": "upsample", "mode": _RESIZE_MODES[mode],
-                             "align_corners": bool(args.get("align_corners") or False)}
-    if size is not None:
-        layer["size"] = list(size) if isinstance(size, (list, tuple)) else size
-    else:
-        layer["scale_factor"] = list(scale_factor) if isinstance(scale_factor, (list, tuple)) else scale_factor
-    return layer
-
-
-def _nearest_exact_as_nearest(args: Mapping[str, Any], input_size: Sequence[int] | None) -> str:
-    """'nearest', for a nearest-exact resize that copies the same pixels; refused otherwise.
-
-    Output pixel i of an axis with scale s (input over output size, or 1/scale_factor) copies
-    input pixel floor(i·s) in nearest mode and floor((i + ½)·s) in nearest-exact; they agree on
-    every i exactly when 1/s is an integer: an integer upscaling factor on every axis.
-    """
-    size, scale_factor = args.get("size"), args.get("scale_factor")
-    if scale_factor is not None and not args.get("recompute_scale_factor"):
-        factors = scale_factor if isinstance(scale_factor, (list, tuple)) else [scale_factor]
-        whole = all(float(factor).is_integer() and factor >= 1 for factor in factors)
-    elif size is not None and input_size is not None:
-        sizes = size if isinstance(size, (list, tuple)) else [size] * len(input_size)
-        whole = all(out % given == 0 for out, given in zip(sizes, input_size))
-    else:
-        whole = False
-    if not whole:
-        shown_size = f"scale_factor={scale_factor!r}" if scale_factor is not None else f"size={size!r}"
-        known = f" of an input of spatial size {tuple(input_size)}" if input_size is not None else ""
-        raise Unsupported(
-            f"mode='nearest-exact' with {shown_size}{known} is not supported: it copies the input pixel under each "
-            "output pixel's centre, which pathcond's nearest resize (the pixel under its corner, torch's 'nearest', "
-            "ONNX's asymmetric floor) matches only for an integer upscaling factor on every axis"
-            + ("" if known else " (give scale_factor, or call F.interpolate, whose input size pathcond sees)")
-        )
-    return "nearest"
-
-
-def _interpolate_function(kwargs: Mapping[str, Any], node: torch.fx.Node,
-                          values: Mapping[torch.fx.Node, Any]) -> dict[str, Any]:
-    """F.interpolate; a size computed from other tensors' shapes (``size=skip.shape[2:]``) is
-    the one the traced run produced, a constant for the input shape the graph is built for."""
-    output, x = values.get(node), values.get(kwargs["input"])
-    size = kwargs.get("size")
-    sizes = size if isinstance(size, (list, tuple)) else [size]
-    if size is not None and not all(isinstance(v, int) for v in sizes) and isinstance(output, torch.Tensor):
-        kwargs = {**kwargs, "size": list(output.shape[2:])}
-    input_size = tuple(x.shape[2:]) if isinstance(x, torch.Tensor) else None
-    return {**_upsample(kwargs, input_size), "inputs": [kwargs["input"]]}
-
-
-def _dropout(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    if kwargs.get("training", True):
-        raise Unsupported("training=True applies dropout at inference too")
-    return {"type": "identity"}
-
-
-def _cat(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    """``torch.cat(tensors, dim)`` from the raw arguments: fx's normaliser cannot match
-    torch.cat's overloads (``dim`` as an int or a name) on every torch version."""
-    args, kwargs = node.args, node.kwargs
-    if len(args) > 2 or set(kwargs) - {"tensors", "dim"} or (args and "tensors" in kwargs):
-        raise Unsupported("only torch.cat(tensors, dim) is supported")
-    tensors = args[0] if args else kwargs.get("tensors")
-    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-    if dim != 1:
-        raise Unsupported(f"only concatenation along dim 1 (channels) is supported (got dim={dim})")
-    if not isinstance(tensors, (list, tuple)):
-        raise Unsupported("its tensors must be a list or tuple of tensors")
-    return [{"type": "concat", "inputs": list(tensors)}]
-
-
-def _add(args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    if len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}:
-        raise Unsupported("only a plain sum of two tensors is supported")
-    numbers = [arg for arg in args if not isinstance(arg, torch.fx.Node)]
-    tensors = [arg for arg in args if isinstance(arg, torch.fx.Node)]
-    if numbers == [0] and tensors:
-        return {"type": "identity", "inputs": tensors}  # MobileOne's ``out += identity`` with identity = 0
-    if numbers:
-        raise Unsupported(f"adding the number {numbers[0]!r} is not supported: a constant that is no stored tensor "
-                           "cannot rescale with its channel (not positively homogeneous); a stored tensor holding "
-                           "one value per channel can (register it as a parameter or buffer)")
-    return {"type": "add", "inputs": list(args)}
-
-
-def _sub_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    """``a - b``, ``torch.sub(a, b)``, ``a.sub(b)`` of two activations: a difference node;
-    ``-x``, ``torch.neg(x)``, ``x.neg()``: a fixed edge of −1, the scale node of factor −1."""
-    args, kwargs = node.args, node.kwargs
-    if node.target in (operator.neg, torch.neg, "neg"):
-        return [{"type": "scale", "factor": -1.0, "inputs": list(args)}]
-    if len(args) != 2 or kwargs.get("alpha", 1) != 1 or set(kwargs) - {"alpha"}:
-        raise Unsupported("only a plain difference of two tensors is supported")
-    numbers = [arg for arg in args if not isinstance(arg, torch.fx.Node)]
-    if numbers:
-        raise Unsupported(f"subtracting the number {numbers[0]!r} or from it is not supported: a constant that is no "
-                           "stored tensor cannot rescale with its channel (not positively homogeneous)")
-    return [{"type": "sub", "inputs": list(args)}]
-
-
-def _relu_method(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    return [{"type": "relu", "inputs": [node.args[0]]}]
-
-
-def _abs_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    """|x| is a LeakyReLU of slope −1 (as the ONNX route reads Abs): positively homogeneous, piecewise linear."""
-    if len(node.args) != 1 or node.kwargs:
-        raise Unsupported("only |x| of one tensor is supported")
-    return [{"type": "leaky_relu", "negative_slope": -1.0, "inputs": [node.args[0]]}]
-
-
-def _add_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    shift = _per_channel_pair(node, values)
-    if shift is None:
-        return [_add(node.args, node.kwargs)]
-    product, shift_key = shift
-    scaled = _per_channel_pair(product, values) if _is_product(product) and len(product.users) == 1 else None
-    if scaled is None:
-        return [{"type": "channel_bias", "bias": shift_key, "inputs": [product]}]
-    x, scale_key = scaled
-    return [{"type": "channel_affine", "weight": scale_key, "bias": shift_key, "inputs": [x]}]
-
-
-def _scale_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    scaled = _per_channel_pair(node, values) if _is_product(node) else None
-    if scaled is None:
-        return [_scale(node.target, node.args, node.kwargs)]
-    (user,) = node.users if len(node.users) == 1 else (None,)
-    if user is not None and _is_sum(user) and _per_channel_pair(user, values) is not None:
-        return []  # the scale of ``x * scale + shift``: translated with the shift
-    x, scale_key = scaled
-    return [{"type": "channel_affine", "weight": scale_key, "bias": None, "inputs": [x]}]
-
-
-def _is_product(node: torch.fx.Node) -> bool:
-    return node.target in (operator.mul, operator.imul, torch.mul, "mul", "mul_")
-
-
-def _is_sum(node: torch.fx.Node) -> bool:
-    return node.target in (operator.add, operator.iadd, torch.add, "add", "add_")
-
-
-def _per_channel_pair(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> tuple[Any, str] | None:
-    """``(x, key)`` when ``node`` combines activation ``x`` with a stored tensor (a get_attr:
-    its state_dict key) that holds one value per channel of ``x``; None when it reads no stored
-    tensor. A stored tensor of another shape is refused."""
-    if len(node.args) != 2 or node.kwargs:
-        return None
-    stored = [a for a in node.args if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
-    if len(stored) != 1:
-        return None
-    (x,) = [a for a in node.args if a is not stored[0]]
-    tensor, activation = values.get(stored[0]), values.get(x) if isinstance(x, torch.fx.Node) else None
-    if not isinstance(tensor, torch.Tensor) or not isinstance(activation, torch.Tensor):
-        raise Unsupported(f"the stored tensor '{stored[0].target}' cannot be matched to its activation's channels")
-    aligned = (1,) * (activation.dim() - tensor.dim()) + tuple(tensor.shape)
-    if (tensor.dim() > activation.dim() or activation.shape[1] == 1 or aligned[1] != activation.shape[1]
-            or any(size != 1 for axis, size in enumerate(aligned) if axis != 1)):
-        raise Unsupported(f"the stored tensor '{stored[0].target}' of shape {tuple(tensor.shape)} does not hold one "
-                           f"value per channel of an activation of shape {tuple(activation.shape)}")
-    return x, stored[0].target
-
-
-def _mean_call(node: torch.fx.Node, values: Mapping[torch.fx.Node, Any]) -> list[dict[str, Any]]:
-    return _mean(node.args, node.kwargs, values)
 
 
 def _is_whole_shape(node: Any) -> bool:
@@ -1349,106 +870,7 @@ def _is_shape_query(node: torch.fx.Node) -> bool:
     return _is_whole_shape(node)
 
 
-MODULES: dict[type[nn.Module], Callable[[Any, str], dict[str, Any]]] = {
-    nn.Linear: _linear,
-    nn.Conv1d: _conv,
-    nn.Conv2d: _conv,
-    nn.Conv3d: _conv,
-    nn.ConvTranspose1d: _conv_transpose,
-    nn.ConvTranspose2d: _conv_transpose,
-    nn.ConvTranspose3d: _conv_transpose,
-    nn.BatchNorm1d: _batchnorm,
-    nn.BatchNorm2d: _batchnorm,
-    nn.BatchNorm3d: _batchnorm,
-    nn.PReLU: _prelu,
-    **dict.fromkeys(_PAD_MODULES, _pad_module),
-    nn.ChannelShuffle: _channel_shuffle_module,
-    nn.ReLU: _fixed("relu"),
-    nn.LeakyReLU: _by_attributes(_leaky_relu),
-    nn.Identity: _fixed("identity"),
-    nn.Dropout: _fixed("identity"),
-    nn.Dropout1d: _fixed("identity"),
-    nn.Dropout2d: _fixed("identity"),
-    nn.MaxPool1d: _by_attributes(_max_pool),
-    nn.MaxPool2d: _by_attributes(_max_pool),
-    nn.MaxPool3d: _by_attributes(_max_pool),
-    nn.AvgPool1d: _by_attributes(_avg_pool),
-    nn.AvgPool2d: _by_attributes(_avg_pool),
-    nn.AvgPool3d: _by_attributes(_avg_pool),
-    nn.AdaptiveAvgPool1d: _by_attributes(_adaptive_avg_pool),
-    nn.AdaptiveAvgPool2d: _by_attributes(_adaptive_avg_pool),
-    nn.AdaptiveAvgPool3d: _by_attributes(_adaptive_avg_pool),
-    nn.Flatten: _by_attributes(_flatten_args),
-    nn.Upsample: _by_attributes(_upsample),
-    nn.UpsamplingNearest2d: _by_attributes(_upsample),
-    nn.UpsamplingBilinear2d: _by_attributes(_upsample),
-}
-
-FUNCTIONS: dict[Callable[..., Any], _FunctionTranslator] = {
-    F.relu: _with_input(_fixed("relu")),
-    torch.relu: _with_input(_fixed("relu")),
-    torch.relu_: _with_input(_fixed("relu")),
-    F.leaky_relu: _with_input(_leaky_relu),
-    F.dropout: _with_input(_dropout),
-    F.max_pool1d: _with_input(_max_pool),
-    F.max_pool2d: _with_input(_max_pool),
-    F.max_pool3d: _with_input(_max_pool),
-    F.avg_pool1d: _with_input(_avg_pool),
-    F.avg_pool2d: _with_input(_avg_pool),
-    F.avg_pool3d: _with_input(_avg_pool),
-    F.adaptive_avg_pool1d: _with_input(_adaptive_avg_pool),
-    F.adaptive_avg_pool2d: _with_input(_adaptive_avg_pool),
-    F.adaptive_avg_pool3d: _with_input(_adaptive_avg_pool),
-    F.pad: _pad_function,
-    F.interpolate: _interpolate_function,
-    F.upsample: _interpolate_function,
-}
-
-# Functions whose weights are stored tensors read through get_attr (a module that calls the
-# functional form on its own parameters, as timm's BatchNormAct2d and StdConv2d do).
-STORED_READERS: dict[Callable[..., Any], Callable[[Mapping[str, Any], _StoredTensors], dict[str, Any]]] = {
-    F.batch_norm: _batch_norm_function,
-    F.linear: _linear_function,
-    F.prelu: _prelu_function,
-    **dict.fromkeys((torch.conv1d, torch.conv2d, torch.conv3d), _conv_function),
-    **dict.fromkeys((torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d), _conv_transpose_function),
-}
-
-# Functions read from their raw arguments: overloaded (torch.add's and torch.cat's schemas are
-# ambiguous to fx's normaliser) or operators.
-CALLS: dict[Callable[..., Any], _CallTranslator] = {
-    **dict.fromkeys((operator.add, operator.iadd, torch.add), _add_call),
-    **dict.fromkeys((operator.mul, operator.imul, torch.mul, operator.truediv, operator.itruediv, torch.div),
-                    _scale_call),
-    torch.mean: _mean_call,
-    torch.cat: _cat,
-    torch.abs: _abs_call,
-    **dict.fromkeys((operator.sub, operator.isub, torch.sub, operator.neg, torch.neg), _sub_call),
-}
-
-# Pure data movement, replayed on index tensors (see _Movements).
-MOVEMENT_FUNCTIONS = (
-    torch.flatten, torch.reshape, torch.transpose, torch.permute, torch.chunk, torch.split, torch.tensor_split,
-    torch.unbind, torch.select, torch.squeeze, torch.unsqueeze, torch.narrow, torch.channel_shuffle,
-    F.channel_shuffle, operator.getitem, slice_along,
-)
-MOVEMENT_METHODS = (
-    "view", "reshape", "flatten", "transpose", "permute", "contiguous", "chunk", "split", "tensor_split", "unbind",
-    "select", "squeeze", "unsqueeze", "narrow", "__getitem__",
-)
-
-
 def _is_movement(node: torch.fx.Node) -> bool:
     if node.op == "call_function":
         return node.target in MOVEMENT_FUNCTIONS
     return node.op == "call_method" and node.target in MOVEMENT_METHODS
-
-METHODS: dict[str, _CallTranslator] = {
-    "relu": _relu_method,
-    "relu_": _relu_method,
-    "abs": _abs_call,
-    **dict.fromkeys(("add", "add_"), _add_call),
-    **dict.fromkeys(("mul", "mul_", "div", "div_"), _scale_call),
-    "mean": _mean_call,
-    **dict.fromkeys(("sub", "sub_", "neg"), _sub_call),
-}

@@ -31,12 +31,27 @@ class Format(Protocol):
         bytes from stdin), whose structure :func:`~.detection.checked_structure` found, is in this
         format, or None when this format does not read it. Formats are asked in a fixed order."""
 
-    def load(self, source: Path | bytes, *, arch: str | None, input_shape: InputShape | None, name: str | None,
-             allow_unused: bool) -> LoadedModel:
+    def load(
+        self,
+        source: Path | bytes,
+        *,
+        arch: str | None,
+        input_shape: InputShape | None,
+        name: str | None,
+        allow_unused: bool,
+    ) -> LoadedModel:
         """The model at ``source`` (a path, or the bytes of stdin), its weights checked."""
 
-    def write(self, model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: Path,
-              metadata: Mapping[str, str], *, companion_name: Callable[[str], str], self_contained: bool) -> None:
+    def write(
+        self,
+        model: LoadedModel,
+        changed: Mapping[str, torch.Tensor],
+        destination: Path,
+        metadata: Mapping[str, str],
+        *,
+        companion_name: Callable[[str], str],
+        self_contained: bool,
+    ) -> None:
         """``model`` with ``changed`` tensors replaced, written atomically to ``destination``, its
         companions under the names ``companion_name`` gives for those the format prefers."""
 

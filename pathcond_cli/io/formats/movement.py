@@ -28,7 +28,9 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
     the flat batch-free index of the element of the source it is.
     """
     if index.shape[0] != 1:
-        raise UnsupportedMovement(f"it moves data across the batch axis (batch-axis size {index.shape[0]} for a batch of 1)")
+        raise UnsupportedMovement(
+            f"it moves data across the batch axis (batch-axis size {index.shape[0]} for a batch of 1)"
+        )
     index = index[0]
     total = prod(shape)
     if tuple(index.shape) == shape and torch.equal(index.reshape(-1), torch.arange(total)):
@@ -44,22 +46,32 @@ def movement_layer(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any
             if torch.equal(channels, torch.arange(start, start + len(channels))):
                 return {"type": "channel_slice", "start": start, "stop": start + len(channels)}
             for groups in range(2, shape[0] + 1):
-                if shape[0] % groups == 0 and len(channels) == shape[0] and torch.equal(
-                        channels, torch.arange(shape[0]).reshape(groups, -1).t().reshape(-1)):
+                if (
+                    shape[0] % groups == 0
+                    and len(channels) == shape[0]
+                    and torch.equal(channels, torch.arange(shape[0]).reshape(groups, -1).t().reshape(-1))
+                ):
                     return {"type": "channel_shuffle", "groups": groups}
             return {"type": "channel_gather", "channels": channels.tolist()}
     pad = _crop(shape, index) or _copying_pad(shape, index)
     if pad is not None:
         return pad
     if index.dim() == 0:
-        raise UnsupportedMovement(f"it reduces {shape} (batch excluded) to a single value per example: a value "
-                                  "of the graph keeps a channel axis")
+        raise UnsupportedMovement(
+            f"it reduces {shape} (batch excluded) to a single value per example: a value "
+            "of the graph keeps a channel axis"
+        )
     view = _strided_view(index.reshape(-1))
     if view is None:
         return {"type": "rearrange", "shape": tuple(index.shape), "elements": tuple(index.reshape(-1).tolist())}
     sizes, strides = view
-    return {"type": "rearrange", "shape": tuple(index.shape), "sizes": sizes, "strides": strides,
-            "offset": int(index.reshape(-1)[0]) if index.numel() else 0}
+    return {
+        "type": "rearrange",
+        "shape": tuple(index.shape),
+        "sizes": sizes,
+        "strides": strides,
+        "offset": int(index.reshape(-1)[0]) if index.numel() else 0,
+    }
 
 
 def _strided_view(flat: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -99,7 +111,7 @@ def _crop(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:
     (``x[:, :, 1:, :-1]``, a spatial ONNX Slice), or None."""
     if len(shape) < 2 or index.dim() != len(shape) or index.shape[0] != shape[0] or not index.numel():
         return None
-    strides = [prod(shape[axis + 1:]) for axis in range(len(shape))]
+    strides = [prod(shape[axis + 1 :]) for axis in range(len(shape))]
     first = int(index.reshape(-1)[0])
     starts = [first // strides[axis] % shape[axis] for axis in range(1, len(shape))]
     expected = torch.arange(shape[0]).reshape(-1, *[1] * (len(shape) - 1)) * strides[0]
@@ -110,8 +122,12 @@ def _crop(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] | None:
     stops = [start + index.shape[axis] for axis, start in enumerate(starts, start=1)]
     if any(stop > size for stop, size in zip(stops, shape[1:])) or not torch.equal(index, expected):
         return None
-    return {"type": "pad", "begin": tuple(-start for start in starts),
-            "end": tuple(stop - size for stop, size in zip(stops, shape[1:])), "mode": "zeros"}
+    return {
+        "type": "pad",
+        "begin": tuple(-start for start in starts),
+        "end": tuple(stop - size for stop, size in zip(stops, shape[1:])),
+        "mode": "zeros",
+    }
 
 
 def _pad_sources(size: int, begin: int, end: int, mode: str) -> torch.Tensor:
@@ -138,7 +154,7 @@ def _copying_pad(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] 
     circular padding as Slices and Concats), or None."""
     if len(shape) < 2 or index.dim() != len(shape) or index.shape[0] != shape[0]:
         return None
-    strides = [prod(shape[axis + 1:]) for axis in range(len(shape))]
+    strides = [prod(shape[axis + 1 :]) for axis in range(len(shape))]
     # Circular first: on an axis of one or two elements a wrap is also a replication or a reflection.
     for mode in sorted(COPYING_PAD_MODES, key=lambda mode: mode != "circular"):
         begins, ends, expected = [], [], torch.arange(shape[0]).reshape(-1, *[1] * (len(shape) - 1)) * strides[0]
@@ -146,9 +162,18 @@ def _copying_pad(shape: tuple[int, ...], index: torch.Tensor) -> dict[str, Any] 
             extra = index.shape[axis] - size
             if extra < 0 or (mode == "reflect" and size < 2):
                 break
-            profile = index.select(0, 0).movedim(axis - 1, 0).reshape(index.shape[axis], -1)[:, 0] // strides[axis] % size
-            begin = next((b for b in range(extra + 1) if _computable(size, b, extra - b, mode)
-                          and torch.equal(_pad_sources(size, b, extra - b, mode), profile)), None)
+            profile = (
+                index.select(0, 0).movedim(axis - 1, 0).reshape(index.shape[axis], -1)[:, 0] // strides[axis] % size
+            )
+            begin = next(
+                (
+                    b
+                    for b in range(extra + 1)
+                    if _computable(size, b, extra - b, mode)
+                    and torch.equal(_pad_sources(size, b, extra - b, mode), profile)
+                ),
+                None,
+            )
             if begin is None:
                 break
             begins.append(begin)

@@ -26,11 +26,45 @@ class UnsupportedMovement(Unsupported):
 # Lower-case names of layer types, modules and functions that are not positively homogeneous:
 # fx reports them by name, and a spec that names one describes a network pathcond cannot rescale.
 NOT_HOMOGENEOUS_TYPES = {
-    "gelu", "silu", "sigmoid", "tanh", "softmax", "log_softmax", "layernorm", "layer_norm", "hardswish",
-    "hardsigmoid", "relu6", "hardtanh", "elu", "selu", "celu", "mish", "softplus", "groupnorm", "group_norm",
-    "instancenorm", "multiheadattention", "scaled_dot_product_attention", "matmul", "bmm", "exp", "clamp", "clip",
-    "sqrt", "pow", "instance_norm", "instancenorm1d", "instancenorm2d", "instancenorm3d", "logsigmoid",
-    "softsign", "tanhshrink", "rrelu", "glu", "swish",
+    "gelu",
+    "silu",
+    "sigmoid",
+    "tanh",
+    "softmax",
+    "log_softmax",
+    "layernorm",
+    "layer_norm",
+    "hardswish",
+    "hardsigmoid",
+    "relu6",
+    "hardtanh",
+    "elu",
+    "selu",
+    "celu",
+    "mish",
+    "softplus",
+    "groupnorm",
+    "group_norm",
+    "instancenorm",
+    "multiheadattention",
+    "scaled_dot_product_attention",
+    "matmul",
+    "bmm",
+    "exp",
+    "clamp",
+    "clip",
+    "sqrt",
+    "pow",
+    "instance_norm",
+    "instancenorm1d",
+    "instancenorm2d",
+    "instancenorm3d",
+    "logsigmoid",
+    "softsign",
+    "tanhshrink",
+    "rrelu",
+    "glu",
+    "swish",
 }
 
 NOT_HOMOGENEOUS = "not positively homogeneous, so no rescaling preserves the function (pathcond needs a ReLU network)"
@@ -61,10 +95,15 @@ def offender_note(offenders: list[tuple[str, str]]) -> str | None:
     rescalable: one paragraph, or None without offenders."""
     if not offenders:
         return None
-    note = (f"Why: these operations are {NOT_HOMOGENEOUS}: rescaling a neuron by λ > 0 must scale its output by λ "
-            "(f(λx) = λ·f(x)), as ReLU, LeakyReLU/PReLU, pooling and linear layers do.")
+    note = (
+        f"Why: these operations are {NOT_HOMOGENEOUS}: rescaling a neuron by λ > 0 must scale its output by λ "
+        "(f(λx) = λ·f(x)), as ReLU, LeakyReLU/PReLU, pooling and linear layers do."
+    )
     if any(any(word in op.lower() for word in _CLIPPED) for op, _ in offenders):
-        note += (" A clipped ReLU (ReLU6, Clip or Hardtanh with an upper bound) caps at a fixed value that does not "
-                 "scale with its neuron; without the cap it is a ReLU.")
-    return note + (" What would make it rescalable: replace each listed operation by ReLU (and fine-tune), then "
-                   "export again.")
+        note += (
+            " A clipped ReLU (ReLU6, Clip or Hardtanh with an upper bound) caps at a fixed value that does not "
+            "scale with its neuron; without the cap it is a ReLU."
+        )
+    return note + (
+        " What would make it rescalable: replace each listed operation by ReLU (and fine-tune), then export again."
+    )

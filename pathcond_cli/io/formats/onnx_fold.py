@@ -19,9 +19,22 @@ from onnx.reference import ReferenceEvaluator
 SHAPE_QUERIES = ("Shape", "Size")
 # (op type, input index) where a value is read as a shape, a size or a bound: a value that
 # depends on the batch size stays right there for the concrete batch the importer replays.
-SHAPE_INPUTS = {("Reshape", 1), ("Expand", 1), ("Split", 1), ("Slice", 1), ("Slice", 2), ("Slice", 3),
-                ("Slice", 4), ("Pad", 1), ("Pad", 3), ("Resize", 1), ("Resize", 2), ("Resize", 3),
-                ("ConstantOfShape", 0), ("Tile", 1)}
+SHAPE_INPUTS = {
+    ("Reshape", 1),
+    ("Expand", 1),
+    ("Split", 1),
+    ("Slice", 1),
+    ("Slice", 2),
+    ("Slice", 3),
+    ("Slice", 4),
+    ("Pad", 1),
+    ("Pad", 3),
+    ("Resize", 1),
+    ("Resize", 2),
+    ("Resize", 3),
+    ("ConstantOfShape", 0),
+    ("Tile", 1),
+}
 
 
 def fold_shape_arithmetic(
@@ -40,8 +53,9 @@ def fold_shape_arithmetic(
     as depending on the batch.
     """
     values, from_floats, from_shapes = _evaluate(model)
-    folded_outputs = {n.output[0] for n in model.graph.node
-                      if n.output and n.output[0] in values and n.op_type != "Constant"}
+    folded_outputs = {
+        n.output[0] for n in model.graph.node if n.output and n.output[0] in values and n.op_type != "Constant"
+    }
     if not folded_outputs:
         return model
     if other_batch is None:
@@ -81,10 +95,15 @@ def fold_shape_arithmetic(
     nodes = folded.graph.node
     for index, node in enumerate(nodes):
         if len(node.output) == 1 and node.output[0] in replaced:
-            nodes[index].CopyFrom(onnx.helper.make_node(
-                "Constant", [], [node.output[0]], name=node.name,
-                value=numpy_helper.from_array(values[node.output[0]], node.output[0]),
-            ))
+            nodes[index].CopyFrom(
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    [node.output[0]],
+                    name=node.name,
+                    value=numpy_helper.from_array(values[node.output[0]], node.output[0]),
+                )
+            )
     return folded
 
 

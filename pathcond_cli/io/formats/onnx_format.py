@@ -49,9 +49,20 @@ from .onnx_read import (
 from .onnx_translate import Translator
 from .onnx_write import PROTOBUF_MAX_BYTES, write_onnx
 
-__all__ = ["FORMAT", "PROTOBUF_MAX_BYTES", "OnnxFormat", "batchnorm_folded_tensors", "declared_batch",
-           "external_data_files", "fed_inputs", "load_onnx", "own_external_data", "reference_evaluator",
-           "reference_outputs", "write_onnx"]
+__all__ = [
+    "FORMAT",
+    "PROTOBUF_MAX_BYTES",
+    "OnnxFormat",
+    "batchnorm_folded_tensors",
+    "declared_batch",
+    "external_data_files",
+    "fed_inputs",
+    "load_onnx",
+    "own_external_data",
+    "reference_evaluator",
+    "reference_outputs",
+    "write_onnx",
+]
 
 
 def load_onnx(
@@ -71,8 +82,9 @@ def load_onnx(
     label = name or (str(source) if not isinstance(source, bytes) else "<stdin>")
     model, external, shapes, inferred, read_nodes = read_onnx(source, input_shape, label)
     params = read_tensors(model, label)
-    translation = Translator(inferred, label, read_nodes=read_nodes, written=model.graph,
-                             written_opset=default_opset(model))
+    translation = Translator(
+        inferred, label, read_nodes=read_nodes, written=model.graph, written_opset=default_opset(model)
+    )
     graph = translation.translate(shapes)
     for alias, key in translation.aliases.items():
         params[alias] = params[key].clone()
@@ -93,9 +105,18 @@ def load_onnx(
     copies = dict(translation.aliases)
     copies.update((alias, translation.aliases.get(key, key)) for alias, key, _, _ in translation.splits)
     files = [] if isinstance(source, bytes) else [Path(source), *external]
-    return LoadedModel(graph=graph, params=params, format="onnx", source=label, payload=model, files=files,
-                       arch_source="onnx graph", warnings=[*translation.notes, *_shared_weight_notes(graph, copies)],
-                       carried=translation.carried, copies=copies)
+    return LoadedModel(
+        graph=graph,
+        params=params,
+        format="onnx",
+        source=label,
+        payload=model,
+        files=files,
+        arch_source="onnx graph",
+        warnings=[*translation.notes, *_shared_weight_notes(graph, copies)],
+        carried=translation.carried,
+        copies=copies,
+    )
 
 
 def _shared_weight_notes(graph: Graph, copies: dict[str, str]) -> list[str]:
@@ -106,14 +127,18 @@ def _shared_weight_notes(graph: Graph, copies: dict[str, str]) -> list[str]:
         key = node.parameter_keys().get("weight")
         if key is not None and node.creates_channels:
             readers.setdefault(copies.get(key, key), []).append(node.name)
-    return [f"tensor '{shown(key)}' is the weight of {len(layers)} layers ({', '.join(shown(n) for n in layers[:5])}"
-            f"{', ...' if len(layers) > 5 else ''}): each is analysed with a copy of its own, so a rescaled or pruned "
-            "file stores one tensor per layer (the layers no longer share it); it counts once among the parameters"
-            for key, layers in readers.items() if len(layers) > 1]
+    return [
+        f"tensor '{shown(key)}' is the weight of {len(layers)} layers ({', '.join(shown(n) for n in layers[:5])}"
+        f"{', ...' if len(layers) > 5 else ''}): each is analysed with a copy of its own, so a rescaled or pruned "
+        "file stores one tensor per layer (the layers no longer share it); it counts once among the parameters"
+        for key, layers in readers.items()
+        if len(layers) > 1
+    ]
 
 
-def _written_read(written_nodes: dict[str, onnx.NodeProto], read: onnx.NodeProto, position: int, key: str,
-                  label: str) -> tuple[onnx.NodeProto, int]:
+def _written_read(
+    written_nodes: dict[str, onnx.NodeProto], read: onnx.NodeProto, position: int, key: str, label: str
+) -> tuple[onnx.NodeProto, int]:
     """The node of the file (by its first output, in ``written_nodes``) and the input position at
     which it reads ``key``, which node ``read`` of the model as read (in dependency order,
     converted to the opset pathcond reads: its inputs perhaps moved) reads as input ``position``."""
@@ -151,10 +176,19 @@ class OnnxFormat:
         """Asked last, ONNX reads any file no other format claims: onnx.load says what is wrong with it."""
         return "onnx"
 
-    def load(self, source: Path | bytes, *, arch: str | None, input_shape: InputShape | None, name: str | None,
-             allow_unused: bool) -> LoadedModel:
+    def load(
+        self,
+        source: Path | bytes,
+        *,
+        arch: str | None,
+        input_shape: InputShape | None,
+        name: str | None,
+        allow_unused: bool,
+    ) -> LoadedModel:
         if arch is not None:
-            raise InputError(f"{name or source}: --arch applies to safetensors checkpoints; an ONNX model carries its graph.")
+            raise InputError(
+                f"{name or source}: --arch applies to safetensors checkpoints; an ONNX model carries its graph."
+            )
         try:
             model = load_onnx(source, input_shape=input_shape, name=name)
         except (text_format.Error, json_format.Error) as exc:
@@ -166,10 +200,17 @@ class OnnxFormat:
         check_batchnorm_statistics(model.graph, model.params)
         return model
 
-    def write(self, model: LoadedModel, changed: dict[str, torch.Tensor], destination: Path, metadata: dict[str, str],
-              *, companion_name: Callable[[str], str], self_contained: bool) -> None:
-        write_onnx(model, changed, destination, metadata, companion_name=companion_name,
-                   self_contained=self_contained)
+    def write(
+        self,
+        model: LoadedModel,
+        changed: dict[str, torch.Tensor],
+        destination: Path,
+        metadata: dict[str, str],
+        *,
+        companion_name: Callable[[str], str],
+        self_contained: bool,
+    ) -> None:
+        write_onnx(model, changed, destination, metadata, companion_name=companion_name, self_contained=self_contained)
 
     def check_streamable(self, model: LoadedModel) -> None:
         """Refuse a model whose tensors, all inline, exceed what protobuf holds in one message (2 GiB)."""

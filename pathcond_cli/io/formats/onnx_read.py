@@ -33,8 +33,7 @@ READ_OPSET = 13
 REFERENCE_OPSET = 14
 # Initializers larger than this are weights to shape inference: it reads their dims, never their values.
 SHAPE_DATA_MAX_ELEMENTS = 1024
-TENSOR_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
-                       "string_data")
+TENSOR_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
 DEFAULT_DOMAINS = ("", "ai.onnx")
 _FLOAT8_TYPES = {
     onnx.TensorProto.FLOAT8E4M3FN: torch.float8_e4m3fn,
@@ -80,8 +79,12 @@ def batchnorm_folded_tensors(model: onnx.ModelProto) -> list[str]:
     folded = []
     for node in model.graph.node:
         # A node rewritten by several rules lists them all: "FuseBatchNormIntoConv, RemoveOptionalBias".
-        rules = [rule.strip() for entry in node.metadata_props if entry.key == _REWRITE_RULE_KEY
-                 for rule in entry.value.split(",")]
+        rules = [
+            rule.strip()
+            for entry in node.metadata_props
+            if entry.key == _REWRITE_RULE_KEY
+            for rule in entry.value.split(",")
+        ]
         if any(rule in _BATCHNORM_FOLDS for rule in rules):
             folded += [value for value in node.input[1:] if value]
     return list(dict.fromkeys(folded))
@@ -203,10 +206,13 @@ def own_external_data(path: Path) -> list[Path]:
         for tensor in external_tensors(model):
             info = external_data_helper.ExternalDataInfo(tensor)
             extents.setdefault(info.location, []).append((info.offset or 0, info.length))
-        return [path.parent / location for location, spans in extents.items()
-                if is_companion_name(location, external_data_name(path.name))
-                and _exactly_covered(path.parent / location, spans)
-                and not named_by_another_file(path, location, ".onnx")]
+        return [
+            path.parent / location
+            for location, spans in extents.items()
+            if is_companion_name(location, external_data_name(path.name))
+            and _exactly_covered(path.parent / location, spans)
+            and not named_by_another_file(path, location, ".onnx")
+        ]
     except (OSError, ValueError, TypeError, DecodeError):
         return []
 
@@ -237,8 +243,12 @@ def dependency_order(graph: onnx.GraphProto, label: str) -> list[onnx.NodeProto]
     other's outputs in a cycle, are an input error naming them.
     """
     nodes = graph.node
-    given = {""} | {v.name for v in graph.input} | {t.name for t in graph.initializer} | \
-        {t.values.name for t in graph.sparse_initializer}
+    given = (
+        {""}
+        | {v.name for v in graph.input}
+        | {t.name for t in graph.initializer}
+        | {t.values.name for t in graph.sparse_initializer}
+    )
     producer: dict[str, int] = {}
     for index, node in enumerate(nodes):
         for value in node.output:
@@ -252,8 +262,10 @@ def dependency_order(graph: onnx.GraphProto, label: str) -> list[onnx.NodeProto]
                 )
     for output in graph.output:
         if output.name not in given and output.name not in producer:
-            raise InputError(f"'{label}' is not a valid ONNX model: graph output '{output.name[:120]}' is given by "
-                             "no node, initializer or graph input of the graph.")
+            raise InputError(
+                f"'{label}' is not a valid ONNX model: graph output '{output.name[:120]}' is given by "
+                "no node, initializer or graph input of the graph."
+            )
     # reads[i]: (value, producing node) for each value node i reads from another node.
     reads = [{(value, producer[value]) for value in _values_read(node) if value in producer} for node in nodes]
     if all(source < index for index, node_reads in enumerate(reads) for _, source in node_reads):
@@ -273,8 +285,10 @@ def dependency_order(graph: onnx.GraphProto, label: str) -> list[onnx.NodeProto]
             if waiting[reader] == 0:
                 heapq.heappush(ready, reader)
     if len(order) < len(nodes):
-        raise InputError(f"'{label}' is not a valid ONNX model: its nodes form a cycle, "
-                         f"{_cycle(nodes, reads, set(order))}; no order of the nodes computes their values.")
+        raise InputError(
+            f"'{label}' is not a valid ONNX model: its nodes form a cycle, "
+            f"{_cycle(nodes, reads, set(order))}; no order of the nodes computes their values."
+        )
     return [nodes[index] for index in order]
 
 
@@ -300,14 +314,13 @@ def _cycle(nodes: Sequence[onnx.NodeProto], reads: list[set[tuple[str, int]]], p
         value, source = min((value, source) for value, source in reads[index] if source not in placed)
         path.append((index, value))
         index = source
-    loop = path[seen[index]:]
+    loop = path[seen[index] :]
     shown = [f"node '{node_label(nodes[position])[:120]}' ({nodes[position].op_type})" for position, _ in loop]
     steps = [f"reads '{value[:120]}' of {shown[(k + 1) % len(loop)]}" for k, (_, value) in enumerate(loop)]
     return f"{shown[0]} " + ", which ".join(steps)
 
 
-def _check(model: onnx.ModelProto, order: list[onnx.NodeProto] | None, serialized: bytes | None,
-           label: str) -> None:
+def _check(model: onnx.ModelProto, order: list[onnx.NodeProto] | None, serialized: bytes | None, label: str) -> None:
     """onnx's checker on ``model``, with its nodes in ``order`` when given (else as they are, and
     given as ``serialized`` when those are its bytes: serialising a large model again costs more
     than checking it)."""
@@ -387,8 +400,11 @@ def _hold_resizes(model: onnx.ModelProto, opset: int, label: str) -> None:
     graph = model.graph
     if not any(_is_held(node, opset) for node in graph.node):
         return
-    taken = {name for node in graph.node for name in (*node.input, *node.output)} | \
-        {t.name for t in graph.initializer} | {v.name for v in graph.input}
+    taken = (
+        {name for node in graph.node for name in (*node.input, *node.output)}
+        | {t.name for t in graph.initializer}
+        | {v.name for v in graph.input}
+    )
     # From the last node back, so that a Constant put in front of a node moves no node still to come.
     for position in reversed(range(len(graph.node))):
         node = graph.node[position]
@@ -399,8 +415,15 @@ def _hold_resizes(model: onnx.ModelProto, opset: int, label: str) -> None:
         if scales is not None:
             name = _unused_name(f"{node_label(node)}.scales", taken)
             node.input.append(name)
-            graph.node.insert(position, onnx.helper.make_node("Constant", [], [name], value=onnx.helper.make_tensor(
-                name, onnx.TensorProto.FLOAT, [len(scales)], scales)))
+            graph.node.insert(
+                position,
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    [name],
+                    value=onnx.helper.make_tensor(name, onnx.TensorProto.FLOAT, [len(scales)], scales),
+                ),
+            )
             node = graph.node[position + 1]
         else:
             scales = _stored_floats(graph, node.input[1]) if len(node.input) > 1 else None
@@ -432,9 +455,15 @@ def _put_back_resizes(model: onnx.ModelProto) -> None:
     for node in held:
         mode = _string_attribute(node, "mode", "nearest")
         rounding = {"nearest_mode": "floor"} if mode == "nearest" else {}
-        resize = onnx.helper.make_node("Resize", [node.input[0], "", node.input[1]], list(node.output),
-                                       name=node.name, mode=mode, coordinate_transformation_mode="asymmetric",
-                                       **rounding)
+        resize = onnx.helper.make_node(
+            "Resize",
+            [node.input[0], "", node.input[1]],
+            list(node.output),
+            name=node.name,
+            mode=mode,
+            coordinate_transformation_mode="asymmetric",
+            **rounding,
+        )
         node.CopyFrom(resize)
     kept = [entry for entry in model.opset_import if entry.domain != _HELD_DOMAIN]
     del model.opset_import[:]
@@ -489,10 +518,13 @@ def _unconvertible(model: onnx.ModelProto, opset: int, label: str, error: Except
     culprits = [op for op in ops if op.lower() in named] or _failing_alone(model, changing, step) or changing
     if culprits:
         nodes = [node_label(n) for n in model.graph.node if n.op_type in culprits and n.domain in DEFAULT_DOMAINS]
-        shown_nodes = ", ".join(f"'{name[:80]}'" for name in nodes[:3]) + (f" and {len(nodes) - 3} more"
-                                                                          if len(nodes) > 3 else "")
-        what = (f"operator {' or '.join(repr(op) for op in culprits)} of opset {opset} "
-                f"(node{'s' if len(nodes) > 1 else ''} {shown_nodes})")
+        shown_nodes = ", ".join(f"'{name[:80]}'" for name in nodes[:3]) + (
+            f" and {len(nodes) - 3} more" if len(nodes) > 3 else ""
+        )
+        what = (
+            f"operator {' or '.join(repr(op) for op in culprits)} of opset {opset} "
+            f"(node{'s' if len(nodes) > 1 else ''} {shown_nodes})"
+        )
     else:
         what = "the model"
     return UnsupportedModelError(
@@ -517,11 +549,14 @@ def _failing_alone(model: onnx.ModelProto, ops: list[str], step: int) -> list[st
     for node in typed.graph.node:
         if node.op_type not in ops or node.op_type in failing or node.domain not in DEFAULT_DOMAINS:
             continue
-        inputs, outputs = ([infos.get(v, onnx.ValueInfoProto(name=v)) for v in values if v]
-                           for values in (node.input, node.output))
+        inputs, outputs = (
+            [infos.get(v, onnx.ValueInfoProto(name=v)) for v in values if v] for values in (node.input, node.output)
+        )
         alone = onnx.helper.make_model(
             onnx.helper.make_graph([node], "alone", inputs, outputs),
-            opset_imports=[onnx.helper.make_opsetid("", step)], ir_version=model.ir_version)
+            opset_imports=[onnx.helper.make_opsetid("", step)],
+            ir_version=model.ir_version,
+        )
         try:
             version_converter.convert_version(alone, step + 1)
         except _CONVERTER_ERRORS:
@@ -577,18 +612,21 @@ def fed_inputs(model: onnx.ModelProto, label: str) -> list[onnx.ValueInfoProto]:
     if not inputs:
         raise UnsupportedModelError(
             f"{label}: the ONNX graph has no input to feed (every graph input is an initializer): "
-            "its outputs are constants, not a network of its input.")
+            "its outputs are constants, not a network of its input."
+        )
     return inputs
 
 
-def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | None, label: str,
-                 *, several: bool = False) -> tuple[int, ...]:
+def _input_shape(
+    graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | None, label: str, *, several: bool = False
+) -> tuple[int, ...]:
     """The batch-free shape of one input: ``override`` if given, else the model's declared
     dimensions (``several``: the model has other inputs, so a shape must name its input)."""
     tensor_type = graph_input.type.tensor_type
     declared = (
         [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
-        if tensor_type.HasField("shape") else None
+        if tensor_type.HasField("shape")
+        else None
     )
     if declared is not None and len(declared) < 2:
         raise InputError(
@@ -611,8 +649,11 @@ def _input_shape(graph_input: onnx.ValueInfoProto, override: tuple[int, ...] | N
         raise UsageError(
             f"{label}: the shape of input '{graph_input.name}' is {shown}; pass --input-shape "
             f"{'NAME:SHAPE' if several else '[NAME:]SHAPE'} with the dimensions after the batch dimension "
-            + (f"(for example {named}), once for each input whose shape the model leaves open." if several
-               else f"(for example --input-shape 3,224,224 or {named}).")
+            + (
+                f"(for example {named}), once for each input whose shape the model leaves open."
+                if several
+                else f"(for example --input-shape 3,224,224 or {named})."
+            )
         )
     return tuple(declared[1:])
 
@@ -643,11 +684,12 @@ def infer_shapes(
     try:
         inferred = onnx.shape_inference.infer_shapes(copy, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, RuntimeError, ValueError) as exc:
-        given = ", ".join(f"'{name}' {shape}" for name, shape in shapes.items()) if len(shapes) > 1 else \
-            str(next(iter(shapes.values())))
-        raise InputError(
-            f"{label}: ONNX shape inference fails for input shape {given}: {one_line(exc)}"
-        ) from None
+        given = (
+            ", ".join(f"'{name}' {shape}" for name, shape in shapes.items())
+            if len(shapes) > 1
+            else str(next(iter(shapes.values())))
+        )
+        raise InputError(f"{label}: ONNX shape inference fails for input shape {given}: {one_line(exc)}") from None
     initializers = inferred.graph.initializer
     for index, tensor in weights.items():
         initializers[index].CopyFrom(tensor)
@@ -720,8 +762,11 @@ def check_memory(shapes: dict[str, tuple[int | None, ...]], model: onnx.ModelPro
     parameter_elements = sum(math.prod(t.dims) for t in model.graph.initializer)
     estimate = 8 * (2 * activation_elements + 4 * parameter_elements)
     node, shape, _ = largest
-    refuse_beyond_memory(estimate, label, f"the largest activation is the output of node '{node[:120]}', "
-                         f"of shape {tuple(shape)} per example")
+    refuse_beyond_memory(
+        estimate,
+        label,
+        f"the largest activation is the output of node '{node[:120]}', of shape {tuple(shape)} per example",
+    )
 
 
 def read_tensors(model: onnx.ModelProto, label: str) -> dict[str, torch.Tensor]:
@@ -766,8 +811,9 @@ def constant_tensor(node: onnx.NodeProto) -> onnx.TensorProto | None:
             data_type = onnx.TensorProto.FLOAT if a.name.startswith("value_float") else onnx.TensorProto.INT64
             values = onnx.helper.get_attribute_value(a)
             dims = [len(values)] if a.name.endswith("s") else []
-            return onnx.helper.make_tensor(node.output[0], data_type, dims,
-                                           list(values) if a.name.endswith("s") else [values])
+            return onnx.helper.make_tensor(
+                node.output[0], data_type, dims, list(values) if a.name.endswith("s") else [values]
+            )
         if a.name == "sparse_value":
             return _dense(a.sparse_tensor, node.output[0])
     return None
@@ -830,8 +876,10 @@ def reference_outputs(source: Path | bytes, inputs: np.ndarray | dict[str, np.nd
     model = onnx.load_from_string(source) if isinstance(source, bytes) else onnx.load(str(source))
     graph_inputs = fed_inputs(model, "<reference>")
     arrays = inputs if isinstance(inputs, dict) else {graph_inputs[0].name: inputs}
-    feeds = {i.name: np.asarray(arrays[i.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
-             for i in graph_inputs}
+    feeds = {
+        i.name: np.asarray(arrays[i.name]).astype(onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type))
+        for i in graph_inputs
+    }
     return [np.asarray(o) for o in reference_evaluator(model).run(None, feeds)]
 
 

@@ -140,9 +140,14 @@ def _with_detached_aliases(
     Such an alias must stop reading the shared tensor and keep the value it had. A view: the
     tensors of ``changed`` (computed when read) are not read here.
     """
-    aliases = {node.output[0]: params[node.output[0]] for node in graph.node
-               if node.op_type == "Identity" and node.output[0] in params and node.input[0] in changed
-               and node.output[0] not in changed}
+    aliases = {
+        node.output[0]: params[node.output[0]]
+        for node in graph.node
+        if node.op_type == "Identity"
+        and node.output[0] in params
+        and node.input[0] in changed
+        and node.output[0] not in changed
+    }
     return ChainMap(changed, aliases)
 
 

@@ -27,19 +27,48 @@ import torch
 from ...engine.layouts import held_within_budget, layout_of
 from ...engine.model import LoadedModel
 from ...errors import InputError, OutputError
-from ..companions import checkpoint_stem, is_companion_name, named_by_another_file, shard_name
+from ..companions import SHARD_INDEX_SUFFIX, checkpoint_stem, is_companion_name, named_by_another_file, shard_name
 from ..fileio import atomic_write, describe, file_state
-from .architecture import (SPEC_METADATA_KEY, architecture_files, check_parameters, resolve_architecture,
-                           unused_tensors)
-from .common import (INPUT_COPIES, InputShape, check_weight_types, contained_file, parse_json, refuse_beyond_memory,
-                     shown, some_keys)
-from ..companions import SHARD_INDEX_SUFFIX
+from .architecture import SPEC_METADATA_KEY, architecture_files, check_parameters, resolve_architecture, unused_tensors
+from .common import (
+    INPUT_COPIES,
+    InputShape,
+    check_weight_types,
+    contained_file,
+    parse_json,
+    refuse_beyond_memory,
+    shown,
+    some_keys,
+)
 from .spec import dump_spec, spec_from_graph
 
 # safetensors itself refuses larger headers; a larger length field means corruption.
 MAX_HEADER_BYTES = 100_000_000
 MAX_INDEX_BYTES = 100_000_000
 _SAFETENSORS_ERRORS = (safetensors.SafetensorError, OSError, ValueError, RuntimeError, TypeError)
+# The element types the safetensors format defines (its header's "dtype" names), as torch types.
+# safetensors' own table is private (safetensors.torch._TYPES); tests/test_safetensors_format.py
+# checks this one against the names save_file writes.
+SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "F32": torch.float32,
+    "C64": torch.complex64,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+}
 
 
 @dataclass(frozen=True)
@@ -90,8 +119,9 @@ def load_safetensors(
     else:
         params, payload = _read_file(path, display)
         files = [path]
-    graph, arch_source, spec_file, notes, constants = resolve_architecture(arch, path, payload.metadata, input_shape,
-                                                                           display, params)
+    graph, arch_source, spec_file, notes, constants = resolve_architecture(
+        arch, path, payload.metadata, input_shape, display, params
+    )
     if spec_file is not None:
         files.append(spec_file)
     # The finiteness check's read is the analysis's too: held until the analysis ends.
@@ -101,13 +131,23 @@ def load_safetensors(
     unused = unused_tensors(graph, params, display, constants)
     if unused and not allow_unused:
         # A factory's operations whose result reaches no output were dropped: their tensors are unused.
-        dropped = "".join(f"\n{note}. Their tensors are unused; --allow-unused carries them through unchanged."
-                          for note in notes)
-        raise InputError(unused + "\nA spec that leaves tensors unused describes another network than the checkpoint: "
-                         "add the missing layers, or pass --allow-unused to carry these tensors through unchanged."
-                         + dropped)
-    return LoadedModel(graph, params, "safetensors", display, payload, [*notes, *([unused] if unused else [])], files,
-                       arch_source=arch_source)
+        dropped = "".join(
+            f"\n{note}. Their tensors are unused; --allow-unused carries them through unchanged." for note in notes
+        )
+        raise InputError(
+            unused + "\nA spec that leaves tensors unused describes another network than the checkpoint: "
+            "add the missing layers, or pass --allow-unused to carry these tensors through unchanged." + dropped
+        )
+    return LoadedModel(
+        graph,
+        params,
+        "safetensors",
+        display,
+        payload,
+        [*notes, *([unused] if unused else [])],
+        files,
+        arch_source=arch_source,
+    )
 
 
 def write_safetensors(
@@ -193,10 +233,12 @@ class MappedTensors(Mapping[str, torch.Tensor]):
         if key not in self._known:
             raise KeyError(key)
         stored = self._file.get_slice(key)
-        dtype = safetensors.torch._TYPES.get(stored.get_dtype())
+        dtype = SAFETENSORS_DTYPES.get(stored.get_dtype())
         if dtype is None:
-            raise InputError(f"{describe(self._path)}: tensor '{shown(key)}' has element type {stored.get_dtype()}, "
-                             "which torch has no type for")
+            raise InputError(
+                f"{describe(self._path)}: tensor '{shown(key)}' has element type {stored.get_dtype()}, "
+                "which torch has no type for"
+            )
         return tuple(stored.get_shape()), dtype
 
     def __contains__(self, key: object) -> bool:
@@ -298,9 +340,11 @@ def own_shards(path: Path) -> list[Path]:
         own = []
         for file in sorted(set(weight_map.values())):
             numbered = re.findall(r"-(\d{5})-of-(\d{5})", file)
-            if (any(is_companion_name(file, shard_name(stem, number, total)) for number, total in numbered)
-                    and _holds_exactly(path.parent / file, {k for k, f in weight_map.items() if f == file})
-                    and not named_by_another_file(path, file, ".json")):
+            if (
+                any(is_companion_name(file, shard_name(stem, number, total)) for number, total in numbered)
+                and _holds_exactly(path.parent / file, {k for k, f in weight_map.items() if f == file})
+                and not named_by_another_file(path, file, ".json")
+            ):
                 own.append(path.parent / file)
         return own
     except (OSError, ValueError, TypeError, KeyError, InputError):
@@ -369,11 +413,13 @@ def _index_entries(path: Path, display: str) -> tuple[dict[str, str], dict[str, 
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     metadata = index.get("metadata", {}) if isinstance(index, dict) else None
     if (
-        not isinstance(weight_map, dict) or not weight_map or not isinstance(metadata, dict)
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not isinstance(metadata, dict)
         or not all(isinstance(f, str) for f in weight_map.values())
     ):
         raise InputError(
-            f"{display}: not a safetensors index: expected {{\"metadata\": {{...}}, \"weight_map\": {{key: shard file}}}}"
+            f'{display}: not a safetensors index: expected {{"metadata": {{...}}, "weight_map": {{key: shard file}}}}'
         )
     return weight_map, metadata
 
@@ -381,7 +427,9 @@ def _index_entries(path: Path, display: str) -> tuple[dict[str, str], dict[str, 
 # -- writing ----------------------------------------------------------------------------------
 
 
-def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+def _tensors_to_write(
+    params: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor]
+) -> Mapping[str, torch.Tensor]:
     """Every checkpoint tensor, ``changed`` ones replaced, looked up (and so computed) only when written."""
     unknown = [key for key in changed if key not in params]
     if unknown:
@@ -389,14 +437,26 @@ def _tensors_to_write(params: Mapping[str, torch.Tensor], changed: Mapping[str, 
     return ChainMap(changed, params)
 
 
-def _write_file(destination: Path, tensors: Mapping[str, torch.Tensor], originals: Mapping[str, torch.Tensor],
-                metadata: Mapping[str, str], keys: Sequence[str] | None = None) -> None:
-    atomic_write(destination, lambda tmp: write_tensors(tensors, tmp, originals=originals, metadata=metadata,
-                                                        keys=keys))
+def _write_file(
+    destination: Path,
+    tensors: Mapping[str, torch.Tensor],
+    originals: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    keys: Sequence[str] | None = None,
+) -> None:
+    atomic_write(
+        destination, lambda tmp: write_tensors(tensors, tmp, originals=originals, metadata=metadata, keys=keys)
+    )
 
 
-def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path, *, originals: Mapping[str, torch.Tensor],
-                  metadata: Mapping[str, str], keys: Sequence[str] | None = None) -> None:
+def write_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    path: Path,
+    *,
+    originals: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    keys: Sequence[str] | None = None,
+) -> None:
     """Write a safetensors file holding the tensors ``keys`` (default: every key of
     ``originals``) with the values of ``tensors``, one tensor at a time: the header is laid out
     from ``originals`` (each written tensor must have its original's shape and dtype), then each
@@ -432,11 +492,27 @@ def _stored_layout(tensors: Mapping[str, torch.Tensor], key: str) -> tuple[torch
     return dtype, shape, math.prod(shape) * dtype.itemsize
 
 
-_DTYPE_NAMES = {dtype: name for name, dtype in safetensors.torch._TYPES.items()}
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # save_file's layout: by dtype in this order (its Dtype enum reversed), then by name. Sizes never
 # grow along it, so every tensor stays aligned; the header then equals save_file's.
-_SAVE_FILE_DTYPE_ORDER = ("U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16",
-                          "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+_SAVE_FILE_DTYPE_ORDER = (
+    "U64",
+    "I64",
+    "F64",
+    "C64",
+    "F32",
+    "U32",
+    "I32",
+    "BF16",
+    "F16",
+    "U16",
+    "I16",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I8",
+    "U8",
+    "BOOL",
+)
 
 
 def _layout_rank(dtype: torch.dtype) -> tuple[int, int]:
@@ -490,18 +566,36 @@ class SafetensorsFormat:
                 return "safetensors"
         return "safetensors" if structure == "safetensors" else None
 
-    def load(self, source: Path | bytes, *, arch: str | None, input_shape: InputShape | None, name: str | None,
-             allow_unused: bool) -> LoadedModel:
+    def load(
+        self,
+        source: Path | bytes,
+        *,
+        arch: str | None,
+        input_shape: InputShape | None,
+        name: str | None,
+        allow_unused: bool,
+    ) -> LoadedModel:
         model = load_safetensors(source, arch=arch, input_shape=input_shape, name=name, allow_unused=allow_unused)
         for node in model.graph.inputs:
             # The spec's shapes are only known by running the network; its input bounds the cost.
             elements = math.prod(node.shape)
-            refuse_beyond_memory(8 * INPUT_COPIES * elements, model.source,
-                                 f"input '{shown(node.name)}' has shape {shown(str(tuple(node.shape)))} per example")
+            refuse_beyond_memory(
+                8 * INPUT_COPIES * elements,
+                model.source,
+                f"input '{shown(node.name)}' has shape {shown(str(tuple(node.shape)))} per example",
+            )
         return model
 
-    def write(self, model: LoadedModel, changed: Mapping[str, torch.Tensor], destination: Path,
-              metadata: Mapping[str, str], *, companion_name: Callable[[str], str], self_contained: bool) -> None:
+    def write(
+        self,
+        model: LoadedModel,
+        changed: Mapping[str, torch.Tensor],
+        destination: Path,
+        metadata: Mapping[str, str],
+        *,
+        companion_name: Callable[[str], str],
+        self_contained: bool,
+    ) -> None:
         write_safetensors(model, changed, destination, metadata, companion_name=companion_name)
 
     def check_streamable(self, model: LoadedModel) -> None:

@@ -42,7 +42,6 @@ MAX_SPEC_BYTES = 10_000_000
 MAX_SPEC_DEPTH = 64
 
 
-
 @dataclass(frozen=True)
 class _Field:
     """A hyper-parameter: ``convert`` validates a raw value (raising ValueError) and normalises it."""
@@ -71,8 +70,11 @@ class _LayerType:
 def _layer_type(node: type[Node], **alias: Any) -> _LayerType:
     """The spec type of a node class: its validated fields and tensor roles (``alias``: pinned
     or ignored fields of an alias type)."""
-    hyper = {f.name: _Field(f.metadata["convert"], f.metadata["spec_default"])
-             for f in fields(node) if "convert" in f.metadata and f.name not in alias.get("pinned", {})}
+    hyper = {
+        f.name: _Field(f.metadata["convert"], f.metadata["spec_default"])
+        for f in fields(node)
+        if "convert" in f.metadata and f.name not in alias.get("pinned", {})
+    }
     return _LayerType(node, hyper, tuple(node.roles), node.optional_roles, **alias)
 
 
@@ -86,12 +88,14 @@ _TOP_LEVEL_KEYS = ("format_version", "layers", "outputs")
 _COMMON_KEYS = ("name", "type", "inputs")
 
 
-def graph_from_spec(spec: Mapping[str, Any], *, source: str,
-                    input_shape: Sequence[int] | Mapping[str, Sequence[int]] | None = None) -> Graph:
+def graph_from_spec(
+    spec: Mapping[str, Any], *, source: str, input_shape: Sequence[int] | Mapping[str, Sequence[int]] | None = None
+) -> Graph:
     """The validated :class:`Graph` a spec describes.
 
     ``input_shape`` (batch-free, e.g. ``(3, 32, 32)``) overrides the shape of the spec's
-    single input layer; ``{layer name: shape}`` overrides those of the input layers it names. Every problem found in the spec is reported in one :class:`InputError`
+    single input layer; ``{layer name: shape}`` overrides those of the input layers it names.
+    Every problem found in the spec is reported in one :class:`InputError`
     that names ``source`` and the layer; structural problems (cycles, dangling inputs,
     duplicate names) come from :class:`Graph` with ``source`` in the message.
     """
@@ -111,8 +115,11 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
     outputs = _outputs(spec, previous, problems)
     nodes = _with_input_shape(nodes, input_shape, source, problems)
     if offenders and not problems:
-        raise UnsupportedModelError(f"{source}: the network is not a ReLU DAG pathcond can rescale exactly; "
-                                    f"{len(offenders)} problem(s):", grouped(offenders), note=offender_note(offenders))
+        raise UnsupportedModelError(
+            f"{source}: the network is not a ReLU DAG pathcond can rescale exactly; {len(offenders)} problem(s):",
+            grouped(offenders),
+            note=offender_note(offenders),
+        )
     problems += [f"layer '{name}' has type '{kind}': not positively homogeneous" for kind, name in offenders]
     _raise_if_any(problems, source)
 
@@ -120,8 +127,10 @@ def graph_from_spec(spec: Mapping[str, Any], *, source: str,
     input_problems: list[str] = []
     expanded = _expand_per_axis_fields(graph, problems, input_problems)
     if input_problems and input_shape is not None and not problems:
-        raise UsageError(f"{source}: the input shape {_brief(input_shape)} does not fit the network (input shapes "
-                         "are batch-free):", input_problems)
+        raise UsageError(
+            f"{source}: the input shape {_brief(input_shape)} does not fit the network (input shapes are batch-free):",
+            input_problems,
+        )
     _raise_if_any(problems + input_problems, source)
     return Graph(expanded, outputs, source)
 
@@ -144,14 +153,20 @@ def spec_from_graph(graph: Graph) -> dict[str, Any]:
     layers = []
     previous: str | None = None
     for node in graph.nodes:
-        layer: dict[str, Any] = {"name": node.name, "type": node.op}
-        if not isinstance(node, Input) and node.inputs != (previous,):
-            layer["inputs"] = list(node.inputs)
-        for field_name, value in node_attributes(node).items():
-            layer[field_name] = list(value) if isinstance(value, tuple) else value
-        layers.append(layer)
+        layers.append(spec_layer(node, previous))
         previous = node.name
     return {"format_version": FORMAT_VERSION, "layers": layers, "outputs": list(graph.outputs)}
+
+
+def spec_layer(node: Node, previous: str | None = None) -> dict[str, Any]:
+    """The spec layer of ``node``, every field explicit, which reads back as an equal node; ``inputs``
+    is left out where the node reads ``previous`` alone (a layer reads the one before it by default)."""
+    layer: dict[str, Any] = {"name": node.name, "type": node.op}
+    if not isinstance(node, Input) and node.inputs != (previous,):
+        layer["inputs"] = list(node.inputs)
+    for field_name, value in node_attributes(node).items():
+        layer[field_name] = list(value) if isinstance(value, tuple) else value
+    return layer
 
 
 def exporter_made_keys(graph: Graph) -> list[str]:
@@ -186,15 +201,18 @@ def spec_warnings(graph: Graph, model_format: str, source: str, folded: Sequence
             f"would match this spec by name but not by meaning, so no spec is written. The {len(folded_all)} "
             f"tensor(s) whose values are the folded ones: {first_names(folded_all)}.",
             note="Get the spec from the module (pathcond spec CHECKPOINT --arch module:factory --input-shape ...), "
-                 "or from an export that keeps BatchNorm (torch.onnx.export(..., dynamo=False, "
-                 "do_constant_folding=False)).")
+            "or from an export that keeps BatchNorm (torch.onnx.export(..., dynamo=False, "
+            "do_constant_folding=False)).",
+        )
     if not made:
         return []
-    return [f"{source}: the spec reads {len(made)} tensor(s) that the exporter computed ({first_names(made)}), "
-            "which the module's state_dict does not have: the exporter folded constants, such as a BatchNorm into the "
-            "conv before it, so a checkpoint saved from the module does not match this spec. Get its spec from "
-            "the module (pathcond spec CHECKPOINT --arch module:factory --input-shape ...) or from an export "
-            "that keeps them (torch.onnx.export(..., dynamo=False, do_constant_folding=False))."]
+    return [
+        f"{source}: the spec reads {len(made)} tensor(s) that the exporter computed ({first_names(made)}), "
+        "which the module's state_dict does not have: the exporter folded constants, such as a BatchNorm into the "
+        "conv before it, so a checkpoint saved from the module does not match this spec. Get its spec from "
+        "the module (pathcond spec CHECKPOINT --arch module:factory --input-shape ...) or from an export "
+        "that keeps them (torch.onnx.export(..., dynamo=False, do_constant_folding=False))."
+    ]
 
 
 def spec_text(spec: Mapping[str, Any], *, as_json: bool = False) -> str:
@@ -245,7 +263,9 @@ def parse_spec_text(text: str, *, source: str) -> dict[str, Any]:
     500-byte file describe billions of elements.
     """
     if len(text) > MAX_SPEC_BYTES:
-        raise InputError(f"{source}: an architecture spec of {len(text)} characters is refused (at most {MAX_SPEC_BYTES}).")
+        raise InputError(
+            f"{source}: an architecture spec of {len(text)} characters is refused (at most {MAX_SPEC_BYTES})."
+        )
     try:
         if text.lstrip().startswith("{"):
             spec = parse_json(text, source, "the architecture spec")
@@ -256,7 +276,9 @@ def parse_spec_text(text: str, *, source: str) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         raise InputError(f"{source}: invalid YAML in the architecture spec: {_brief(str(exc), 500)}") from None
     except ValueError as exc:  # an integer of more digits than Python converts (4300)
-        raise InputError(f"{source}: a value in the architecture spec cannot be read: {_brief(str(exc), 300)}") from None
+        raise InputError(
+            f"{source}: a value in the architecture spec cannot be read: {_brief(str(exc), 300)}"
+        ) from None
     if not isinstance(spec, dict):
         raise InputError(f"{source}: an architecture spec must be a mapping with a 'layers' list")
     return spec
@@ -274,7 +296,9 @@ def _load_yaml(text: str) -> Any:
     for event in yaml.parse(text, Loader=_YAML_LOADER):
         if isinstance(event, yaml.AliasEvent):
             raise yaml.composer.ComposerError(
-                None, None, "YAML aliases (*name) are not allowed in an architecture spec; write the value out",
+                None,
+                None,
+                "YAML aliases (*name) are not allowed in an architecture spec; write the value out",
                 event.start_mark,
             )
         if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
@@ -296,7 +320,9 @@ def _brief(value: Any, limit: int = 80) -> str:
 
 def _raise_if_any(problems: list[str], source: str) -> None:
     if problems:
-        raise InputError(f"{source}: the architecture has {len(problems)} problem(s):", [_brief(p, 300) for p in problems])
+        raise InputError(
+            f"{source}: the architecture has {len(problems)} problem(s):", [_brief(p, 300) for p in problems]
+        )
 
 
 def _top_level(spec: Any, problems: list[str]) -> list[Any]:
@@ -308,7 +334,9 @@ def _top_level(spec: Any, problems: list[str]) -> list[Any]:
             problems.append(f"unknown top-level key '{key}' (allowed: {', '.join(_TOP_LEVEL_KEYS)})")
     version = spec.get("format_version", FORMAT_VERSION)
     if version != FORMAT_VERSION:
-        problems.append(f"format_version {_brief(version)} is not supported (this pathcond reads version {FORMAT_VERSION})")
+        problems.append(
+            f"format_version {_brief(version)} is not supported (this pathcond reads version {FORMAT_VERSION})"
+        )
     layers = spec.get("layers")
     if not isinstance(layers, list) or not layers:
         problems.append("'layers' must be a non-empty list of layers")
@@ -340,8 +368,9 @@ def _layer_name(layer: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[str],
-                 offenders: list[tuple[str, str]]) -> Node | None:
+def _parse_layer(
+    index: int, layer: Any, previous: str | None, problems: list[str], offenders: list[tuple[str, str]]
+) -> Node | None:
     """The node for one layer entry, or None after recording why it cannot be built (in
     ``offenders``, as ``(type, name)``, when its type is a known non-homogeneous function)."""
     if not isinstance(layer, Mapping):
@@ -391,8 +420,9 @@ def _parse_layer(index: int, layer: Any, previous: str | None, problems: list[st
     return layer_type.node(name=name, **values)
 
 
-def _layer_inputs(label: str, layer: Mapping[str, Any], layer_type: _LayerType, previous: str | None,
-                  problems: list[str]) -> tuple[str, ...]:
+def _layer_inputs(
+    label: str, layer: Mapping[str, Any], layer_type: _LayerType, previous: str | None, problems: list[str]
+) -> tuple[str, ...]:
     if layer_type.node is Input:
         if "inputs" in layer:
             problems.append(f"{label}: an input layer takes no 'inputs'")
@@ -404,7 +434,9 @@ def _layer_inputs(label: str, layer: Mapping[str, Any], layer_type: _LayerType, 
         return (previous,)
     names = _names(layer["inputs"])
     if not names:
-        problems.append(f"{label}: 'inputs' must be a layer name or a non-empty list of layer names, got {_brief(layer['inputs'])}")
+        problems.append(
+            f"{label}: 'inputs' must be a layer name or a non-empty list of layer names, got {_brief(layer['inputs'])}"
+        )
         return ()
     return names
 
@@ -416,7 +448,10 @@ def _arity_problem(node: Node) -> str | None:
     if low <= len(node.inputs) and (high is None or len(node.inputs) <= high):
         return None
     wanted = f"exactly {low}" if low == high else f"at least {low}" if high is None else f"{low} to {high}"
-    return f"layer '{node.name}' ({node.op}) reads {wanted} inputs, and is given {len(node.inputs)}: {_brief(list(node.inputs))}"
+    return (
+        f"layer '{node.name}' ({node.op}) reads {wanted} inputs, "
+        f"and is given {len(node.inputs)}: {_brief(list(node.inputs))}"
+    )
 
 
 def _tensor_key(label: str, layer: Mapping[str, Any], role: str, nullable: bool, problems: list[str]) -> str | None:
@@ -474,11 +509,15 @@ def _expand_node(node: Node, rank: int, reads_input: bool, problems: list[str]) 
     accepted = node.input_spatial_ranks
     if accepted is not None and rank not in accepted:
         if accepted == (0,) and reads_input:
-            problems.append(f"{label} takes features, but input '{node.inputs[0]}' has {rank} spatial axes: "
-                            "leave the batch dimension out of its shape (for 8 features: 8, not 1,8), or put a "
-                            "flatten layer before the layer")
+            problems.append(
+                f"{label} takes features, but input '{node.inputs[0]}' has {rank} spatial axes: "
+                "leave the batch dimension out of its shape (for 8 features: 8, not 1,8), or put a "
+                "flatten layer before the layer"
+            )
         elif accepted == (0,):
-            problems.append(f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it")
+            problems.append(
+                f"{label} reads '{node.inputs[0]}', which has {rank} spatial axes; put a flatten layer before it"
+            )
         else:
             shown = " or ".join(filter(None, [", ".join(map(str, accepted[:-1])), str(accepted[-1])]))
             problems.append(f"{label} needs an input with {shown} spatial axes, but '{node.inputs[0]}' has {rank}")
@@ -489,7 +528,5 @@ def _expand_node(node: Node, rank: int, reads_input: bool, problems: list[str]) 
         if len(value) == 1:
             changes[name] = value * rank
         elif len(value) != rank:
-            problems.append(
-                f"{label}: '{name}' has {len(value)} values, but its input has {rank} spatial axes"
-            )
+            problems.append(f"{label}: '{name}' has {len(value)} values, but its input has {rank} spatial axes")
     return replace(node, **changes)
