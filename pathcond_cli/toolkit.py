@@ -25,6 +25,7 @@ from .engine.diag import (
     PathNorm,
     balanced_power,
     balancing_exponents,
+    largest,
     path_magnitude_scores,
     squared_network,
 )
@@ -229,13 +230,13 @@ def _ln_evaluation_errors(
     layers = LayerValues(groups, lambda dp: balanced_power(dp, u_ext, device, 1))
     magnitudes = {name: feed.abs() for name, feed in feeds.items()}
     sweep = squared_network(groups.graph, layers, power=1, device=device, totals_only=True, inputs=magnitudes)
-    final = max(sweep.offsets[output] for output in groups.graph.outputs)
+    final = largest([sweep.offsets[output] for output in groups.graph.outputs])
     batch = next(iter(feeds.values())).shape[0]
     mass = sum(
-        sweep.values[output].reshape(batch, -1).sum(dim=1) * math.exp(sweep.offsets[output] - final)
+        sweep.values[output].reshape(batch, -1).sum(dim=1) * torch.exp(sweep.offsets[output] - final)
         for output in groups.graph.outputs
     )
-    return torch.log(mass).cpu() + final + math.log(rounding_bound(groups, 0.0))
+    return (torch.log(mass) + final).cpu() + math.log(rounding_bound(groups, 0.0))
 
 
 def _measure_within_bound(
