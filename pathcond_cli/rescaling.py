@@ -27,7 +27,7 @@ from .solve.dtype_limits import check_storage, ensure_storable
 from .solve.enorm import enorm
 from .solve.options import AUTO, BOUNDED_SOLVERS, DEFAULT_CRITERION, DEFAULT_SOLVER, NONE, USER, SolveOptions
 from .solve.solvers import ProgressCallback, SolveResult, solve
-from .statistics import Conditioning, DiagSummary, histogram, joint_bounds, summarise
+from .statistics import Conditioning, DiagSummary, histograms, joint_bounds, summarise
 from .verify import Verification, compare
 
 
@@ -102,7 +102,8 @@ class RescaleResult:
         """The report's histograms of log10 g before and after rescaling, over one set of bins
         spanning both, so that the two read side by side."""
         bounds = joint_bounds(self.analysis.summary, self.summary_after)
-        return histogram(self.analysis.diag.parts, *bounds), histogram(self.diag_after.parts, *bounds)
+        before, after = histograms([self.analysis.diag.parts, self.diag_after.parts], *bounds)
+        return before, after
 
     def gather_report_facts(self) -> None:
         """Compute, once, every fact the ``rescale`` report states."""

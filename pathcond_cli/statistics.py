@@ -106,22 +106,33 @@ def histogram(
     """Counts of g > 0 over ``bins`` equal-width bins of ln g spanning [ln_low, ln_high] (the
     exact extremes, so every g > 0 is counted), with the edges given as log10. The counts add
     up on the device of ``log_g`` and are read once."""
+    return histograms([log_g], ln_low, ln_high, bins)[0]
+
+
+def histograms(
+    diags: Sequence[Sequence[LogG]], ln_low: float | None, ln_high: float | None, bins: int = HISTOGRAM_BINS
+) -> list[list[tuple[float, float, int]]]:
+    """:func:`histogram` of each diag(G) in ``diags`` over the same bins, read at once."""
     if ln_low is None or ln_high is None:
-        return []
+        return [[] for _ in diags]
     ln_high = ln_high if ln_high > ln_low else ln_low + 1.0
-    counts = torch.zeros(bins, dtype=torch.long)
-    for t, lg in enumerate(log_g):
-        # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
-        if isinstance(lg, OuterLog):
-            part = lg.histc(bins, ln_low, ln_high)
-        else:
-            part = torch.histc(dense(lg), bins=bins, min=ln_low, max=ln_high).long()
-        counts = part if t == 0 else counts + part.to(counts.device)
+    rows: list[torch.Tensor | None] = []
+    for log_g in diags:  # each log g read once: a rescaled one is computed on every read
+        counts = None
+        for lg in log_g:
+            # histc leaves out values below its range: g = 0 (ln g = −inf) is not counted.
+            if isinstance(lg, OuterLog):
+                part = lg.histc(bins, ln_low, ln_high)
+            else:
+                part = torch.histc(dense(lg), bins=bins, min=ln_low, max=ln_high).long()
+            counts = part if counts is None else counts + part
+        rows.append(counts)
+    counted = [counts for counts in rows if counts is not None]
+    none = counted[0].new_zeros(bins) if counted else torch.zeros(bins, dtype=torch.long)
     width = (ln_high - ln_low) / bins
-    return [
-        ((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E, count)
-        for i, count in enumerate(counts.tolist())
-    ]
+    edges = [((ln_low + i * width) * LOG10_E, (ln_low + (i + 1) * width) * LOG10_E) for i in range(bins)]
+    read = torch.stack([none if counts is None else counts for counts in rows]).tolist() if rows else []
+    return [[(low, high, count) for (low, high), count in zip(edges, row)] for row in read]
 
 
 def joint_bounds(*summaries: DiagSummary) -> tuple[float | None, float | None]:

@@ -49,7 +49,7 @@ from .engine.pathlift import (
 from .errors import MismatchError, PathcondError, UsageError, VerificationError
 from .io.formats import load_model
 from .model_files import write_staged
-from .runtime import Stopwatch, resolve_device
+from .runtime import Stopwatch, resolve_device, to_host
 from .solve.options import PRUNING_CRITERIA, InvalidOption
 from .statistics import LOG10_E
 from .verify import independent_agreement
@@ -567,8 +567,10 @@ def prune(
         )
         changed: dict[str, torch.Tensor] = {}
         layers = []
-        for (_, dp), mask in zip(candidates, masks):
-            key, stored_mask = stored_weight_mask(model.graph, dp.layer, mask)
+        stored_masks = [stored_weight_mask(model.graph, dp.layer, mask) for (_, dp), mask in zip(candidates, masks)]
+        # the checkpoint's tensors live on the CPU: every layer's mask goes there in one transfer
+        host_masks = to_host([mask for _, mask in stored_masks])
+        for (_, dp), (key, _), stored_mask in zip(candidates, stored_masks, host_masks):
             original = model.params[key]
             pruned = original.masked_fill(stored_mask.to(original.device), 0)
             changed[key] = pruned

@@ -638,7 +638,7 @@ def crop_net(seed=0, dtype=torch.float64):
 def channel_bias_net(seed=0, dtype=torch.float64):
     """MobileOne's train-time block: bias-free conv branches summed, a stored per-channel
     constant added to the sum, then ReLU; and a constant added straight to the input (fixed)."""
-    b = NetBuilder((2, 3, 3), seed, dtype)
+    b = NetBuilder((2, 2, 2), seed, dtype)
     shifted = b.channel_bias()
     left = b.conv(3, 3, padding=1, bias=False)
     right = b.conv(3, 1, bias=False, src=shifted)
@@ -674,7 +674,7 @@ def sub_net(seed=0, dtype=torch.float64):
     """Differences of activations: a conv branch minus another (channels tied as in a sum), a
     1-channel map subtracted from a 3-channel one (broadcast: it feeds, and ties, every channel),
     and a negation (a fixed edge of −1) feeding a residual difference."""
-    b = NetBuilder((1, 3, 3), seed, dtype)
+    b = NetBuilder((1, 2, 2), seed, dtype)
     stem = b.relu(b.conv(2, 1))
     wide = b.conv(3, 3, padding=1, src=stem)
     narrow = b.conv(1, 1, src=stem)
@@ -709,7 +709,7 @@ def shuffle_split_net(seed=0, dtype=torch.float64):
 
 def gather_net(seed=0, dtype=torch.float64):
     """A shuffle followed by a chunk is a strided channel selection; a repeated channel too."""
-    b = NetBuilder((1, 3, 3), seed, dtype)
+    b = NetBuilder((1, 2, 2), seed, dtype)
     stem = b.relu(b.conv(4, 1))
     odd = b.gather((1, 3), src=stem)
     b.conv(2, 1, src=b.gather((2, 0, 2), src=stem))
@@ -815,14 +815,16 @@ CEIL_POOLS = {
 
 def pad_modes_net(seed=0, dtype=torch.float64, rank=2):
     """Reflect, replicate and circular padding (each output pixel copies one input pixel of its
-    channel), asymmetric, between convs, before a max-pool and a residual sum."""
+    channel), asymmetric, between convs, before a max-pool and a residual sum. The stem has no
+    bias and the last conv is depthwise: the brute-force oracle's cost grows with the square of
+    the path count (2,700 paths here, 10,000 with a biased stem and a full last conv)."""
     b = NetBuilder({1: (1, 5), 2: (1, 3, 2)}[rank], seed, dtype)
-    stem = b.relu(b.conv(2, 1))
+    stem = b.relu(b.conv(2, 1, bias=False))
     b.pad((2, 0)[:rank], 0, mode="reflect")
     b.conv(2, 3 if rank == 1 else (3, 1))
     b.relu()
     b.pad((0, 1)[:rank], (1, 0)[:rank], mode="replicate")
-    b.conv(2, 2, bias=False)
+    b.conv(2, 2, groups=2, bias=False)
     b.relu()
     b.pad(1, 0, mode="circular")
     b.maxpool(2, stride=1)
@@ -870,11 +872,12 @@ def channel_affine_net(seed=0, dtype=torch.float64):
 
 def broadcast_add_net(seed=0, dtype=torch.float64):
     """Sums with broadcasting: a 4-channel conv plus a 1-channel conv (the one channel feeds all
-    four), and a feature map plus its pooled (C, 1, 1) summary."""
-    b = NetBuilder((1, 4, 4), seed, dtype)
+    four), and a (4, 2, 2) feature map plus its pooled (C, 1, 1) summary (1,600 paths: the
+    brute-force oracle's cost grows with the square of the path count)."""
+    b = NetBuilder((1, 2, 2), seed, dtype)
     x = b.relu(b.conv(2, 1))
-    wide = b.conv(4, 3, src=x)
-    narrow = b.conv(1, 3, src=x)
+    wide = b.conv(4, 1, src=x)
+    narrow = b.conv(1, 1, src=x)
     summed = b.relu(b.add(wide, narrow))
     pooled = b.adaptive(1)
     b.add(summed, pooled)

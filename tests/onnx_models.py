@@ -11,6 +11,7 @@ from collections.abc import Callable
 import fake_cuda
 import pytest
 import torch
+from dynamo_registry import torchlib_registry_built_once
 from torch import nn
 
 EXPORTERS = ("torchscript", "torchscript-unfolded", "dynamo")
@@ -191,7 +192,8 @@ def _export_dynamo(module: nn.Module, example: torch.Tensor) -> bytes:
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        with fake_cuda.suspended():  # torch.export cannot trace under a torch function mode
+        # torch.export cannot trace under a torch function mode
+        with fake_cuda.suspended(), torchlib_registry_built_once():
             program = torch.onnx.export(
                 module,
                 (example,),

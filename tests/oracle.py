@@ -273,6 +273,7 @@ class NeuronDAG:
     sources: list
     outputs: list
     _paths: list | None = field(default=None, repr=False)
+    _padded_cache: tuple | None = field(default=None, repr=False)
 
     @property
     def p(self) -> int:
@@ -286,21 +287,40 @@ class NeuronDAG:
 
     # ---- paths ---------------------------------------------------------------------------
     def paths(self) -> list[tuple[list[int], float]]:
-        """Every source→output path as (θ indices on it, product of its fixed constants)."""
+        """Every source→output path as (θ indices on it, product of its fixed constants).
+
+        A depth-first walk over the successors in the graph's own order, sources in order:
+        the paths, in the order, of ``nx.all_simple_paths(G, s, outputs)`` (a path is yielded on
+        reaching an output and continues through it while some other output is off the path),
+        without that function's per-step set difference over every output neuron. The fixed
+        constants are multiplied in path order from 1.0, as edge by edge.
+        """
         if self._paths is None:
             targets = set(self.outputs)
+            succ = {a: [(b, e["param"], e["const"]) for b, e in self.G.adj[a].items()] for a in self.G.nodes}
             out = []
+
             for s in self.sources:
-                for path in nx.all_simple_paths(self.G, s, targets) if s not in targets else []:
-                    idx, const = [], 1.0
-                    for a, b in zip(path[:-1], path[1:]):
-                        e = self.G.edges[a, b]
-                        if e["param"] is not None:
-                            idx.append(e["param"])
-                        else:
-                            const *= e["const"]
-                    assert len(set(idx)) == len(idx), "a parameter appears twice on one path"
-                    out.append((idx, const))
+                if s in targets:
+                    continue
+                # one frame per node of the current path: its successors still to explore, and
+                # the θ indices, constant product and outputs count of the path up to it
+                stack = [(iter(succ[s]), [], 1.0, 0)]
+                while stack:
+                    it, idx, const, on_path = stack[-1]
+                    nxt = next(it, None)
+                    if nxt is None:
+                        stack.pop()
+                        continue
+                    b, param, c = nxt
+                    i2, c2 = (idx + [param], const) if param is not None else (idx, const * c)
+                    hit = b in targets
+                    if hit:
+                        assert len(set(i2)) == len(i2), "a parameter appears twice on one path"
+                        out.append((i2, c2))
+                    # (a DAG: no node of the path can recur, so every successor is explored)
+                    if len(targets) > on_path + hit:
+                        stack.append((iter(succ[b]), i2, c2, on_path + hit))
             self._paths = out
         return self._paths
 
@@ -318,13 +338,19 @@ class NeuronDAG:
         return sum(count[o] for o in self.outputs)
 
     def _padded(self):
-        paths = self.paths()
-        width = max((len(i) for i, _ in paths), default=0)
-        idx = torch.full((len(paths), max(width, 1)), self.p, dtype=torch.long)
-        for r, (i, _) in enumerate(paths):
-            idx[r, : len(i)] = torch.tensor(i, dtype=torch.long)
-        const = torch.tensor([c for _, c in paths], dtype=torch.float64)
-        return idx, const
+        if self._padded_cache is None:
+            paths = self.paths()
+            lengths = np.array([len(i) for i, _ in paths], dtype=np.int64)
+            width = int(lengths.max()) if len(paths) else 0
+            # row r holds path r's θ indices, then the index p (the constant 1 appended to θ)
+            idx = np.full((len(paths), max(width, 1)), self.p, dtype=np.int64)
+            rows = np.repeat(np.arange(len(paths)), lengths)
+            cols = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            idx[rows, cols] = np.fromiter(itertools.chain.from_iterable(i for i, _ in paths), np.int64, len(rows))
+            idx = torch.from_numpy(idx)
+            const = torch.tensor([c for _, c in paths], dtype=torch.float64)
+            self._padded_cache = idx, const
+        return self._padded_cache
 
     def phi(self, theta: torch.Tensor) -> torch.Tensor:
         """Path-lifting Φ(θ): one entry per path, product of the edge values along it."""
@@ -333,7 +359,16 @@ class NeuronDAG:
         return const * ext[idx].prod(dim=1)
 
     def jacobian(self) -> torch.Tensor:
-        return torch.autograd.functional.jacobian(self.phi, self.theta.clone(), vectorize=True)
+        """J = ∂Φ/∂θ by ONE reverse-mode pass: every path reads its own copy of θ (row r of
+        Θ = θ repeated per path, a leaf), so ∂(Σ_r Φ_r(Θ_r))/∂Θ_r = ∂Φ_r/∂θ = row r of J, exactly
+        what the per-path vector-Jacobian products give, without the paths × paths work of
+        vectorising one of them per path."""
+        idx, const = self._padded()
+        n = idx.shape[0]
+        rows = torch.cat([self.theta, self.theta.new_ones(1)]).expand(n, self.p + 1).clone().requires_grad_(True)
+        phi = const * rows.gather(1, idx).prod(dim=1)
+        (grad,) = torch.autograd.grad(phi.sum(), rows)
+        return grad[:, : self.p]
 
     def diag_G(self) -> torch.Tensor:
         """diag(JᵀJ) with J the autograd Jacobian of Φ."""

@@ -102,10 +102,14 @@ class SquaredPass:
 
     def total(self, graph: Graph) -> tuple[float, float]:
         """L = Σ outputs, as (mantissa, log offset): one read of the device."""
+        mantissa, final = self.total_on_device(graph).tolist()
+        return mantissa, final
+
+    def total_on_device(self, graph: Graph) -> torch.Tensor:
+        """:meth:`total` unread, ``[mantissa, log offset]`` on the pass's device."""
         final = largest([self.offsets[o] for o in graph.outputs])
         mantissa = sum(self.values[o].sum() * torch.exp(self.offsets[o] - final) for o in graph.outputs)
-        mantissa, final = torch.stack([mantissa, final]).tolist()
-        return mantissa, final
+        return torch.stack([mantissa, final])
 
 
 def largest(offsets: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -580,10 +584,12 @@ def diag_g_and_l2_norm(
     for index, lg in zip(kept_as_gradients, GradientLog.all_of(list(kept_as_gradients.values()))):
         log_g[index] = lg
         peaks.append(torch.tensor(lg.stats.high, dtype=torch.float64, device=device))
-    # NaN and +inf both fail this comparison: one reduction, and one read, checks every tensor.
-    if peaks and not bool((torch.stack(peaks) < math.inf).all()):
+    # NaN and +inf both fail this comparison: one reduction checks every tensor, read with L.
+    representable = (torch.stack(peaks) < math.inf).all() if peaks else torch.ones((), dtype=torch.bool)
+    mantissa, offset, representable = torch.cat([total, representable.to(total).reshape(1)]).tolist()
+    if not representable:
         raise ArithmeticError("diag(G) could not be represented even in the log domain")
-    return DiagG(log_g), _norm_of_total(2.0, 2.0, *total)
+    return DiagG(log_g), _norm_of_total(2.0, 2.0, mantissa, offset)
 
 
 def _balanced_log_gradients(
@@ -594,9 +600,9 @@ def _balanced_log_gradients(
     *,
     times_value: bool = False,
     keep_small_gradients: bool = False,
-) -> tuple[list[tuple[DagParam, LogG | LayerGradient]], tuple[float, float]]:
+) -> tuple[list[tuple[DagParam, LogG | LayerGradient]], torch.Tensor]:
     """(dp, log ∂S/∂ψ) per DAG parameter, S = Σ_P Π ψ the squared network of ``power`` on the
-    balanced ψ = |Dθ|^power, and S as (mantissa, ln offset): one forward and one backward pass
+    balanced ψ = |Dθ|^power, and S as [mantissa, ln offset] unread: one forward and one backward pass
     (log ψ·∂S/∂ψ with ``times_value``; ``keep_small_gradients`` as :func:`log_gradients`)."""
     # The scores (times_value) are a float64 value per parameter: keeping ψ for the backward
     # sweep at most doubles that, and saves building every layer's ψ twice.
@@ -609,7 +615,7 @@ def _balanced_log_gradients(
     for dp in groups.dag_params:
         weight_log, bias_log = gradients[dp.layer]
         per_parameter.append((dp, bias_log if dp.is_bias else weight_log))
-    return per_parameter, forward.total(groups.graph)
+    return per_parameter, forward.total_on_device(groups.graph)
 
 
 def path_magnitude_scores(

@@ -239,15 +239,16 @@ class RescalingGroups:
     colours: torch.Tensor
     node_groups: dict[str, torch.Tensor] = field(repr=False)
     shapes: dict[str, tuple[int, ...]] = field(repr=False)
+    # The write-back maps as built, on the CPU, kept by :meth:`to`: a checkpoint read from a file
+    # lives there, and its rescaled tensors are computed there (see :meth:`apply`).
+    host_writebacks: list[WriteBack] | None = field(default=None, repr=False)
+    # how many colours ``colours`` uses, counted where they were computed (the CPU)
+    num_colours: int = 0
 
     @property
     def p(self) -> int:
         """Number of DAG parameters, the ``p`` of the objective."""
         return sum(dp.numel for dp in self.dag_params)
-
-    @property
-    def num_colours(self) -> int:
-        return int(self.colours.max()) + 1 if self.num_free else 0
 
     def extend(self, u: torch.Tensor) -> torch.Tensor:
         """``u`` with the fixed slot (index H, value 0) appended."""
@@ -318,6 +319,8 @@ class RescalingGroups:
             self.colours.to(device),
             {name: ids.to(device) for name, ids in self.node_groups.items()},
             self.shapes,
+            self.writebacks if self.device.type == "cpu" else self.host_writebacks,
+            self.num_colours,
         )
 
     def apply(self, params: Mapping[str, torch.Tensor], u: torch.Tensor) -> RescaledTensors:
@@ -325,12 +328,16 @@ class RescalingGroups:
 
         Only tensors the rescaling actually changes are listed; every other tensor of the
         checkpoint is to be kept bit-identical. Each is computed when read (see
-        :class:`RescaledTensors`).
+        :class:`RescaledTensors`), where its original lives: a checkpoint tensor on the CPU is
+        rescaled there by the CPU's copy of its write-back map and of ``u`` (read once), not
+        copied to the device and back, one host round trip per tensor.
         """
         u_ext = self.extend(u.detach().to(self.device, torch.float64))
         # One read of the device for every tensor's answer.
         changes = torch.stack([wb.changes(u_ext) for wb in self.writebacks]).tolist() if self.writebacks else []
-        return RescaledTensors(params, {wb.key: wb for wb, changed in zip(self.writebacks, changes) if changed}, u_ext)
+        changed = {wb.key: wb for wb, change in zip(self.writebacks, changes) if change}
+        on_host = {wb.key: wb for wb in self.host_writebacks or () if wb.key in changed}
+        return RescaledTensors(params, changed, u_ext, on_host)
 
 
 class RescaledTensors(MutableMapping[str, torch.Tensor]):
@@ -340,23 +347,38 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
     replaces the computed one.
     """
 
-    def __init__(self, params: Mapping[str, torch.Tensor], writebacks: dict[str, WriteBack], u_ext: torch.Tensor):
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        writebacks: dict[str, WriteBack],
+        u_ext: torch.Tensor,
+        host_writebacks: Mapping[str, WriteBack] | None = None,
+    ):
         self._params, self._writebacks, self._u_ext = params, writebacks, u_ext
+        self._host_writebacks = host_writebacks or {}
+        self._u_host: torch.Tensor | None = None
         self._assigned: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._assigned:
             return self._assigned[key]
-        writeback = self._writebacks[key]  # an unchanged key is a KeyError before its tensor is read
+        writeback, u_ext = (
+            self._writebacks[key],
+            self._u_ext,
+        )  # an unchanged key is a KeyError before its tensor is read
         original = self._params[key]
+        if original.device != u_ext.device and original.device.type == "cpu" and key in self._host_writebacks:
+            if self._u_host is None:
+                self._u_host = u_ext.cpu()
+            writeback, u_ext = self._host_writebacks[key], self._u_host
         shape = tuple(original.shape)
-        rescaled = torch.empty(shape, dtype=original.dtype, device=self._u_ext.device)
-        # Block by block along the first axis, so that the float64 transients are a block's; on
-        # the analysis device (a copy even of a float64 original there: it may be a view of the
-        # mapped checkpoint), returned where the checkpoint tensor lives.
+        rescaled = torch.empty(shape, dtype=original.dtype, device=u_ext.device)
+        # Block by block along the first axis, so that the float64 transients are a block's; a
+        # copy even of a float64 original (it may be a view of the mapped checkpoint), returned
+        # where the checkpoint tensor lives.
         for rows in blocks(shape[0], prod(shape[1:])) if shape else [...]:
-            factor = writeback.factor(self._u_ext, shape, rows)
-            rescaled[rows] = original[rows].to(self._u_ext.device, torch.float64, copy=True).mul_(factor)
+            factor = writeback.factor(u_ext, shape, rows)
+            rescaled[rows] = original[rows].to(u_ext.device, torch.float64, copy=True).mul_(factor)
         return rescaled.to(original.device)
 
     def __setitem__(self, key: str, tensor: torch.Tensor) -> None:
@@ -443,6 +465,7 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
         shapes,
     )
     partial.colours = _colour(dag_params, num_free)
+    partial.num_colours = int(partial.colours.max()) + 1 if num_free else 0
     return partial
 
 

@@ -104,6 +104,10 @@ class CoarseCorrection:
     at once over the flat slots. Only a tensor with neither, or whose inactive groups carry
     weight on the summed side, needs products with its coupling matrix (about one pass,
     counted). E is factorised once; if rounding leaves it indefinite, no correction is used.
+
+    Built in two steps, so that a caller can read :attr:`flags` (which tensors need products,
+    which coupling buckets are materialised) with its own values in one host transfer: the
+    constructor's device work, then :meth:`settle` with the flags read (read there otherwise).
     """
 
     def __init__(self, hessian: ScaledHessian, aggregates: LayerAggregates, current: Evaluation):
@@ -120,7 +124,6 @@ class CoarseCorrection:
         )
         half_ext = torch.cat([half_scale, half_scale.new_full((1,), -torch.inf)])[aggregates.of_group]
         active_ext = objective.groups.extend(hessian.active.to(torch.float64)) > 0
-        basis_ext = objective.groups.extend(self.basis)
         of_group = aggregates.of_group
         # Per tensor: whether its inactive source groups carry no weight (so its row sums hold
         # only active columns), the same for destinations, and whether any group on each side is active.
@@ -153,10 +156,24 @@ class CoarseCorrection:
             ),
             -torch.cat([row_blocks, col_blocks]),
         )
-        # which tensors need products, and which coupling buckets are materialised, in one host transfer
-        flags = torch.cat(
+        #: which tensors need products, and which coupling buckets are materialised, unread
+        self.flags = torch.cat(
             [(aggregates.has_sources & present & ~by_rows & ~by_cols).to(torch.float64), hessian.coupling.pending]
-        ).tolist()
+        )
+        self._hessian, self._coarse, self._log_norm = hessian, coarse, log_norm
+        self._settled = False
+
+    def settle(self, flags: list[float] | None = None) -> None:
+        """Finish E with :attr:`flags` as read on the host (read here when not given) and factorise it."""
+        if self._settled:
+            return
+        self._settled = True
+        hessian, coarse, log_norm = self._hessian, self._coarse, self._log_norm
+        objective, aggregates = hessian.objective, self.aggregates
+        n, agg, of_group = aggregates.count, aggregates.of_group[:-1], aggregates.of_group
+        basis_ext = objective.groups.extend(self.basis)
+        tensors = len(objective.groups.dag_params)
+        flags = self.flags.tolist() if flags is None else flags
         hessian.coupling.settle(flags[tensors:])
         by_products = [t for t, flag in enumerate(flags[:tensors]) if flag]
         for t in by_products:
@@ -179,12 +196,15 @@ class CoarseCorrection:
         self.factor, info = torch.linalg.cholesky_ex(coarse)
         # decided on the device: reading it would cost a host synchronisation per Newton step
         self.factorised = (info == 0) & torch.isfinite(self.factor).all()
+        del self._hessian, self._coarse, self._log_norm
 
     @property
     def usable(self) -> bool:
+        self.settle()
         return bool(self.factorised)
 
     def __call__(self, residual: torch.Tensor) -> torch.Tensor:
+        self.settle()
         agg = self.aggregates.of_group[:-1]
         projected = torch.zeros(self.aggregates.count, dtype=residual.dtype, device=residual.device)
         projected.index_add_(0, agg, self.basis * residual)

@@ -59,10 +59,20 @@ def layer_shift_start(
     size = count + 1
     # A tensor whose sources lie in one aggregate adds its rows' sums of ḡ to one block each,
     # taken for every such tensor at once over the flat slots; the others, per source aggregate.
-    source_pairs = torch.unique(flat.col_owner * size + aggregate[flat.col_group]).tolist()
+    zeros_rows, zeros_cols = (
+        flat.row_group.new_zeros(flat.row_group.shape, dtype=torch.float64),
+        flat.col_group.new_zeros(flat.col_group.shape, dtype=torch.float64),
+    )
+    # log Σ_j ḡ_ij per row slot (the sums of w at u = 0), redone in the log domain when some
+    # tensor's range forbids linear scale: that flag is read with the tensors' source aggregates
+    log_rows, _, _, _, lost = flat.log_sums(zeros_rows, zeros_cols)
+    *source_pairs, redo = torch.cat(
+        [torch.unique(flat.col_owner * size + aggregate[flat.col_group]), lost.long().reshape(1)]
+    ).tolist()
+    if redo:
+        log_rows = flat.log_sums(zeros_rows, zeros_cols, exact_everywhere=True)[0]
     source_counts = Counter(key // size for key in source_pairs)
     several = [t for t, sources in source_counts.items() if sources > 1]
-    log_rows = _log_row_sums(flat)
     single = torch.ones(len(objective.groups.dag_params), dtype=torch.bool, device=objective.device)
     single[several] = False
     blocks = [aggregate[flat.row_group] * size + aggregate[flat.row_first_source]]
@@ -89,17 +99,6 @@ def layer_shift_start(
     pairs = pairs[present]
     shifts = _minimise(log_blocks[present], pairs // size, pairs % size, shift_k, count, objective.p)
     return torch.cat([shifts, shifts.new_zeros(1)]).to(objective.device)[aggregate[:-1]]
-
-
-def _log_row_sums(flat) -> torch.Tensor:
-    """log Σ_j ḡ_ij per row slot: the sums of w at u = 0, in the log domain for the tensors whose
-    range forbids linear scale."""
-    zeros_rows, zeros_cols = (
-        flat.row_group.new_zeros(flat.row_group.shape, dtype=torch.float64),
-        flat.col_group.new_zeros(flat.col_group.shape, dtype=torch.float64),
-    )
-    log_rows, _, _, _, lost = flat.log_sums(zeros_rows, zeros_cols)
-    return flat.log_sums(zeros_rows, zeros_cols, exact_everywhere=True)[0] if bool(lost) else log_rows
 
 
 def _log_rows_by_source(objective: Objective, t: int, local: torch.Tensor, count: int) -> torch.Tensor:

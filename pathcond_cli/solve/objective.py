@@ -20,8 +20,8 @@ change drops below the rounding of F.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -100,6 +100,8 @@ class Evaluation:
     flat: FlatG
     log_rows: torch.Tensor
     log_cols: torch.Tensor
+    # the caller's values read with F's (``evaluate``'s ``also``), on the host
+    also: list[float] = field(default_factory=list)
 
     @property
     def a(self) -> torch.Tensor:
@@ -170,11 +172,20 @@ class Objective:
             for lg, dp in zip(self.log_gbar, self.groups.dag_params)
         ]
 
-    def evaluate(self, u: torch.Tensor, frozen: torch.Tensor | None = None) -> Evaluation:
+    def evaluate(
+        self,
+        u: torch.Tensor,
+        frozen: torch.Tensor | None = None,
+        *,
+        also: Callable[[Evaluation], torch.Tensor] | None = None,
+    ) -> Evaluation:
         """F(u), log shares, ∂F/∂u and the relative KKT residual (frozen groups excluded).
 
         The host reads F's parts and the residual in one transfer, with whether some tensor's
-        range needed the log domain; only then (extreme scales) is the pass redone exactly."""
+        range needed the log domain; only then (extreme scales) is the pass redone exactly.
+        ``also`` makes the caller's 1-d float64 values on the device from the evaluation's
+        device tensors (its ``value`` and ``kkt_residual`` not yet read), and they are read in
+        the same transfer (:attr:`Evaluation.also`)."""
         self.passes += 1
         H = self.groups.num_free
         u_ext = self.groups.extend(u)
@@ -194,12 +205,18 @@ class Objective:
             residual = (
                 (self.feasible_gradient(u, gradient).abs() / (2 * self.degree)).max() if H else log_total.new_zeros(())
             )
-            total, shift, kkt, redo = torch.stack([log_total, self.k @ u, residual, lost.to(log_total.dtype)]).tolist()
+            evaluation = Evaluation(
+                math.nan, log_a, log_c, gradient, math.nan, log_total, self.flat, log_rows, log_cols
+            )
+            values = [log_total, self.k @ u, residual, lost.to(log_total.dtype)]
+            total, shift, kkt, redo, *evaluation.also = torch.cat(
+                [torch.stack(values), log_total.new_zeros(0) if also is None else also(evaluation)]
+            ).tolist()
             if not redo:
                 break
             exact_everywhere = True
-        value = self.p * total + 2 * shift
-        return Evaluation(value, log_a, log_c, gradient, kkt, log_total, self.flat, log_rows, log_cols)
+        evaluation.value, evaluation.kkt_residual = self.p * total + 2 * shift, kkt
+        return evaluation
 
     def feasible_gradient(self, u: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
         """The gradient with the components that push a group out of the box at its bound set
@@ -225,8 +242,8 @@ class Objective:
             up[:-1] * torch.exp(current.log_c - self.log_p)
         ).sum()
         within = (torch.exp(self.self_loop_log - current.log_total) * down[:-1] * up[:-1]).sum()
-        ratio = first + coupling.bilinear(down, up) - within
-        return self.p * math.log1p(float(ratio)) + 2 * float(self.k @ step)
+        ratio, shift = torch.stack([first + coupling.bilinear(down, up) - within, self.k @ step]).tolist()
+        return self.p * math.log1p(ratio) + 2 * shift
 
 
 class LinearG:

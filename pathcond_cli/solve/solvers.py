@@ -81,15 +81,17 @@ class SolveResult:
         max_log_scale: float | None = None,
     ) -> SolveResult:
         """The result of a run begun at ``started`` (``time.perf_counter``) with ``frozen`` groups."""
+        # u and the frozen groups in one host transfer
+        on_host = torch.cat([u.detach().to(torch.float64), frozen.to(torch.float64)]).cpu()
         return cls(
             method=method,
-            u=u.detach().to("cpu"),
+            u=on_host[: len(u)].to(u.dtype),
             objective=history,
             kkt_residual=kkt_residual,
             converged=kkt_residual <= tol,
             iterations=iterations,
             passes=passes,
-            degenerate=torch.nonzero(frozen.cpu()).flatten().tolist(),
+            degenerate=torch.nonzero(on_host[len(u) :]).flatten().tolist(),
             seconds=time.perf_counter() - started,
             tol=tol,
             max_iter=max_iter,
@@ -210,38 +212,63 @@ def _newton(objective: Objective, u, frozen, current: Evaluation, tol, max_iter,
             iterations += 1
             history.append(current.value)
             _report(progress, iterations, current)
+    # Off the CPU, the next step is set up at each trial point before its F is read, so that the
+    # coarse correction's flags travel with F (a host round trip less per step); on the CPU,
+    # where a read costs nothing, only at the accepted point. The steps are the same.
+    speculate = objective.device.type != "cpu"
+    setup, flags = None, None
     while current.kkt_residual > tol and iterations < max_iter:
-        pinned = objective.feasible_gradient(u, current.gradient) != current.gradient
-        active = ~frozen & ~pinned
-        gradient = current.gradient * active
-        hessian = ScaledHessian(objective, u, current, active, NEWTON_REACH)
+        hessian, coarse = setup or _newton_setup(objective, u, current, frozen, aggregates)
+        coarse.settle(flags)
+        gradient = current.gradient * hessian.active
         forcing = min(0.5, max(current.kkt_residual**0.5, 0.1 * tol / current.kkt_residual))
-        direction = newton_direction(
-            hessian, gradient, forcing, MAX_CG_STEPS, CoarseCorrection(hessian, aggregates, current)
-        )
-        # the largest move and the slope along the direction in one host transfer
-        largest, slope = torch.stack([direction.abs().max(), current.gradient @ direction]).tolist()
-        t = min(1.0, MAX_FIRST_STEP / max(largest, 1e-300))
+        direction = newton_direction(hessian, gradient, forcing, MAX_CG_STEPS, coarse)
+        # The first trial's length is decided on the device. Each trial's length and slope, and
+        # the flags of the next step's coarse correction set up at the trial point, are read
+        # with the trial's F in one host transfer.
+        t = (MAX_FIRST_STEP / direction.abs().max().clamp_min(1e-300)).clamp_max(1.0)
+        slope = current.gradient @ direction
         while True:
             target = _project(objective, u + t * direction)
             step = target - u
-            candidate = objective.evaluate(target, frozen)
+            # without a bound the step is t·direction; a projected one needs its own slope
+            step_slope = t * slope if objective.bound is None else current.gradient @ step
+            trial = torch.stack([torch.as_tensor(t, dtype=slope.dtype, device=slope.device), step_slope])
+
+            def read_with_f(evaluation: Evaluation, target=target, trial=trial) -> torch.Tensor:
+                nonlocal setup
+                if not speculate:
+                    return trial
+                setup = _newton_setup(objective, target, evaluation, frozen, aggregates)
+                return torch.cat([trial, setup[1].flags])
+
+            candidate = objective.evaluate(target, frozen, also=read_with_f)
+            t, step_slope, *next_flags = candidate.also
             change = candidate.value - current.value
             if abs(change) <= UNRESOLVED_CHANGE * max(1.0, abs(current.value)):
                 change = objective.change(u, current, step)
                 candidate.value = current.value + change
-            # without a bound the step is t·direction; a projected one needs its own slope
-            step_slope = t * slope if objective.bound is None else float(current.gradient @ step)
             if change <= ARMIJO * step_slope and change <= 0:
                 break
             t *= 0.5
             if t < MIN_STEP:
                 return _block(objective, u, frozen, current, tol, max_iter - iterations, progress, history, iterations)
         u, current = target, candidate
+        setup, flags = (setup, next_flags) if speculate else (None, None)
         iterations += 1
         history.append(current.value)
         _report(progress, iterations, current)
     return u, history, current, iterations
+
+
+def _newton_setup(
+    objective: Objective, u: torch.Tensor, current: Evaluation, frozen: torch.Tensor, aggregates: LayerAggregates
+) -> tuple[ScaledHessian, CoarseCorrection]:
+    """The Newton step's Hessian at ``u`` over the groups neither frozen nor pinned at a bound,
+    and its coarse correction, not yet settled."""
+    pinned = objective.feasible_gradient(u, current.gradient) != current.gradient
+    hessian = ScaledHessian(objective, u, current, ~frozen & ~pinned, NEWTON_REACH)
+    return hessian, CoarseCorrection(hessian, aggregates, current)
 
 
 def _lbfgs(objective: Objective, u, frozen, current: Evaluation, tol, max_iter, progress, memory: int = 20):

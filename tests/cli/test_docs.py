@@ -6,21 +6,35 @@ block is run as a script, and a `text` block right after it is its output; `sh`/
 need a cluster (Slurm, GPUs) and are checked for shell syntax only (the cluster recipes run in
 tests/cli/test_many.py); `yaml` blocks are specs. Output is compared line by line, in order, with
 every number replaced (timings and last digits move) and `...` standing for any lines.
+
+A `$ pathcond ...` or `$ python3 -c "..."` line that needs no shell (no pipe, redirection,
+expansion) runs in this process, as the command-line tests run the CLI, with the workspace as
+the current directory: each `import torch` of a subprocess costs seconds. The other lines run
+in bash, with this checkout's `pathcond` and `python3` first on PATH. The python blocks run in
+this process too, each as a script: with fresh globals, its stdout and stderr captured, torch's
+thread count and random state put back after it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+import torch
 from cli_support import CLEAN_ENV
 from docs_support import FENCE, PAGES, ROOT, Block, all_blocks
+from typer.testing import CliRunner
 
+from pathcond_cli.cli.app import app
 from pathcond_cli.io.formats.spec import graph_from_spec, parse_spec_text
 
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:e[-+]?\d+)?")
@@ -64,8 +78,58 @@ def workspace(tmp_path_factory):
     return folder, env
 
 
-def _run(command: str, folder: Path, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+def _run(command: str, folder: Path, env: dict) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of one `$ ` line, run in this process where it needs no shell."""
+    argv = _without_shell(command)
+    if argv is None:
+        done = subprocess.run(["bash", "-c", command], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+        return done.returncode, done.stdout, done.stderr
+    with contextlib.chdir(folder):
+        if argv[0] == "pathcond":
+            # the variables CLEAN_ENV leaves out unset, and the width the subprocesses get
+            unset = {name: None for name in os.environ if name not in CLEAN_ENV}
+            result = CliRunner(env={**unset, "COLUMNS": env["COLUMNS"]}).invoke(app, argv[1:])
+            escaped = result.exception if not isinstance(result.exception, SystemExit) else None
+            assert escaped is None, "".join(traceback.format_exception(escaped))
+            return result.exit_code, result.stdout, result.stderr
+        return _exec_script(argv[2])
+
+
+# Outside quotes, what only a shell understands; inside double quotes, what it expands.
+_SHELL_SYNTAX = re.compile(r"[|&;<>()$`*?~\[\]{}\\!#]")
+_QUOTED = re.compile(r"'[^']*'|\"[^\"$`\\]*\"")
+
+
+def _without_shell(command: str) -> list[str] | None:
+    """The argv of a `pathcond ...` or `python3 -c CODE` line that a shell would only split, else None."""
+    if _SHELL_SYNTAX.search(_QUOTED.sub("''", command)):
+        return None
+    argv = shlex.split(command)
+    if argv[0] == "pathcond" or (len(argv) == 3 and argv[:2] == ["python3", "-c"]):
+        return argv
+    return None
+
+
+def _exec_script(code: str) -> tuple[int, str, str]:
+    """``code`` run as a script (``python3 -c``) runs, in this process, with fresh globals:
+    (exit status, stdout, stderr). What a script may change for the whole process (torch's
+    thread count, its random generator) is put back."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    status = 0
+    threads, generator = torch.get_num_threads(), torch.random.get_rng_state()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+            except SystemExit as exit_:
+                status = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+            except Exception:
+                traceback.print_exc()
+                status = 1
+    finally:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(generator)
+    return status, stdout.getvalue(), stderr.getvalue()
 
 
 def _sessions(block: Block) -> list[tuple[str, int, str]]:
@@ -103,17 +167,16 @@ def test_every_block_is_fenced_with_a_known_language():
 def test_example_runs_and_prints_what_the_page_shows(block, workspace):
     folder, env = workspace
     if block.language == "python":
-        result = subprocess.run(
-            [sys.executable, "-c", block.text], cwd=folder, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, f"{block}:\n{result.stderr}"
+        with contextlib.chdir(folder):
+            status, stdout, stderr = _exec_script(block.text)
+        assert status == 0, f"{block}:\n{stderr}"
         if block.followed_by is not None and block.followed_by.language == "text":
-            assert_prints(block.followed_by.text, result.stdout, str(block))
+            assert_prints(block.followed_by.text, stdout, str(block))
         return
-    for command, status, shown in _sessions(block):
-        result = _run(command, folder, env)
-        assert result.returncode == status, f"{block}: `{command}` exited {result.returncode}:\n{result.stderr}"
-        assert_prints(shown, result.stdout + result.stderr, f"{block}: `{command}`")
+    for command, expected, shown in _sessions(block):
+        status, stdout, stderr = _run(command, folder, env)
+        assert status == expected, f"{block}: `{command}` exited {status}:\n{stderr}"
+        assert_prints(shown, stdout + stderr, f"{block}: `{command}`")
 
 
 @pytest.mark.parametrize("block", [block for block in all_blocks() if block.language in ("sh", "bash")], ids=str)
@@ -125,6 +188,28 @@ def test_cluster_recipe_is_valid_shell(block):
 @pytest.mark.parametrize("block", [block for block in all_blocks() if block.language == "yaml"], ids=str)
 def test_spec_example_is_a_valid_spec(block):
     graph_from_spec(parse_spec_text(block.text, source=str(block)), source=str(block))
+
+
+def test_only_lines_a_shell_would_merely_split_run_in_this_process():
+    assert _without_shell("pathcond rescale a.safetensors -o 'b c.safetensors'") == [
+        "pathcond",
+        "rescale",
+        "a.safetensors",
+        "-o",
+        "b c.safetensors",
+    ]
+    assert _without_shell('python3 -c "print(1); print({2: 3})"') == ["python3", "-c", "print(1); print({2: 3})"]
+    for command in (
+        "cat a | pathcond rescale - -o -",
+        "pathcond rescale a -o - > b",
+        "pathcond rescale $MODEL",
+        'pathcond rescale "$MODEL"',
+        "pathcond inspect *.onnx",
+        "pathcond inspect a; rm a",
+        "ls",
+        "python3 script.py",
+    ):
+        assert _without_shell(command) is None, command
 
 
 def test_the_comparison_ignores_numbers_only():

@@ -46,7 +46,7 @@ from pathcond_cli.engine.groups import build_groups
 from pathcond_cli.engine.pathlift import compare_signs, path_metric, telescoped_sum
 
 MAX_PATHS = 20000
-# Every catalogue network is small enough (the largest has ~12k paths); the oracle's own
+# Every catalogue network is small enough (the largest has ~3.5k paths); the oracle's own
 # self-check (neuron DAG == torch forward) lives in the other oracle test files.
 ARCHS = sorted(CATALOGUE)
 # The 18 ceil-mode pooling variants all get the norm, score and count checks; the pair tests

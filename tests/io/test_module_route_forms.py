@@ -14,6 +14,7 @@ and the module itself with the checkpoint loaded (a factory's filter buffer).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import onnx_models
@@ -329,22 +330,29 @@ PARITY_MODULES = {
 }
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-@pytest.mark.parametrize("name", PARITY_MODULES)
-def test_the_module_route_and_the_onnx_export_give_the_same_analysis(name, exporter):
+@functools.cache
+def _module_route_read(name: str):
+    """Parity module ``name`` (seeded weights, float32), its shape, and its module-route read's
+    signature and path norms: made once for both exporters."""
     build, shape = PARITY_MODULES[name]
     module = _randomized(build()).float()
     fx = module_model(module, shape)
+    return module, shape, _signature(fx), analyse(fx, device="cpu").path_norms
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("name", PARITY_MODULES)
+def test_the_module_route_and_the_onnx_export_give_the_same_analysis(name, exporter):
+    module, shape, (counts, sizes, log_g, paths, optimum), fx_norms = _module_route_read(name)
     example = torch.randn((2, *shape), generator=torch.Generator().manual_seed(0))
     exported = load_onnx(onnx_models.export(module, example, exporter), name=f"{name}.onnx")
-    counts, sizes, log_g, paths, optimum = _signature(fx)
     other_counts, other_sizes, other_log_g, other_paths, other_optimum = _signature(exported)
     assert other_counts == counts
     assert other_sizes == sizes
     assert torch.allclose(other_log_g, log_g, rtol=0, atol=1e-5)
     assert other_paths == pytest.approx(paths, rel=1e-12)
     assert other_optimum == pytest.approx(optimum, rel=1e-6, abs=1e-6)
-    fx_norms, onnx_norms = analyse(fx, device="cpu").path_norms, analyse(exported, device="cpu").path_norms
+    onnx_norms = analyse(exported, device="cpu").path_norms
     assert {key: norm.log10 for key, norm in onnx_norms.items()} == pytest.approx(
         {key: norm.log10 for key, norm in fx_norms.items()}, rel=1e-6
     )

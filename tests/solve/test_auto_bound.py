@@ -51,11 +51,16 @@ def _corners_lose_values(groups, params, bound: float) -> bool:
     ],
 )
 def test_auto_bound_is_the_largest_box_the_storage_check_accepts(nets, dtype, scale):
-    """Flush-limited (small values), overflow-limited (large values) and mixed cases, in three dtypes."""
-    graph, params = nets.mlp(3, widths=(4, 6, 5, 3))
+    """Flush-limited (small values), overflow-limited (large values) and mixed cases, in three dtypes.
+
+    7 free groups: the brute force visits 2^7 corners (2^11 with widths (4, 6, 5, 3), 16 times
+    the time for no other case). The bfloat16 case's "just above U one fails" is decided by how
+    a value 0.2 % below the smallest normal rounds (bfloat16 keeps 8 bits): it holds for some
+    networks and not others of any size, for this one and the former (4, 6, 5, 3) seed 3."""
+    graph, params = nets.mlp(0, widths=(4, 4, 3, 3))
     params = {k: (v.double() * scale).to(dtype) for k, v in params.items()}
     groups = build_groups(graph, params)
-    assert groups.num_free <= 12
+    assert groups.num_free == 7
     bound = safe_log_scale(groups, params)
     assert 0 < bound < 200
     assert not _corners_lose_values(groups, params, bound)

@@ -9,6 +9,7 @@ constant on the fx route, a stored weight in ONNX), has its exact relation state
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -57,11 +58,19 @@ KNOWN_GAPS = {
 IMPORTERS = ("spec", "onnx-torchscript", "onnx-dynamo")
 
 
-def _load(name: str, how: str) -> tuple[LoadedModel, LoadedModel]:
-    """The fx import of architecture ``name`` and its import by ``how``, from the same weights."""
+@functools.cache
+def _built(name: str):
+    """Architecture ``name`` (float32, eval mode), its input shape, its fx import and that import's
+    signature: made once per architecture for its importers (the weights are drawn once)."""
     module, shape = ARCHITECTURES[name]()
     module = module.float().eval()
     fx = module_model(module, shape)
+    return module, shape, fx, _signature(fx)
+
+
+def _load(name: str, how: str) -> tuple[LoadedModel, LoadedModel]:
+    """The fx import of architecture ``name`` and its import by ``how``, from the same weights."""
+    module, shape, fx, _ = _built(name)
     if how == "spec":
         return fx, LoadedModel(
             graph_from_spec(spec_from_graph(fx.graph), source="spec"), fx.params, "safetensors", "spec"
@@ -99,8 +108,8 @@ def _marks(name: str, how: str) -> list:
     ],
 )
 def test_every_importer_gives_the_same_analysis(name, how):
-    fx, other = _load(name, how)
-    counts, sizes, log_g, paths, optimum = _signature(fx)
+    _, other = _load(name, how)
+    counts, sizes, log_g, paths, optimum = _built(name)[3]
     other_counts, other_sizes, other_log_g, other_paths, other_optimum = _signature(other)
     assert other_counts == counts
     assert other_sizes == sizes

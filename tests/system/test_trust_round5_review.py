@@ -9,16 +9,17 @@ fits where the memory ran out.
 
 from __future__ import annotations
 
-import resource
 import subprocess
 import sys
 import textwrap
 from collections import OrderedDict
+from pathlib import Path
 
+import fake_cuda
 import pytest
 import safetensors.torch
 import torch
-from cli_support import CLEAN_ENV, assert_clean_exit, invoke, module_command, write_mlp
+from cli_support import CLEAN_ENV, assert_clean_exit, invoke, write_mlp
 from rich.console import Console
 from torch import nn
 
@@ -108,27 +109,41 @@ def test_the_default_on_a_many_core_node_is_not_cut_where_the_threads_fit():
     assert count == 64 and started >= 64
 
 
+# ``python -m pathcond_cli ARGS`` (on the fake CUDA device, whose module is in the folder argv[1],
+# when the suite runs on it) whose address space is limited, once its libraries are imported, to
+# what they mapped plus argv[2] bytes.
+_LIMITED_COMMAND = """
+import resource, sys
+fake_cuda_folder, extra = sys.argv.pop(1), int(sys.argv.pop(1))
+if fake_cuda_folder:
+    sys.path.insert(0, fake_cuda_folder)
+    from fake_cuda import installed
+import pathcond_cli.__main__ as entry  # before torch, as `python -m pathcond_cli` runs it
+import pathcond_cli.pipeline, pathcond_cli.io.formats, pathcond_cli.report.render, onnx
+if fake_cuda_folder:
+    sys.path.remove(fake_cuda_folder)  # the tests' helper modules must not shadow anything pathcond imports
+limit = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:")) + extra
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+sys.argv[0] = "pathcond"
+if fake_cuda_folder:
+    with installed():
+        entry.main()
+else:
+    entry.main()
+"""
+
+
 def test_an_explicit_thread_count_that_fits_is_not_refused(tmp_path):
-    """--threads 16 with 1 GiB of address space left exited 3 ('pass --threads 4 or fewer')."""
+    """--threads 16 with 1 GiB of address space left exited 3 ('pass --threads 4 or fewer').
+    One process: pathcond's libraries imported, the limit set 1 GiB above what they mapped, then the command."""
     checkpoint, spec = write_mlp(tmp_path)
-    probe = (
-        "import pathcond_cli.pipeline, pathcond_cli.io.formats, pathcond_cli.report.render, onnx\n"
-        "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmSize:')))"
-    )
-    mapped = int(
-        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=CLEAN_ENV).stdout
-    )
-    limit = mapped + (1 << 30)
-
-    def set_limit():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
+    fake_cuda_folder = str(Path(fake_cuda.__file__).parent) if fake_cuda.requested() else ""
     result = subprocess.run(
-        module_command("inspect", checkpoint, "--arch", spec, "--threads", "16"),
+        [sys.executable, "-c", _LIMITED_COMMAND, fake_cuda_folder, str(1 << 30)]
+        + [str(a) for a in ("inspect", checkpoint, "--arch", spec, "--threads", "16")],
         capture_output=True,
         text=True,
         env=CLEAN_ENV,
-        preexec_fn=set_limit,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
