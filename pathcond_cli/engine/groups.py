@@ -362,14 +362,12 @@ class RescaledTensors(MutableMapping[str, torch.Tensor]):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self._assigned:
             return self._assigned[key]
-        writeback, u_ext = (
-            self._writebacks[key],
-            self._u_ext,
-        )  # an unchanged key is a KeyError before its tensor is read
+        writeback = self._writebacks[key]  # an unchanged key is a KeyError before its tensor is read
+        u_ext = self._u_ext
         original = self._params[key]
-        if original.device != u_ext.device and original.device.type == "cpu" and key in self._host_writebacks:
+        if original.device.type == "cpu" and key in self._host_writebacks:
             if self._u_host is None:
-                self._u_host = u_ext.cpu()
+                self._u_host = u_ext.cpu()  # u itself when the groups are on the CPU
             writeback, u_ext = self._host_writebacks[key], self._u_host
         shape = tuple(original.shape)
         rescaled = torch.empty(shape, dtype=original.dtype, device=u_ext.device)
