@@ -7,6 +7,7 @@ catalogue of named tiny networks, each small enough for explicit path enumeratio
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from types import SimpleNamespace
@@ -56,9 +57,23 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+    _build_each_cli_command_once()
     if fake_cuda.requested():
         config.fake_cuda = fake_cuda.installed()
         config.fake_cuda.__enter__()
+
+
+def _build_each_cli_command_once() -> None:
+    """typer's ``CliRunner.invoke`` builds the click command from the Typer app on every call,
+    reading every command's signature and type hints: 17 ms, a thousand times a run. The app
+    does not change during a session (tests patch the functions its commands call, looked up
+    when they run), so each app's command is built once. A typer without this helper keeps
+    building it per call."""
+    import typer.testing
+
+    build = getattr(typer.testing, "_get_command", None)
+    if build is not None and not hasattr(build, "cache_info"):
+        typer.testing._get_command = functools.cache(build)
 
 
 def pytest_unconfigure(config):

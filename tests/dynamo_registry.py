@@ -1,4 +1,5 @@
-"""The dynamo ONNX exporter's op registry, built once per process instead of once per export.
+"""The dynamo ONNX exporter's op registry and torch.export's list of composite ops, each built
+once per process instead of once per export.
 
 ``torch.onnx.export(dynamo=True)`` rebuilds its registry of ONNX decompositions from torchlib
 on every call (``ONNXRegistry.from_torchlib``): it re-reads the source of about 500 onnxscript
@@ -8,6 +9,12 @@ registry depends only on the opset version and on the installed torch and onnxsc
 registry object with new lists, so nothing an export registers leaks into the next). The
 written ONNX files are the same bytes (checked on the dynamo exports of ``tests/ops_models.py``
 with torch 2.13 and onnxscript 0.7.2).
+
+``run_decompositions`` also lists every preservable CompositeImplicitAutograd operator twice per
+export (``_collect_all_valid_cia_ops``: every op of every loaded namespace, about 0.1 s, an eighth
+of a small export). The list depends only on the operators registered, so
+:func:`composite_ops_listed_once` keeps it for as long as no namespace, no operator and no
+composite kernel has been added (the same bytes again on the same networks).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 _BUILT: dict[object, object] = {}
 
@@ -45,4 +53,44 @@ def torchlib_registry_built_once() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(registry_class, "from_torchlib", classmethod(from_torchlib))
+        yield
+
+
+_LISTED: dict[object, object] = {}
+
+
+def _registered_operators() -> tuple:
+    """What the list of composite ops is made from: the loaded namespaces, the operators each has
+    loaded so far, and the composite kernels registered with the dispatcher."""
+    namespaces = tuple(torch.ops._dir)
+    loaded = tuple(len(getattr(getattr(torch.ops, name), "_dir", ())) for name in namespaces)
+    composite = torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")
+    return namespaces, loaded, len(composite)
+
+
+@contextlib.contextmanager
+def composite_ops_listed_once() -> Iterator[None]:
+    """While active, torch.export's ``_collect_all_valid_cia_ops`` returns the list it made for the
+    same registered operators before."""
+    try:
+        from torch._export import utils
+        from torch.export import decomp_utils, exported_program
+    except ImportError:
+        yield
+        return
+    users = [module for module in (decomp_utils, exported_program) if hasattr(module, "_collect_all_valid_cia_ops")]
+    original = getattr(utils, "_collect_all_valid_cia_ops", None)
+    if original is None or not users:
+        yield
+        return
+
+    def listed_once():
+        key = _registered_operators()
+        if key not in _LISTED:
+            _LISTED[key] = original()
+        return _LISTED[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in users:
+            patch.setattr(module, "_collect_all_valid_cia_ops", listed_once)
         yield

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import fake_cuda
 import pytest
 import torch
-from dynamo_registry import torchlib_registry_built_once
+from dynamo_registry import composite_ops_listed_once, torchlib_registry_built_once
 from torch import nn
 
 EXPORTERS = ("torchscript", "torchscript-unfolded", "dynamo")
@@ -193,7 +193,7 @@ def _export_dynamo(module: nn.Module, example: torch.Tensor) -> bytes:
     logging.disable(logging.WARNING)
     try:
         # torch.export cannot trace under a torch function mode
-        with fake_cuda.suspended(), torchlib_registry_built_once():
+        with fake_cuda.suspended(), torchlib_registry_built_once(), composite_ops_listed_once():
             program = torch.onnx.export(
                 module,
                 (example,),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from math import prod
 from typing import ClassVar, TypeVar
 
@@ -273,7 +274,15 @@ class Fold:
     scale_inputs: tuple[torch.Tensor, torch.Tensor]
     eps: float
     shift_inputs: tuple[torch.Tensor, torch.Tensor] | None
-    error: torch.Tensor
+
+    @cached_property
+    def error(self) -> torch.Tensor:
+        """Computed when a bound asks for it: a fold is made at every read of its layer's weight,
+        and the passes read weights far more often than bounds read errors."""
+        if self.shift_inputs is None:
+            return _gamma(FOLD_ROUNDINGS) * self.value.abs()
+        beta, mean = self.shift_inputs
+        return _gamma(SHIFT_ROUNDINGS) * (beta.abs() + (self.scale * mean).abs() + (self.scale * self.base).abs())
 
     def difference(self, other: Fold) -> tuple[torch.Tensor, torch.Tensor | None]:
         """|value − other's value| per entry, taken as below, and an allowance for its rounding:
@@ -331,12 +340,9 @@ def fold_batchnorm(
     bias = torch.zeros_like(scale) if bias is None else bias.to(torch.float64)
     folded_weight = weight * _channels(scale, weight)
     folded_bias = beta - scale * mean + scale * bias
-    shift_error = _gamma(SHIFT_ROUNDINGS) * (beta.abs() + (scale * mean).abs() + (scale * bias).abs())
     return (
-        Fold(
-            folded_weight, weight, scale, (gamma, variance), bn.eps, None, _gamma(FOLD_ROUNDINGS) * folded_weight.abs()
-        ),
-        Fold(folded_bias, bias, scale, (gamma, variance), bn.eps, (beta, mean), shift_error),
+        Fold(folded_weight, weight, scale, (gamma, variance), bn.eps, None),
+        Fold(folded_bias, bias, scale, (gamma, variance), bn.eps, (beta, mean)),
     )
 
 

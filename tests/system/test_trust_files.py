@@ -628,15 +628,15 @@ def test_the_package_imports_nothing_before_the_ctrl_c_handler_is_installed():
 def test_an_interrupt_in_a_subprocess_exits_128_plus_the_signal_without_traceback(tmp_path, signum, code):
     """At any moment, start-up imports included: exit 130 (Ctrl-C) or 143 (SIGTERM, what
     schedulers send at a time limit), no traceback, no staged file, the truth about the disk."""
-    import time
-
     checkpoint, spec = write_mlp(tmp_path)
     command = module_command("rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors", "-q")
     env = {**CLEAN_ENV, "PYTHONPATH": str(ROOT)}
     for delay in (0.05, 0.15, 0.3, 0.5, 2.0, 3.5):
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        time.sleep(delay)
-        process.send_signal(signum)
+        try:  # the signal at ``delay``, unless the run has ended by then (its pipes hold a few lines)
+            process.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signum)
         _, stderr = process.communicate(timeout=120)
         if process.returncode == 0:
             continue  # finished before the signal
