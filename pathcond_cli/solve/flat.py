@@ -140,6 +140,16 @@ class FlatG:
         self.col_tensor = repeated(range(dense_count), col_counts[:dense_count])
         self.outer_row_tensor = repeated(range(len(outer)), row_counts[dense_count:])
         self.outer_col_tensor = repeated(range(len(outer)), col_counts[dense_count:])
+        # Reductions made in pairs, each pair as one over both sides' segments, the second side's
+        # numbered after the first's: x's and y's largest and smallest (as the largest of their
+        # negation) per dense tensor; the row and column sums of w per group; the outer tensors'
+        # column and row totals.
+        self.range_index = torch.cat(
+            [self.row_tensor + side * dense_count for side in (0, 1)]
+            + [self.col_tensor + side * dense_count for side in (2, 3)]
+        )
+        self.side_group = torch.cat([self.row_group, self.col_group + self.group_slots])
+        self.outer_side_tensor = torch.cat([self.outer_col_tensor, self.outer_row_tensor + len(outer)])
         self.outer_row_log = joined([parts[t].rows.reshape(-1) for t in outer], torch.float64)
         self.outer_col_log = joined([parts[t].cols.reshape(-1) for t in outer], torch.float64)
         self._stack(dps, parts, by_shape, cache_bytes)
@@ -254,12 +264,9 @@ class FlatG:
         column slots (−inf/+inf when none is finite)."""
         count = len(self.dense_tensors)
         x_dense, y_dense = x[: self.dense_rows], y[: self.dense_cols]
-        return (
-            finite_extreme(x_dense, self.row_tensor, count, "amax"),
-            finite_extreme(x_dense, self.row_tensor, count, "amin"),
-            finite_extreme(y_dense, self.col_tensor, count, "amax"),
-            finite_extreme(y_dense, self.col_tensor, count, "amin"),
-        )
+        sides = torch.cat([x_dense, -x_dense, y_dense, -y_dense])
+        top_x, low_x, top_y, low_y = finite_extreme(sides, self.range_index, 4 * count, "amax").reshape(4, count)
+        return top_x, -low_x, top_y, -low_y
 
     def linear_safe(self, ranges: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Per dense tensor: whether its linear-scale products lose no positive term."""
@@ -330,8 +337,9 @@ class FlatG:
         count = len(self.outer_tensors)
         log_rows = self.outer_row_log + x[self.dense_rows :]
         log_cols = self.outer_col_log + y[self.dense_cols :]
-        rows = log_rows + group_logsumexp(self.outer_col_tensor, log_cols, count)[self.outer_row_tensor]
-        cols = log_cols + group_logsumexp(self.outer_row_tensor, log_rows, count)[self.outer_col_tensor]
+        totals = group_logsumexp(self.outer_side_tensor, torch.cat([log_cols, log_rows]), 2 * count)
+        rows = log_rows + totals[:count][self.outer_row_tensor]
+        cols = log_cols + totals[count:][self.outer_col_tensor]
         if not self.outer_self_loops:
             return [rows, rows, cols, cols]
         between_rows, between_cols = rows.clone(), cols.clone()

@@ -196,8 +196,8 @@ class Objective:
                 x, y, exact_everywhere=exact_everywhere
             )
             log_total = torch.logsumexp(log_rows, dim=0)
-            log_in = group_logsumexp(self.flat.row_group, between_rows, H + 1)[:H]
-            log_out = group_logsumexp(self.flat.col_group, between_cols, H + 1)[:H]
+            sides = torch.cat([between_rows, between_cols])
+            log_in, log_out = group_logsumexp(self.flat.side_group, sides, 2 * (H + 1)).reshape(2, H + 1)[:, :H]
             log_a, log_c = log_in + self.log_p - log_total, log_out + self.log_p - log_total
             gradient = 2 * (self.k - torch.exp(log_a) + torch.exp(log_c))
             if frozen is not None:
