@@ -371,8 +371,8 @@ def _joined(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 def finite_extreme(values: torch.Tensor, index: torch.Tensor, count: int, reduce: str) -> torch.Tensor:
     """Finite ``values`` reduced per segment (``amax``/``amin``); ∓inf where a segment has none."""
     empty = -torch.inf if reduce == "amax" else torch.inf
-    finite = torch.where(torch.isfinite(values), values, empty)
-    return torch.full((count,), empty, dtype=values.dtype, device=values.device).scatter_reduce(
+    finite = values.nan_to_num(nan=empty, posinf=empty, neginf=empty)
+    return torch.full((count,), empty, dtype=values.dtype, device=values.device).scatter_reduce_(
         0, index, finite, reduce
     )
 
@@ -380,9 +380,8 @@ def finite_extreme(values: torch.Tensor, index: torch.Tensor, count: int, reduce
 def group_logsumexp(index: torch.Tensor, log_values: torch.Tensor, size: int) -> torch.Tensor:
     """log Σ exp(values) per group index (``size`` groups), −inf for groups with no entry."""
     peak = torch.full((size,), -torch.inf, dtype=log_values.dtype, device=log_values.device)
-    peak = peak.scatter_reduce(0, index, log_values, "amax")
-    safe_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    summed = torch.zeros_like(peak).index_add(0, index, torch.exp(log_values - safe_peak[index]))
+    safe_peak = peak.scatter_reduce_(0, index, log_values, "amax").nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    summed = torch.zeros_like(safe_peak).index_add_(0, index, torch.exp(log_values - safe_peak[index]))
     return torch.log(summed) + safe_peak
 
 
