@@ -130,13 +130,15 @@ def renormalise(y: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, to
     Squared-network activations and cotangents are never negative, so the peak is the max. The
     choice is made on the device: otherwise the range is divided by 1 and the offset gains
     ln 1, both exact, so that no node's pass waits for the host. On the CPU, where reading the
-    peak waits for nothing, a peak in range returns ``y`` and ``offset`` themselves instead of
-    that exact copy (a pass over every activation: 15 % of ResNet-50's diag(G) and path count).
+    peak waits for nothing, a contiguous ``y`` whose peak is in range is returned with ``offset``
+    as they are instead of that exact copy (a pass over every activation: 15 % of ResNet-50's
+    diag(G) and path count). A view is still copied: kept as a node's value, it would keep the
+    whole tensor it views after the sweep lets that go.
     """
     if not y.numel():
         return y, offset
     peak = y.amax().to(torch.float64)
-    if y.device.type == "cpu" and (peak == 0 or 1e-100 < float(peak) < 1e100):
+    if y.device.type == "cpu" and y.is_contiguous() and (peak == 0 or 1e-100 < float(peak) < 1e100):
         return y, offset
     factor = torch.where((peak > 0) & ((peak <= 1e-100) | (peak >= 1e100)), peak, torch.ones_like(peak))
     return y / factor.to(y.dtype), offset + torch.log(factor)

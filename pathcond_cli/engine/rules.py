@@ -274,15 +274,17 @@ class Fold:
     scale_inputs: tuple[torch.Tensor, torch.Tensor]
     eps: float
     shift_inputs: tuple[torch.Tensor, torch.Tensor] | None
+    shift_error: torch.Tensor | None = None
 
     @cached_property
     def error(self) -> torch.Tensor:
-        """Computed when a bound asks for it: a fold is made at every read of its layer's weight,
-        and the passes read weights far more often than bounds read errors."""
-        if self.shift_inputs is None:
-            return _gamma(FOLD_ROUNDINGS) * self.value.abs()
-        beta, mean = self.shift_inputs
-        return _gamma(SHIFT_ROUNDINGS) * (beta.abs() + (self.scale * mean).abs() + (self.scale * self.base).abs())
+        """A weight's is computed when a bound asks for it, from the fold's own product: a fold
+        is made at every read of its layer's weight, and the passes read weights far more often
+        than bounds read errors. A bias's (O numbers) is made with the fold, from the inputs as
+        they were then (β and μ may be the module's own tensors, which a rescale changes)."""
+        if self.shift_error is not None:
+            return self.shift_error
+        return _gamma(FOLD_ROUNDINGS) * self.value.abs()
 
     def difference(self, other: Fold) -> tuple[torch.Tensor, torch.Tensor | None]:
         """|value − other's value| per entry, taken as below, and an allowance for its rounding:
@@ -340,9 +342,10 @@ def fold_batchnorm(
     bias = torch.zeros_like(scale) if bias is None else bias.to(torch.float64)
     folded_weight = weight * _channels(scale, weight)
     folded_bias = beta - scale * mean + scale * bias
+    shift_error = _gamma(SHIFT_ROUNDINGS) * (beta.abs() + (scale * mean).abs() + (scale * bias).abs())
     return (
         Fold(folded_weight, weight, scale, (gamma, variance), bn.eps, None),
-        Fold(folded_bias, bias, scale, (gamma, variance), bn.eps, (beta, mean)),
+        Fold(folded_bias, bias, scale, (gamma, variance), bn.eps, (beta, mean), shift_error),
     )
 
 
