@@ -138,8 +138,10 @@ def renormalise(y: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, to
     if not y.numel():
         return y, offset
     peak = y.amax().to(torch.float64)
-    if y.device.type == "cpu" and y.is_contiguous() and (peak == 0 or 1e-100 < float(peak) < 1e100):
-        return y, offset
+    if y.device.type == "cpu" and y.is_contiguous():
+        top = float(peak)
+        if top == 0 or 1e-100 < top < 1e100:
+            return y, offset
     factor = torch.where((peak > 0) & ((peak <= 1e-100) | (peak >= 1e100)), peak, torch.ones_like(peak))
     return y / factor.to(y.dtype), offset + torch.log(factor)
 
