@@ -26,7 +26,7 @@ from .engine.diag import (
     path_norms,
     unused_parameters,
 )
-from .engine.groups import RescalingGroups, build_groups
+from .engine.groups import RescalingGroups, build_groups, groups_with_values
 from .engine.layouts import layout_of, release_held
 from .engine.log_g import DiagG
 from .engine.model import LoadedModel
@@ -211,7 +211,7 @@ def check_path_norms(
     leaves the norms as they are; this one keeps their passes in range as the analysis's were.
     """
     device = analysis.groups.device
-    groups = build_groups(graph, params).to(device)
+    groups = groups_with_values(analysis.groups, graph, params)
     u_ext = None
     if rescaled_by is not None and analysis.balancing is not None and groups.num_free == analysis.groups.num_free:
         u_ext = groups.extend(analysis.balancing - rescaled_by.to(device, torch.float64))

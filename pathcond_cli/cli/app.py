@@ -579,12 +579,14 @@ def rescale(
         )
     with _running(threads, as_json):
         _check_plot(plot)
+        read = as_json or report_file is not None or plot is not None or not quiet
         report, run = _rescale_one(
-            model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, options, device, orders
+            model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, options, device, orders, read
         )
-        report_path, plot_path = run.also_written
-        _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
-        _draw(plot_path, report, run.analysis, run.result)
+        if report is not None:
+            report_path, plot_path = run.also_written
+            _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
+            _draw(plot_path, report, run.analysis, run.result)
 
 
 def _rescale_one(
@@ -600,11 +602,14 @@ def _rescale_one(
     options: SolveOptions,
     device: str,
     path_norms=(),
+    read: bool = True,
 ):
     """``pathcond rescale`` of one MODEL into ``output`` (None: beside it, or MODEL itself with
     ``in_place``; ``-``: stdout) through :func:`~pathcond_cli.pipeline.rescale_file`, the report
     so far kept for a failure. Returns the JSON report and the run (its ``also_written``: where
-    the report and the plot go); the report's total counts reading MODEL (stdin) too."""
+    the report and the plot go); the report's total counts reading MODEL (stdin) too. A report
+    nobody ``read``s (``-q`` with no --json, --report or --plot) is None: neither it nor the
+    facts only it states (histograms, the zeros' causes) are computed."""
     from ..io.destinations import written
     from ..pipeline import rescale_file
 
@@ -627,6 +632,8 @@ def _rescale_one(
             also_writes=[written("--report", report_file, devices=True), written("--plot", plot)],
             watcher=_RescaleWatcher(stages),
         )
+        if not read:
+            return None, run
         _gather_report_facts(run.seconds, run.result.gather_report_facts)
     # The total, still last, counts reading MODEL and the report's facts too.
     run.seconds["total"] = run.seconds.pop("total") + reading + run.seconds["report_facts"]
@@ -679,7 +686,7 @@ def _rescale_batch(
     with _running(threads):
         planned = batch_plan(models, output_dir, arch, in_place)
 
-        def rescale_one(index: int) -> dict[str, Any]:
+        def rescale_one(index: int) -> dict[str, Any] | None:
             report, _ = _rescale_one(
                 models[index],
                 str(planned[index].destination),
@@ -693,6 +700,7 @@ def _rescale_batch(
                 options,
                 device,
                 path_norms,
+                as_json or not quiet,
             )
             return report
 

@@ -91,12 +91,13 @@ def run_batch(
     guard: CommandGuard,
     command: str,
     models: list[str],
-    process: Callable[[int], dict[str, Any]],
+    process: Callable[[int], dict[str, Any] | None],
     *,
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Process each MODEL in turn (``process(i)`` returns the report of ``models[i]``): with --json
+    """Process each MODEL in turn (``process(i)`` returns the report of ``models[i]``, None when
+    neither --json nor stderr's lines read it, under -q): with --json
     one JSON line per file, in order; on stderr a line per file; a failure is reported with its
     exit code and the next file processed; the exit status is :func:`batch_exit_code`'s."""
     from ..report.render import error_document, failure_report, render_warnings, summary_line

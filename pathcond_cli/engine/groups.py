@@ -13,15 +13,15 @@ the free groups) stands for "fixed" and always holds 0.
 from __future__ import annotations
 
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field, replace
 from math import prod
 from types import EllipsisType
 
 import torch
 
 from .evaluate import infer_shapes
-from .graph import Graph
+from .graph import Graph, Node
 from .layouts import HeaderTensors, stand_ins
 from .rules import Affine, AffineLayer, Fold, Ties, rule_for
 
@@ -443,13 +443,8 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     node_groups = {name: group_of_element[ids] for name, ids in ties.channel_ids.items()}
     dag_params: list[DagParam] = []
     writebacks: list[WriteBack] = []
-    for node in graph.nodes:
-        affine = rule_for(node).affine(node, graph, _weight_unread(node, params))
-        if affine is not None:
-            weight = None if affine.weight is None else _reread_weight(node, graph, params, affine)
-            weight_fold = None if affine.weight_fold is None else _reread_fold(node, graph, params)
-            _add_layer(node, affine, weight, weight_fold, node_groups, num_free, dag_params, writebacks)
-        del affine  # the layer's weights, read to lay it out: let go before the next layer's
+    for node, affine, values in _layers(graph, params):
+        _add_layer(node, affine, values, node_groups, num_free, dag_params, writebacks)
 
     partial = RescalingGroups(
         graph,
@@ -465,6 +460,48 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     partial.colours = _colour(dag_params, num_free)
     partial.num_colours = int(partial.colours.max()) + 1 if num_free else 0
     return partial
+
+
+def groups_with_values(groups: RescalingGroups, graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingGroups:
+    """The groups of ``graph`` with checkpoint ``params``, for a copy of the network ``groups``
+    were built on that holds other values, such as a rescaled file read back. Where ``graph`` is
+    ``groups.graph`` node for node and every DAG parameter has its shape, the groups are the
+    same: ``groups``' maps, shapes and colours are kept, on their device, and only the DAG
+    parameters' values are read from ``params``. Any other graph gets :func:`build_groups` anew."""
+    if graph.nodes == groups.graph.nodes and graph.outputs == groups.graph.outputs:
+        graph.check_parameters(params, values=not isinstance(params, HeaderTensors))
+        values = [value for _, _, layer in _layers(graph, params) for value in layer]
+        if len(values) == len(groups.dag_params) and all(
+            tuple(source.shape) == dp.shape for dp, (source, _) in zip(groups.dag_params, values)
+        ):
+            dag_params = [
+                replace(dp, source=source.to(groups.device), fold=fold)
+                for dp, (source, fold) in zip(groups.dag_params, values)
+            ]
+            return replace(groups, graph=graph, dag_params=dag_params)
+    return build_groups(graph, params).to(groups.device)
+
+
+LayerValues = list[tuple[torch.Tensor | Reread, Callable[[], Fold] | None]]
+
+
+def _layers(graph: Graph, params: Mapping[str, torch.Tensor]) -> Iterator[tuple[Node, Affine, LayerValues]]:
+    """Each layer of ``graph`` with DAG parameters: its node, its layout (:class:`~.rules.Affine`)
+    and the value and fold of its weight then its bias, as its DAG parameters list them (a
+    weight as a :class:`Reread`). A layer's weights are let go before the next layer's."""
+    for node in graph.nodes:
+        affine = rule_for(node).affine(node, graph, _weight_unread(node, params))
+        if affine is None:
+            continue
+        values: LayerValues = []
+        if affine.weight is not None:
+            weight_fold = None if affine.weight_fold is None else _reread_fold(node, graph, params)
+            values.append((_reread_weight(node, graph, params, affine), weight_fold))
+        if affine.bias is not None:
+            bias_fold = None if affine.bias_fold is None else lambda fold=affine.bias_fold: fold
+            values.append((affine.bias, bias_fold))
+        yield node, affine, values
+        del affine
 
 
 def _weight_unread(node, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -493,18 +530,20 @@ def _reread_fold(node, graph: Graph, params: Mapping[str, torch.Tensor]) -> Call
 def _add_layer(
     node,
     affine: Affine,
-    weight: Reread | None,
-    weight_fold: Callable[[], Fold] | None,
+    values: LayerValues,
     node_groups: dict[str, torch.Tensor],
     num_free: int,
     dag_params: list[DagParam],
     writebacks: list[WriteBack],
 ) -> None:
-    """The layer's DAG parameters with their group maps, and the write-back of its stored tensors."""
+    """The layer's DAG parameters with their group maps (``values``: see :func:`_layers`), and
+    the write-back of its stored tensors."""
     dst, src = node_groups[affine.output], node_groups[node.inputs[0]]
-    bias, groups = affine.bias, affine.groups
+    groups = affine.groups
     out_ch = len(dst)
-    if weight is not None:
+    values = iter(values)
+    if affine.weight is not None:
+        weight, weight_fold = next(values)
         view = (groups, out_ch // groups, weight.shape[1], prod(weight.shape[2:]))
         dst2, src2 = dst.reshape(groups, -1), src.reshape(groups, -1)
         dag_params.append(
@@ -519,7 +558,8 @@ def _add_layer(
                 fold=weight_fold,
             )
         )
-    if bias is not None:
+    if affine.bias is not None:
+        bias, bias_fold = next(values)
         dag_params.append(
             DagParam(
                 affine.bias_label,
@@ -529,7 +569,7 @@ def _add_layer(
                 torch.tensor([[num_free]]),
                 (1, out_ch, 1, 1),
                 is_bias=True,
-                fold=None if affine.bias_fold is None else lambda fold=affine.bias_fold: fold,
+                fold=bias_fold,
             )
         )
     for stored in affine.stored:

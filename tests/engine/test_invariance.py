@@ -6,10 +6,13 @@ import pytest
 import torch
 from oracle import build_neuron_dag, rel_err, torch_forward
 
-from pathcond_cli.engine.diag import diag_g
+from pathcond_cli.analysis import analyse, check_path_norms
+from pathcond_cli.engine.diag import diag_g, path_norms
 from pathcond_cli.engine.evaluate import forward
 from pathcond_cli.engine.graph import BatchNorm
-from pathcond_cli.engine.groups import build_groups
+from pathcond_cli.engine.groups import build_groups, groups_with_values
+from pathcond_cli.engine.model import LoadedModel
+from pathcond_cli.errors import VerificationError
 from pathcond_cli.solve.solvers import solve
 
 ARCHS = [
@@ -158,3 +161,48 @@ def test_batchnorm_train_mode_with_large_rescaling(nets, arch):
     moved = {**params, **groups.apply(params, u)}
     for train in (False, True):
         assert max_output_error(graph, params, moved, train=train) <= 1e-10
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_groups_with_values_are_the_groups_built_anew(nets, arch):
+    """A rescaled copy's groups taken from the original's structure (as the written file's path
+    norms are checked) are, map for map and value for value, the groups built from the copy,
+    and give the same path norms bit for bit."""
+    graph, params = _net(nets, arch)
+    groups = build_groups(graph, params)
+    rescaled = {**params, **groups.apply(params, random_u(groups, seed=3))}
+    reused, fresh = groups_with_values(groups, graph, rescaled), build_groups(graph, rescaled)
+    assert (reused.num_free, reused.num_fixed, reused.labels) == (fresh.num_free, fresh.num_fixed, fresh.labels)
+    assert torch.equal(reused.colours, fresh.colours)
+    for ours, theirs in zip(reused.dag_params, fresh.dag_params, strict=True):
+        assert (ours.name, ours.layer, ours.view, ours.is_bias) == (
+            theirs.name,
+            theirs.layer,
+            theirs.view,
+            theirs.is_bias,
+        )
+        assert torch.equal(ours.dst, theirs.dst) and torch.equal(ours.src, theirs.src)
+        assert torch.equal(ours.value, theirs.value)
+    assert path_norms(reused, [1.0, 2.0]) == path_norms(fresh, [1.0, 2.0])
+
+
+def test_groups_with_values_of_another_graph_are_built_anew(nets):
+    graph, params = _net(nets, "mlp")
+    other_graph, other_params = _net(nets, "concat")
+    regrouped = groups_with_values(build_groups(graph, params), other_graph, other_params)
+    fresh = build_groups(other_graph, other_params)
+    assert regrouped.graph is other_graph
+    assert [dp.name for dp in regrouped.dag_params] == [dp.name for dp in fresh.dag_params]
+    assert regrouped.num_free == fresh.num_free
+
+
+@pytest.mark.parametrize("arch", ["conv_bn", "residual"])
+def test_a_copy_that_is_not_a_rescaling_fails_the_path_norm_check(nets, arch):
+    """The check reads the copy's values on the original's groups: one weight scaled by 1.5 is
+    not a rescaling, and every path through it says so."""
+    graph, params = _net(nets, arch)
+    analysis = analyse(LoadedModel(graph, params, "safetensors", arch), device="cpu")
+    weight = next(node.weight for node in graph.nodes if getattr(node, "weight", None))
+    assert check_path_norms(analysis, graph, dict(params), "copy").keys() == analysis.path_norms.keys()
+    with pytest.raises(VerificationError, match="path norm"):
+        check_path_norms(analysis, graph, {**params, weight: params[weight] * 1.5}, "copy")

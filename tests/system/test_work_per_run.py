@@ -102,6 +102,34 @@ def test_onnx_rescale_computes_each_tensor_twice_and_serialises_once(tmp_path, c
     assert counted["histc"] <= 2 * tensors
 
 
+def test_onnx_rescale_builds_the_groups_once(tmp_path, monkeypatch):
+    """The written file's path norms are read on the analysis's groups (its graph is the
+    original's node for node): the groups are built once a run, not again for the file."""
+    path = tmp_path / "cnn.onnx"
+    path.write_bytes(onnx_models.export(_cnn(), torch.randn(2, 3, 8, 8), "torchscript-unfolded"))
+    built = []
+    build = pathcond_cli.engine.groups.build_groups
+    counting = lambda *args, **kwargs: built.append(1) or build(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(pathcond_cli.engine.groups, "build_groups", counting)
+    monkeypatch.setattr(pathcond_cli.analysis, "build_groups", counting)
+    report = _rescale(path, "-o", tmp_path / "out.onnx")
+    assert report["path_norms_after"].keys() == report["path_norms"].keys()
+    assert len(built) == 1
+
+
+def test_a_quiet_rescale_computes_no_report(tmp_path, counted, monkeypatch):
+    """Under -q with no --json, --report or --plot nobody reads the report: neither it nor its
+    facts (the histograms, the zeros' causes) are computed; the file is written and verified."""
+    checkpoint, spec = write_mlp(tmp_path)
+    monkeypatch.setattr(
+        pathcond_cli.rescaling.RescaleResult, "gather_report_facts", lambda self: pytest.fail("facts computed")
+    )
+    out = tmp_path / "out.safetensors"
+    result = invoke("rescale", checkpoint, "--arch", spec, "-o", out, "-q", "--device", "cpu")
+    assert_clean_exit(result, 0)
+    assert out.exists() and result.stdout == "" and counted["histc"] == 0
+
+
 def test_safetensors_rescale_computes_each_tensor_twice(tmp_path, counted):
     checkpoint, spec = write_mlp(tmp_path)
     _rescale(checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors")
