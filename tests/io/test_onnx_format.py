@@ -403,6 +403,36 @@ def test_external_data_is_read_from_the_path(tmp_path):
     assert relative_error(reference_outputs(destination, x)[0], reference_outputs(data, x)[0]) <= TOLERANCE
 
 
+def test_companions_are_found_without_parsing_a_model_that_names_none(tmp_path, monkeypatch):
+    """A file without the bytes of onnx's ``location`` key names no external data: told without
+    parsing it. A file that has them (external data, or only a doc string that says
+    "location") is parsed, and lists exactly the files it names."""
+    from pathcond_cli.io.formats import onnx_read
+
+    data, _ = _two_layer_model()
+    inline, external, described = tmp_path / "inline.onnx", tmp_path / "external.onnx", tmp_path / "described.onnx"
+    inline.write_bytes(data)
+    onnx.save_model(
+        onnx.load_from_string(data),
+        external,
+        save_as_external_data=True,
+        location="external.onnx.data",
+        size_threshold=0,
+    )
+    with_doc = onnx.load_from_string(data)
+    with_doc.doc_string = "trained at an undisclosed location"
+    onnx.save_model(with_doc, described)
+    parsed = []
+    load = onnx.load
+    monkeypatch.setattr(onnx, "load", lambda path, **kwargs: parsed.append(path) or load(path, **kwargs))
+    assert onnx_read.external_data_files(inline) == [] and onnx_read.own_external_data(inline) == []
+    assert parsed == []
+    assert onnx_read.external_data_files(described) == [] and onnx_read.own_external_data(described) == []
+    assert onnx_read.external_data_files(external) == [tmp_path / "external.onnx.data"]
+    assert onnx_read.own_external_data(external) == [tmp_path / "external.onnx.data"]
+    assert len(parsed) == 4
+
+
 def test_unsupported_nodes_are_all_listed():
     rng = _rng()
     nodes = [
