@@ -30,15 +30,6 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return device
 
 
-def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` (one dtype, one device) on the CPU, copied in one transfer: on a GPU each copy
-    to the host waits for the device, so a copy per layer costs a round trip per layer."""
-    if not tensors:
-        return []
-    flat = torch.cat([tensor.reshape(-1) for tensor in tensors]).cpu()
-    return [part.reshape(tensor.shape) for part, tensor in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-
 class Stopwatch:
     """Adds each stage's wall-clock seconds to ``seconds`` under the stage's name (a stage timed
     twice counts both times): ``timed("solve", work)`` runs ``work`` and returns its value, and

@@ -46,10 +46,11 @@ from .engine.pathlift import (
     select_pruned,
     stored_weight_mask,
 )
+from .engine.transfer import to_host
 from .errors import MismatchError, PathcondError, UsageError, VerificationError
 from .io.formats import load_model
 from .model_files import write_staged
-from .runtime import Stopwatch, resolve_device, to_host
+from .runtime import Stopwatch, resolve_device
 from .solve.options import PRUNING_CRITERIA, InvalidOption
 from .statistics import LOG10_E
 from .verify import independent_agreement

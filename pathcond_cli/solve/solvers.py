@@ -32,6 +32,7 @@ import torch
 
 from ..engine.groups import RescalingGroups
 from ..engine.log_g import DiagG
+from ..engine.transfer import to_host
 from .curvature import CoarseCorrection, LayerAggregates, ScaledHessian, newton_direction
 from .layer_shift import layer_shift_start
 from .objective import Evaluation, Objective, block_step, paper_step
@@ -81,17 +82,16 @@ class SolveResult:
         max_log_scale: float | None = None,
     ) -> SolveResult:
         """The result of a run begun at ``started`` (``time.perf_counter``) with ``frozen`` groups."""
-        # u and the frozen groups in one host transfer
-        on_host = torch.cat([u.detach().to(torch.float64), frozen.to(torch.float64)]).cpu()
+        u, frozen = to_host([u, frozen])
         return cls(
             method=method,
-            u=on_host[: len(u)].to(u.dtype),
+            u=u,
             objective=history,
             kkt_residual=kkt_residual,
             converged=kkt_residual <= tol,
             iterations=iterations,
             passes=passes,
-            degenerate=torch.nonzero(on_host[len(u) :]).flatten().tolist(),
+            degenerate=torch.nonzero(frozen).flatten().tolist(),
             seconds=time.perf_counter() - started,
             tol=tol,
             max_iter=max_iter,
