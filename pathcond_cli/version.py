@@ -1,4 +1,4 @@
 """pathcond's version, in a module of its own: the package face, the reports and the written
 files' metadata read it, and it imports nothing."""
 
-__version__ = "0.10.2"
+__version__ = "0.10.3"
