@@ -579,7 +579,7 @@ def rescale(
         )
     with _running(threads, as_json):
         _check_plot(plot)
-        read = as_json or report_file is not None or plot is not None or not quiet
+        read = _report_read(as_json=as_json, quiet=quiet, report_file=report_file, plot=plot)
         report, run = _rescale_one(
             model, output, arch, shape, in_place, report_file, plot, quiet, allow_unused, options, device, orders, read
         )
@@ -587,6 +587,12 @@ def rescale(
             report_path, plot_path = run.also_written
             _emit(report, as_json=as_json, report_file=report_path, quiet=quiet)
             _draw(plot_path, report, run.analysis, run.result)
+
+
+def _report_read(*, as_json: bool, quiet: bool, report_file: Path | None = None, plot: Path | None = None) -> bool:
+    """Whether anyone reads a run's report: the JSON (stdout or ``report_file``), the plot drawn
+    from it, or stderr's tables and summary line (all but ``quiet``)."""
+    return as_json or report_file is not None or plot is not None or not quiet
 
 
 def _rescale_one(
@@ -608,8 +614,8 @@ def _rescale_one(
     ``in_place``; ``-``: stdout) through :func:`~pathcond_cli.pipeline.rescale_file`, the report
     so far kept for a failure. Returns the JSON report and the run (its ``also_written``: where
     the report and the plot go); the report's total counts reading MODEL (stdin) too. A report
-    nobody ``read``s (``-q`` with no --json, --report or --plot) is None: neither it nor the
-    facts only it states (histograms, the zeros' causes) are computed."""
+    nobody ``read``s (:func:`_report_read`; ``quiet`` only silences the spinner here) is None:
+    neither it nor the facts only it states (histograms, the zeros' causes) are computed."""
     from ..io.destinations import written
     from ..pipeline import rescale_file
 
@@ -700,7 +706,7 @@ def _rescale_batch(
                 options,
                 device,
                 path_norms,
-                as_json or not quiet,
+                _report_read(as_json=as_json, quiet=quiet),
             )
             return report
 

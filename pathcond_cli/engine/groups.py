@@ -445,6 +445,7 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     writebacks: list[WriteBack] = []
     for node, affine, values in _layers(graph, params):
         _add_layer(node, affine, values, node_groups, num_free, dag_params, writebacks)
+        del affine, values  # a folded layer's float64 weights: let go before the next layer's
 
     partial = RescalingGroups(
         graph,
@@ -470,7 +471,10 @@ def groups_with_values(groups: RescalingGroups, graph: Graph, params: Mapping[st
     parameters' values are read from ``params``. Any other graph gets :func:`build_groups` anew."""
     if graph.nodes == groups.graph.nodes and graph.outputs == groups.graph.outputs:
         graph.check_parameters(params, values=not isinstance(params, HeaderTensors))
-        values = [value for _, _, layer in _layers(graph, params) for value in layer]
+        values: LayerValues = []
+        for _, affine, layer in _layers(graph, params):
+            values += layer
+            del affine, layer  # as in build_groups
         if len(values) == len(groups.dag_params) and all(
             tuple(source.shape) == dp.shape for dp, (source, _) in zip(groups.dag_params, values)
         ):
@@ -488,7 +492,8 @@ LayerValues = list[tuple[torch.Tensor | Reread, Callable[[], Fold] | None]]
 def _layers(graph: Graph, params: Mapping[str, torch.Tensor]) -> Iterator[tuple[Node, Affine, LayerValues]]:
     """Each layer of ``graph`` with DAG parameters: its node, its layout (:class:`~.rules.Affine`)
     and the value and fold of its weight then its bias, as its DAG parameters list them (a
-    weight as a :class:`Reread`). A layer's weights are let go before the next layer's."""
+    weight as a :class:`Reread`). The layout of a layer with a BatchNorm folded in holds its
+    weights in float64: the caller lets it go before asking for the next layer's."""
     for node in graph.nodes:
         affine = rule_for(node).affine(node, graph, _weight_unread(node, params))
         if affine is None:
@@ -501,7 +506,7 @@ def _layers(graph: Graph, params: Mapping[str, torch.Tensor]) -> Iterator[tuple[
             bias_fold = None if affine.bias_fold is None else lambda fold=affine.bias_fold: fold
             values.append((affine.bias, bias_fold))
         yield node, affine, values
-        del affine
+        del affine, values
 
 
 def _weight_unread(node, params: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -14,14 +14,15 @@ _ALIGNMENT = 16
 
 def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` (one device, any dtypes and shapes) copied to the CPU in one transfer, each with
-    its dtype and shape: their bytes travel as one buffer."""
+    its dtype and shape: their bytes travel as one buffer, of which the copies are views (any of
+    them keeps it all)."""
     parts = []
     for tensor in tensors:
-        raw = tensor.detach().reshape(-1).view(torch.uint8)
-        parts += [raw, raw.new_zeros(-raw.numel() % _ALIGNMENT)]
+        raw = tensor.detach().resolve_conj().reshape(-1).view(torch.uint8)
+        parts += [raw, raw.new_empty(-raw.numel() % _ALIGNMENT)]  # padding: never read
     if not parts:
         return []
-    buffer = torch.cat(parts).cpu()
+    buffer = torch.cat(parts[:-1]).cpu()
     copies, start = [], 0
     for tensor in tensors:
         size = tensor.numel() * tensor.element_size()

@@ -173,7 +173,9 @@ def test_groups_with_values_are_the_groups_built_anew(nets, arch):
     rescaled = {**params, **groups.apply(params, random_u(groups, seed=3))}
     reused, fresh = groups_with_values(groups, graph, rescaled), build_groups(graph, rescaled)
     assert (reused.num_free, reused.num_fixed, reused.labels) == (fresh.num_free, fresh.num_fixed, fresh.labels)
-    assert torch.equal(reused.colours, fresh.colours)
+    assert torch.equal(reused.colours, fresh.colours) and reused.shapes == fresh.shapes
+    assert reused.node_groups.keys() == fresh.node_groups.keys()
+    assert all(torch.equal(reused.node_groups[name], fresh.node_groups[name]) for name in fresh.node_groups)
     for ours, theirs in zip(reused.dag_params, fresh.dag_params, strict=True):
         assert (ours.name, ours.layer, ours.view, ours.is_bias) == (
             theirs.name,
@@ -182,7 +184,16 @@ def test_groups_with_values_are_the_groups_built_anew(nets, arch):
             theirs.is_bias,
         )
         assert torch.equal(ours.dst, theirs.dst) and torch.equal(ours.src, theirs.src)
+        assert (ours.self_loops is None) == (theirs.self_loops is None)
+        assert ours.self_loops is None or torch.equal(ours.self_loops, theirs.self_loops)
         assert torch.equal(ours.value, theirs.value)
+    for ours, theirs in zip(reused.writebacks, fresh.writebacks, strict=True):
+        assert (ours.key, ours.layout, ours.out_channels, ours.groups) == (
+            theirs.key,
+            theirs.layout,
+            theirs.out_channels,
+            theirs.groups,
+        )
     assert path_norms(reused, [1.0, 2.0]) == path_norms(fresh, [1.0, 2.0])
 
 

@@ -77,11 +77,14 @@ def test_peak_memory_of_a_rescale_stays_within_its_bound_shape(sharded_mlp, tmp_
             "--max-iter",
             "3",
             "-q",
+            # A report read (here, a file): its facts are computed too, as in every run but -q's alone.
+            "--report",
+            str(tmp_path / "report.json"),
         ],
         tmp_path / "rescale.log",
     )
     assert status == 0, (tmp_path / "rescale.log").read_text()[-2000:]
-    assert out.is_file()
+    assert out.is_file() and "report_facts" in json.loads((tmp_path / "report.json").read_text())["seconds"]
     above = peak - floor
     assert above <= SLOPE * size + SLACK, (
         f"peak RSS {above / GIB:.2f} GiB ({above / size:.1f} x the {size / 2**20:.0f} MiB checkpoint) above "

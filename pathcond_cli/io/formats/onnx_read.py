@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import heapq
 import math
-import mmap
 import os
 import re
+import stat
 from collections.abc import Iterable, Sequence
 from math import prod
 from pathlib import Path
@@ -187,14 +187,28 @@ def external_data_files(path: Path) -> list[Path]:
 
 def _may_name_external_data(path: Path) -> bool:
     """Whether the ONNX file at ``path`` may name external data files, told without parsing it
-    (0.14 s for a 100 MB model, which loading it parses again; the search takes 0.05): onnx names each
-    file in an entry keyed ``location``, in every serialisation, so a file without those bytes
-    names none. An empty file is left to the parser."""
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            return True
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return mapped.find(b"location") >= 0
+    (0.14 s for a 100 MB model, which loading it parses again; the search takes less than half):
+    a ``.onnx`` file is read as binary protobuf, where onnx names each file in an entry keyed
+    ``location``, stored as those bytes, so a file without them names none. Read in chunks, not
+    mapped: a file truncated meanwhile comes up short instead of faulting. Anything but a
+    regular file names none (and is never opened here: a FIFO is read once, by the loader)."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        return False
+    key = _EXTERNAL_DATA_KEY
+    buffer = bytearray(_SEARCH_CHUNK_BYTES)
+    tail = b""
+    with open(path, "rb", buffering=0) as handle:
+        while size := handle.readinto(buffer):
+            # A key across two reads lies in the last bytes of one and the first of the next.
+            joined = tail + buffer[: min(size, len(key) - 1)]
+            if key in joined or buffer.find(key, 0, size) >= 0:
+                return True
+            tail = (tail + buffer[max(0, size - len(key) + 1) : size])[-(len(key) - 1) :]
+    return False
+
+
+_EXTERNAL_DATA_KEY = b"location"
+_SEARCH_CHUNK_BYTES = 16 * 2**20
 
 
 # Zero bytes an external data writer may leave between two tensors to align the next one.
