@@ -177,24 +177,19 @@ def test_groups_with_values_are_the_groups_built_anew(nets, arch):
     assert reused.node_groups.keys() == fresh.node_groups.keys()
     assert all(torch.equal(reused.node_groups[name], fresh.node_groups[name]) for name in fresh.node_groups)
     for ours, theirs in zip(reused.dag_params, fresh.dag_params, strict=True):
-        assert (ours.name, ours.layer, ours.view, ours.is_bias) == (
-            theirs.name,
-            theirs.layer,
-            theirs.view,
-            theirs.is_bias,
-        )
+        assert _fields(ours, "name", "layer", "view", "is_bias") == _fields(theirs, "name", "layer", "view", "is_bias")
         assert torch.equal(ours.dst, theirs.dst) and torch.equal(ours.src, theirs.src)
         assert (ours.self_loops is None) == (theirs.self_loops is None)
         assert ours.self_loops is None or torch.equal(ours.self_loops, theirs.self_loops)
         assert torch.equal(ours.value, theirs.value)
     for ours, theirs in zip(reused.writebacks, fresh.writebacks, strict=True):
-        assert (ours.key, ours.layout, ours.out_channels, ours.groups) == (
-            theirs.key,
-            theirs.layout,
-            theirs.out_channels,
-            theirs.groups,
-        )
+        layout = ("key", "layout", "out_channels", "groups")
+        assert _fields(ours, *layout) == _fields(theirs, *layout)
     assert path_norms(reused, [1.0, 2.0]) == path_norms(fresh, [1.0, 2.0])
+
+
+def _fields(thing, *names: str) -> tuple:
+    return tuple(getattr(thing, name) for name in names)
 
 
 def test_groups_with_values_of_another_graph_are_built_anew(nets):
