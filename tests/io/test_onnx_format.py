@@ -207,7 +207,7 @@ def test_writer_output_is_what_a_whole_copy_gives(tmp_path, monkeypatch):
     model = load_onnx(proto.SerializeToString())
     changed = random_rescaling(model)
     assert model.payload.graph.initializer[replaced].name in changed
-    copy = onnx_write._copy_without_replaced_data(model.payload, set(changed))
+    copy = onnx_write.copy_without_data(model.payload, set(changed))
     for original, copied in zip(model.payload.graph.initializer, copy.graph.initializer):
         if original.name in changed:
             assert not (copied.raw_data or copied.float_data or copied.external_data) and copied.dims == original.dims
@@ -220,7 +220,7 @@ def test_writer_output_is_what_a_whole_copy_gives(tmp_path, monkeypatch):
         proto.CopyFrom(payload)
         return proto
 
-    monkeypatch.setattr(onnx_write, "_copy_without_replaced_data", whole_copy)
+    monkeypatch.setattr(onnx_write, "copy_without_data", whole_copy)
     write_onnx(model, changed, tmp_path / "whole.onnx", {"pathcond.version": "1"})
     assert (tmp_path / "new.onnx").read_bytes() == (tmp_path / "whole.onnx").read_bytes()
 

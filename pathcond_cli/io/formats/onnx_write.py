@@ -15,7 +15,7 @@ from ...engine.model import LoadedModel
 from ...errors import OutputError
 from ..companions import external_data_name
 from ..fileio import atomic_write, describe, output_error_from
-from .onnx_read import TENSOR_DATA_FIELDS, constant_tensor
+from .onnx_read import TENSOR_DATA_FIELDS, constant_tensor, copy_without_data
 
 # A model read with external data is written with its float initializers of at least this many
 # bytes in an external data file (onnx's own default threshold); everything else stays inline.
@@ -53,7 +53,7 @@ def write_onnx(
     """
     destination = Path(destination)
     replaced = _with_detached_aliases(model.payload.graph, changed, model.params)
-    proto = _copy_without_replaced_data(model.payload, set(replaced))
+    proto = copy_without_data(model.payload, set(replaced))
     _replace_tensors(proto.graph, replaced)
     _update_metadata(proto, metadata)
     if self_contained and proto.ByteSize() > PROTOBUF_MAX_BYTES:
@@ -74,62 +74,6 @@ def write_onnx(
             raise output_error_from(exc, destination) from None
     else:
         atomic_write(destination, lambda tmp: onnx.save_model(proto, str(tmp)))
-
-
-def _copy_without_replaced_data(payload: onnx.ModelProto, replaced: set[str]) -> onnx.ModelProto:
-    """A copy of ``payload`` whose initializers named in ``replaced`` hold no data yet (the writer
-    sets it): their old bytes are never copied, which ``CopyFrom`` would do, and protobuf's arena
-    would then keep both beside the new ones (a third of a rescaled VGG-11-BN's peak).
-
-    The model, its graph and those initializers are copied field by field, everything under them
-    whole. Fields the installed onnx does not know are copied only by ``CopyFrom``: a model with
-    any at those levels is copied whole, as before."""
-    graph = payload.graph
-    emptied = [tensor for tensor in graph.initializer if tensor.name in replaced]
-    if not emptied or any(_has_unknown_fields(message) for message in (payload, graph, *emptied)):
-        proto = onnx.ModelProto()
-        proto.CopyFrom(payload)
-        return proto
-    proto = onnx.ModelProto()
-    _copy_fields(payload, proto, leave_out={"graph"})
-    _copy_fields(graph, proto.graph, leave_out={"initializer"})
-    for tensor in graph.initializer:
-        copy = proto.graph.initializer.add()
-        if tensor.name in replaced:
-            _copy_fields(tensor, copy, leave_out={*TENSOR_DATA_FIELDS, "external_data", "data_location"})
-        else:
-            copy.CopyFrom(tensor)
-    return proto
-
-
-def _copy_fields(source, target, *, leave_out: set[str]) -> None:
-    for field, value in source.ListFields():
-        if field.name in leave_out:
-            continue
-        if _is_repeated(field):
-            getattr(target, field.name).extend(value)
-        elif field.message_type is not None:
-            getattr(target, field.name).CopyFrom(value)
-        else:
-            setattr(target, field.name, value)
-
-
-def _is_repeated(field) -> bool:
-    # protobuf 6 added is_repeated; protobuf 7 removed label
-    return field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED
-
-
-def _has_unknown_fields(message) -> bool:
-    """Whether ``message`` holds fields the installed onnx does not know; True when this protobuf
-    cannot say (then the model is copied whole)."""
-    try:
-        from google.protobuf import unknown_fields
-    except ImportError:  # protobuf before 4.21: the message's own method
-        try:
-            return len(message.UnknownFields()) > 0
-        except (AttributeError, NotImplementedError):  # e.g. upb 4.21, which raises for it
-            return True  # cannot tell: the caller copies the whole model, the old, safe route
-    return len(unknown_fields.UnknownFieldSet(message)) > 0
 
 
 def _with_detached_aliases(
