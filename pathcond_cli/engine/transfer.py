@@ -18,7 +18,10 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     them keeps it all)."""
     parts = []
     for tensor in tensors:
-        raw = tensor.detach().resolve_conj().reshape(-1).view(torch.uint8)
+        flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1)
+        if flat.numel() and flat.stride(0) != 1:  # a strided view of one element, such as a complex's .imag
+            flat = flat.clone(memory_format=torch.contiguous_format)
+        raw = flat.view(torch.uint8)
         parts += [raw, raw.new_empty(-raw.numel() % _ALIGNMENT)]  # padding: never read
     if not parts:
         return []

@@ -5,9 +5,9 @@ writers, :mod:`.fileio`'s stage and :mod:`.destinations` all ask here. Imports n
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
+import stat
 from pathlib import Path
 
 # The name that makes a file a sharded safetensors checkpoint's index.
@@ -34,13 +34,36 @@ def named_by_another_file(path: Path, name: str, suffix: str) -> bool:
     for entry in os.scandir(path.parent):
         if not entry.name.lower().endswith(suffix) or not entry.is_file() or os.path.samefile(entry.path, path):
             continue
-        with open(entry.path, "rb") as handle:
-            if os.fstat(handle.fileno()).st_size == 0:
-                continue
-            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                if data.find(needle) >= 0:
-                    return True
+        if file_holds(Path(entry.path), needle):
+            return True
     return False
+
+
+# Bytes read at a time by :func:`file_holds`.
+SEARCH_CHUNK_BYTES = 16 * 2**20
+
+
+def file_holds(path: Path, needle: bytes) -> bool:
+    """Whether the regular file at ``path`` holds the bytes ``needle`` (False for anything else,
+    which is not read: a FIFO's one reader is whoever reads it for its content). Read in chunks,
+    not mapped: a file truncated meanwhile comes up short instead of faulting the process."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or not needle:
+            return False
+        buffer = bytearray(max(1, min(SEARCH_CHUNK_BYTES, status.st_size + 1)))
+        overlap = len(needle) - 1
+        tail = b""
+        with open(descriptor, "rb", buffering=0, closefd=False) as handle:
+            while read := handle.readinto(buffer):
+                # A needle across two reads lies in the last bytes read before and the first of this one.
+                if needle in tail + buffer[: min(read, overlap)] or buffer.find(needle, 0, read) >= 0:
+                    return True
+                tail = (tail + buffer[max(0, read - overlap) : read])[-overlap:] if overlap else b""
+        return False
+    finally:
+        os.close(descriptor)
 
 
 # Longest first: what is left is the name sidecars and output shards are named after.

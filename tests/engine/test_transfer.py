@@ -18,6 +18,8 @@ def test_every_dtype_and_shape_comes_back_bit_for_bit():
         torch.randn(5, dtype=torch.float16),
         torch.randn(4, 6, dtype=torch.float64).t(),  # not contiguous
         torch.tensor([3 - 4j], dtype=torch.complex64).conj(),  # a conjugate view
+        torch.tensor([3 - 4j], dtype=torch.complex64).conj().imag,  # a negative view
+        torch.randn(3, dtype=torch.complex128).imag,  # strided
         torch.tensor([7], dtype=torch.uint8),
     ]
     copies = to_host(tensors)

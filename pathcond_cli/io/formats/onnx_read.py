@@ -9,8 +9,7 @@ import heapq
 import math
 import os
 import re
-import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from math import prod
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from onnx import external_data_helper, numpy_helper, version_converter
 from onnx.reference import ReferenceEvaluator
 
 from ...errors import InputError, UnsupportedModelError, UsageError
-from ..companions import external_data_name, is_companion_name, named_by_another_file
+from ..companions import external_data_name, file_holds, is_companion_name, named_by_another_file
 from .common import InputShape, contained_file, refuse_beyond_memory, shapes_by_input
 from .onnx_fold import fold_shape_arithmetic
 
@@ -189,26 +188,9 @@ def _may_name_external_data(path: Path) -> bool:
     """Whether the ONNX file at ``path`` may name external data files, told without parsing it
     (0.14 s for a 100 MB model, which loading it parses again; the search takes less than half):
     a ``.onnx`` file is read as binary protobuf, where onnx names each file in an entry keyed
-    ``location``, stored as those bytes, so a file without them names none. Read in chunks, not
-    mapped: a file truncated meanwhile comes up short instead of faulting. Anything but a
-    regular file names none (and is never opened here: a FIFO is read once, by the loader)."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        return False
-    key = _EXTERNAL_DATA_KEY
-    buffer = bytearray(_SEARCH_CHUNK_BYTES)
-    tail = b""
-    with open(path, "rb", buffering=0) as handle:
-        while size := handle.readinto(buffer):
-            # A key across two reads lies in the last bytes of one and the first of the next.
-            joined = tail + buffer[: min(size, len(key) - 1)]
-            if key in joined or buffer.find(key, 0, size) >= 0:
-                return True
-            tail = (tail + buffer[max(0, size - len(key) + 1) : size])[-(len(key) - 1) :]
-    return False
-
-
-_EXTERNAL_DATA_KEY = b"location"
-_SEARCH_CHUNK_BYTES = 16 * 2**20
+    ``location``, stored as those bytes, so a file without them names none (anything but a
+    regular file names none)."""
+    return file_holds(path, b"location")
 
 
 # Zero bytes an external data writer may leave between two tensors to align the next one.
@@ -736,17 +718,18 @@ def _without_weight_data(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[
     the model it serialises, infers and parses back is a few kilobytes instead of the whole
     checkpoint.
     """
-    weights = {
-        index: tensor
-        for index, tensor in enumerate(model.graph.initializer)
-        if prod(tensor.dims) > SHAPE_DATA_MAX_ELEMENTS
-    }
-    return copy_without_data(model, {tensor.name for tensor in weights.values()}), weights
+
+    def is_weight(tensor: onnx.TensorProto) -> bool:
+        return prod(tensor.dims) > SHAPE_DATA_MAX_ELEMENTS
+
+    weights = {index: tensor for index, tensor in enumerate(model.graph.initializer) if is_weight(tensor)}
+    return copy_without_data(model, is_weight), weights
 
 
-def copy_without_data(model: onnx.ModelProto, emptied: set[str]) -> onnx.ModelProto:
-    """A copy of ``model`` whose initializers named in ``emptied`` hold no data (their name, dims
-    and type kept): their bytes are never copied, which ``CopyFrom`` would do, and protobuf's
+def copy_without_data(model: onnx.ModelProto, emptied: Callable[[onnx.TensorProto], bool]) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers for which ``emptied`` holds have no data (their name,
+    dims and type kept; told apart by the test, not by name, so that each is exactly one the
+    caller later fills): their bytes are never copied, which ``CopyFrom`` would do, and protobuf's
     arena would then keep them beside whatever replaces them (a third of a rescaled VGG-11-BN's
     peak; a 100 MB copy per shape inference of ResNet-50).
 
@@ -755,20 +738,23 @@ def copy_without_data(model: onnx.ModelProto, emptied: set[str]) -> onnx.ModelPr
     any at those levels is copied whole, and the data cleared after."""
     graph = model.graph
     cleared = {*TENSOR_DATA_FIELDS, "external_data", "data_location"}
-    targets = [tensor for tensor in graph.initializer if tensor.name in emptied]
+    targets = [emptied(tensor) for tensor in graph.initializer]
     proto = onnx.ModelProto()
-    if not targets or any(_has_unknown_fields(message) for message in (model, graph, *targets)):
+    if not any(targets) or any(
+        _has_unknown_fields(message)
+        for message in (model, graph, *(tensor for tensor, target in zip(graph.initializer, targets) if target))
+    ):
         proto.CopyFrom(model)
-        for tensor in proto.graph.initializer:
-            if tensor.name in emptied:
+        for tensor, target in zip(proto.graph.initializer, targets):
+            if target:
                 for name in cleared:
                     tensor.ClearField(name)
         return proto
     _copy_fields(model, proto, leave_out={"graph"})
     _copy_fields(graph, proto.graph, leave_out={"initializer"})
-    for tensor in graph.initializer:
+    for tensor, target in zip(graph.initializer, targets):
         copy = proto.graph.initializer.add()
-        if tensor.name in emptied:
+        if target:
             _copy_fields(tensor, copy, leave_out=cleared)
         else:
             copy.CopyFrom(tensor)

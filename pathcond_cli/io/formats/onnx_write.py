@@ -53,7 +53,7 @@ def write_onnx(
     """
     destination = Path(destination)
     replaced = _with_detached_aliases(model.payload.graph, changed, model.params)
-    proto = copy_without_data(model.payload, set(replaced))
+    proto = copy_without_data(model.payload, lambda tensor: tensor.name in replaced)
     _replace_tensors(proto.graph, replaced)
     _update_metadata(proto, metadata)
     if self_contained and proto.ByteSize() > PROTOBUF_MAX_BYTES:
