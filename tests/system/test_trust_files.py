@@ -631,7 +631,10 @@ def test_an_interrupt_in_a_subprocess_exits_128_plus_the_signal_without_tracebac
     checkpoint, spec = write_mlp(tmp_path)
     command = module_command("rescale", checkpoint, "--arch", spec, "-o", tmp_path / "out.safetensors", "-q")
     env = {**CLEAN_ENV, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "out.safetensors"
     for delay in (0.05, 0.15, 0.3, 0.5, 2.0, 3.5):
+        # Each run starts with no output: one left by a run that finished before its signal is not this run's.
+        out.unlink(missing_ok=True)
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:  # the signal at ``delay``, unless the run has ended by then (its pipes hold a few lines)
             process.wait(timeout=delay)
@@ -647,8 +650,6 @@ def test_an_interrupt_in_a_subprocess_exits_128_plus_the_signal_without_tracebac
         assert process.returncode == code, stderr
         assert b"Traceback" not in stderr
         assert stderr.startswith(b"terminated (SIGTERM): " if signum == signal.SIGTERM else b"interrupted: "), stderr
-        out = tmp_path / "out.safetensors"
         expected = b"completely written" if out.exists() else b"nothing was written"
         assert expected in stderr, stderr
         assert leftovers(tmp_path) == []
-        out.unlink(missing_ok=True)
