@@ -22,7 +22,7 @@ import torch
 
 from .evaluate import infer_shapes
 from .graph import Graph, Node
-from .layouts import HeaderTensors, stand_ins
+from .layouts import reads_from_file, stand_ins
 from .rules import Affine, AffineLayer, Fold, Ties, rule_for
 
 # Elements per block when a layer-sized pass runs block by block: bounded float64 transients.
@@ -416,7 +416,7 @@ def build_groups(graph: Graph, params: Mapping[str, torch.Tensor]) -> RescalingG
     """Analyse ``graph`` with checkpoint ``params``: groups, DAG parameters, write-back maps."""
     # A checkpoint read from its file had its values checked by its loader: checking them
     # again here would read every tensor once more.
-    graph.check_parameters(params, values=not isinstance(params, HeaderTensors))
+    graph.check_parameters(params, values=not reads_from_file(params))
     shapes = infer_shapes(graph, params)
     ties = Ties(graph, shapes)
     for node in graph.nodes:
@@ -470,7 +470,7 @@ def groups_with_values(groups: RescalingGroups, graph: Graph, params: Mapping[st
     same: ``groups``' maps, shapes and colours are kept, on their device, and only the DAG
     parameters' values are read from ``params``. Any other graph gets :func:`build_groups` anew."""
     if graph.nodes == groups.graph.nodes and graph.outputs == groups.graph.outputs:
-        graph.check_parameters(params, values=not isinstance(params, HeaderTensors))
+        graph.check_parameters(params, values=not reads_from_file(params))
         values: LayerValues = []
         for _, affine, layer in _layers(graph, params):
             values += layer

@@ -52,7 +52,8 @@ def file_holds(path: Path, needle: bytes) -> bool:
         status = os.fstat(descriptor)
         if not stat.S_ISREG(status.st_mode) or not needle:
             return False
-        buffer = bytearray(max(1, min(SEARCH_CHUNK_BYTES, status.st_size + 1)))
+        # At least a byte, so that the reads go on to the end of a file that has grown since.
+        buffer = bytearray(min(SEARCH_CHUNK_BYTES, status.st_size + 1))
         overlap = len(needle) - 1
         tail = b""
         with open(descriptor, "rb", buffering=0, closefd=False) as handle:

@@ -739,11 +739,9 @@ def copy_without_data(model: onnx.ModelProto, emptied: Callable[[onnx.TensorProt
     graph = model.graph
     cleared = {*TENSOR_DATA_FIELDS, "external_data", "data_location"}
     targets = [emptied(tensor) for tensor in graph.initializer]
+    chosen = [tensor for tensor, target in zip(graph.initializer, targets) if target]
     proto = onnx.ModelProto()
-    if not any(targets) or any(
-        _has_unknown_fields(message)
-        for message in (model, graph, *(tensor for tensor, target in zip(graph.initializer, targets) if target))
-    ):
+    if not chosen or any(_has_unknown_fields(message) for message in (model, graph, *chosen)):
         proto.CopyFrom(model)
         for tensor, target in zip(proto.graph.initializer, targets):
             if target:
@@ -786,8 +784,8 @@ def _has_unknown_fields(message) -> bool:
     except ImportError:  # protobuf before 4.21: the message's own method
         try:
             return len(message.UnknownFields()) > 0
-        except (AttributeError, NotImplementedError):  # e.g. upb 4.21, which raises for it
-            return True  # cannot tell: the caller copies the whole model, the old, safe route
+        except (AttributeError, NotImplementedError):  # upb 4.21 raises NotImplementedError for UnknownFields()
+            return True  # cannot tell: the model is copied whole, which keeps every field
     return len(unknown_fields.UnknownFieldSet(message)) > 0
 
 
