@@ -12,6 +12,7 @@ import math
 import os
 from types import SimpleNamespace
 
+import export_cache
 import fake_cuda
 import pytest
 import torch
@@ -59,6 +60,7 @@ def pytest_configure(config):
         torch.set_num_threads(1)
     else:
         _compile_the_package_once()
+        export_cache.start_sharing()
     _build_each_cli_command_once()
     if fake_cuda.requested():
         config.fake_cuda = fake_cuda.installed()
@@ -93,6 +95,7 @@ def _build_each_cli_command_once() -> None:
 def pytest_unconfigure(config):
     if hasattr(config, "fake_cuda"):
         config.fake_cuda.__exit__(None, None, None)
+    export_cache.stop_sharing()
 
 
 def pytest_report_header(config):

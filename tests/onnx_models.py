@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import fake_cuda
 import pytest
 import torch
 from dynamo_registry import composite_ops_listed_once, torchlib_registry_built_once
+from export_cache import shared_export
 from torch import nn
 
 EXPORTERS = ("torchscript", "torchscript-unfolded", "dynamo")
@@ -168,7 +170,12 @@ def exported(name: str, exporter: str, dtype: torch.dtype = torch.float32) -> by
 
 
 def export(module: nn.Module, example: torch.Tensor, exporter: str) -> bytes:
-    """ONNX bytes of ``module``; the torch.export exporter is skipped where the environment lacks it."""
+    """ONNX bytes of ``module``; the torch.export exporter is skipped where the environment lacks it.
+    Made once per run for the same network and input (:mod:`export_cache`)."""
+    return shared_export(module, example, exporter, lambda: _export(module, example, exporter))
+
+
+def _export(module: nn.Module, example: torch.Tensor, exporter: str) -> bytes:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
@@ -189,20 +196,27 @@ def export(module: nn.Module, example: torch.Tensor, exporter: str) -> bytes:
 
 
 def _export_dynamo(module: nn.Module, example: torch.Tensor) -> bytes:
+    with dynamo_exporting():
+        program = torch.onnx.export(
+            module, (example,), dynamo=True, verbose=False, dynamic_shapes=({0: torch.export.Dim("batch")},)
+        )
+    return program.model_proto.SerializeToString()
+
+
+@contextlib.contextmanager
+def dynamo_exporting() -> Iterator[None]:
+    """Around a ``torch.onnx.export(dynamo=True)``: quiet, off the fake CUDA device (torch.export
+    cannot trace under a torch function mode), with torchlib's registry and torch.export's list
+    of composite ops made once per process (:mod:`dynamo_registry`). An exporter that fails is
+    the environment's, not pathcond's: the test is skipped."""
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)
     try:
-        # torch.export cannot trace under a torch function mode
-        with fake_cuda.suspended(), torchlib_registry_built_once(), composite_ops_listed_once():
-            program = torch.onnx.export(
-                module,
-                (example,),
-                dynamo=True,
-                verbose=False,
-                dynamic_shapes=({0: torch.export.Dim("batch")},),
-            )
+        with warnings.catch_warnings(), fake_cuda.suspended():
+            warnings.simplefilter("ignore")
+            with torchlib_registry_built_once(), composite_ops_listed_once():
+                yield
     except Exception as exc:  # noqa: BLE001 - any failure here is the environment's, not pathcond's
         pytest.skip(f"torch.onnx.export(dynamo=True) is unavailable here: {type(exc).__name__}: {exc}")
     finally:
         logging.disable(previous)
-    return program.model_proto.SerializeToString()

@@ -9,11 +9,9 @@ tests/oracle.py for diag(G); and the same network given as safetensors with its 
 from __future__ import annotations
 
 import io
-import logging
 import sys
 import warnings
 
-import fake_cuda
 import numpy as np
 import onnx
 import pytest
@@ -21,6 +19,7 @@ import safetensors.torch
 import torch
 from cli_support import assert_clean_exit, invoke, leftovers, parse_single_json
 from onnx import numpy_helper
+from onnx_models import dynamo_exporting
 from oracle import build_neuron_dag, to_theta_order
 from torch import nn
 
@@ -90,23 +89,16 @@ def _export(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if exporter == "dynamo":
-            previous = logging.root.manager.disable
-            logging.disable(logging.WARNING)
-            try:
-                with fake_cuda.suspended():  # torch.export cannot trace under a torch function mode
-                    batch = torch.export.Dim("batch")
-                    program = torch.onnx.export(
-                        module,
-                        examples,
-                        dynamo=True,
-                        verbose=False,
-                        input_names=names,
-                        dynamic_shapes=tuple({0: batch} for _ in examples),
-                    )
-            except Exception as exc:  # noqa: BLE001 - any failure here is the environment's, not pathcond's
-                pytest.skip(f"torch.onnx.export(dynamo=True) is unavailable here: {type(exc).__name__}: {exc}")
-            finally:
-                logging.disable(previous)
+            with dynamo_exporting():
+                batch = torch.export.Dim("batch")
+                program = torch.onnx.export(
+                    module,
+                    examples,
+                    dynamo=True,
+                    verbose=False,
+                    input_names=names,
+                    dynamic_shapes=tuple({0: batch} for _ in examples),
+                )
             return program.model_proto.SerializeToString()
         axes = {name: {0: "batch"} for name in names}
         if open_spatial:

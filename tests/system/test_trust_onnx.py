@@ -10,8 +10,6 @@ pathcond's reading of it.
 from __future__ import annotations
 
 import json
-import logging
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +28,7 @@ from cli_support import (
 )
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
-from onnx_models import exported
+from onnx_models import dynamo_exporting, exported
 
 import pathcond_cli
 import pathcond_cli.rescaling
@@ -244,23 +242,15 @@ def dynamo_export(tmp_path_factory) -> Path:
     """A real dynamo export written by torch with its external data (exported once: it is slow)."""
     folder = tmp_path_factory.mktemp("dynamo")
     path = folder / "pooled.onnx"
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            torch.onnx.export(
-                _PooledNet().eval(),
-                (torch.randn(2, 3, 10, 10),),
-                str(path),
-                dynamo=True,
-                external_data=True,
-                dynamic_shapes=({0: torch.export.Dim("batch")},),
-            )
-    except Exception as exc:  # noqa: BLE001 - the environment's exporter, not pathcond
-        pytest.skip(f"torch.onnx.export(dynamo=True) is unavailable here: {type(exc).__name__}: {exc}")
-    finally:
-        logging.disable(previous)
+    with dynamo_exporting():
+        torch.onnx.export(
+            _PooledNet().eval(),
+            (torch.randn(2, 3, 10, 10),),
+            str(path),
+            dynamo=True,
+            external_data=True,
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+        )
     assert onnx_read.external_tensors(onnx.load(str(path), load_external_data=False))
     return path
 
