@@ -172,14 +172,16 @@ def exported(name: str, exporter: str, dtype: torch.dtype = torch.float32) -> by
 def export(module: nn.Module, example: torch.Tensor, exporter: str) -> bytes:
     """ONNX bytes of ``module``; the torch.export exporter is skipped where the environment lacks it.
     Made once per run for the same network and input (:mod:`export_cache`)."""
+    if exporter not in EXPORTERS:
+        raise ValueError(f"no exporter {exporter!r}: one of {EXPORTERS}")
     return shared_export(module, example, exporter, lambda: _export(module, example, exporter))
 
 
 def _export(module: nn.Module, example: torch.Tensor, exporter: str) -> bytes:
+    if exporter == "dynamo":
+        return _export_dynamo(module, example)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if exporter == "dynamo":
-            return _export_dynamo(module, example)
         buffer = io.BytesIO()
         with fake_cuda.suspended():  # nor can the TorchScript tracer
             torch.onnx.export(

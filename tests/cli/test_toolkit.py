@@ -354,7 +354,7 @@ def test_path_norms_agree_across_routes(tmp_path, monkeypatch):
 
     check(analyse(module_model(module, shape), device="cpu", path_norms=(3,)).path_norms)
     exported = tmp_path / "model.onnx"
-    exported.write_bytes(onnx_models.export(module, torch.randn(2, *shape), "unfolded"))
+    exported.write_bytes(onnx_models.export(module, torch.randn(2, *shape), "torchscript-unfolded"))
     check(analyse(load(exported), device="cpu", path_norms=(3,)).path_norms)
 
     (tmp_path / "resnet_factory.py").write_text(

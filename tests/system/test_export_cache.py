@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import export_cache
+import numpy as np
 import onnx_models
 import pytest
 import torch
@@ -25,6 +26,37 @@ def test_a_dynamo_export_does_not_depend_on_the_examples_batch_size():
     assert small == large
 
 
+class _Tied(nn.Module):
+    """Two linear layers, their weights one tensor or two equal ones."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        torch.manual_seed(4)
+        self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 3)
+        with torch.no_grad():
+            self.second.weight.copy_(self.first.weight)
+        if tied:
+            self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)))
+
+
+class _Held(nn.Module):
+    """A tensor held as a parameter or as a buffer, kept in the state dict or not."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        value = torch.ones(3)
+        if how == "parameter":
+            self.scale = nn.Parameter(value)
+        else:
+            self.register_buffer("scale", value, persistent=how == "buffer")
+
+    def forward(self, x):
+        return x * self.scale
+
+
 def _changed(how: str) -> nn.Module:
     module = _network()
     if how == "weight":
@@ -38,18 +70,44 @@ def _changed(how: str) -> nn.Module:
         module[1].eps = 1e-3
     elif how == "tensor attribute":
         module[4].offset = torch.zeros(2)
-    elif how == "hook":
-        module[2].register_forward_hook(lambda m, i, o: o)
+    elif how == "tensor in a list":
+        module[4].offsets = [torch.zeros(2)]
     return module
 
 
-@pytest.mark.parametrize("how", ["weight", "running statistics", "mode", "attribute", "tensor attribute", "hook"])
+@pytest.mark.parametrize(
+    "how", ["weight", "running statistics", "mode", "attribute", "tensor attribute", "tensor in a list"]
+)
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_any_difference_the_export_reads_changes_the_key(how, exporter):
+def test_any_difference_in_what_the_export_may_read_changes_the_key(how, exporter):
     example = torch.randn(2, 2, 6, 6, generator=torch.Generator().manual_seed(0))
     same = export_cache._key(_network(), example, exporter)
     assert export_cache._key(copy.deepcopy(_network()), example.clone(), exporter) == same
     assert export_cache._key(_changed(how), example, exporter) != same
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_tying_and_how_a_tensor_is_held_change_the_key(exporter):
+    example = torch.randn(2, 3)
+    assert export_cache._key(_Tied(True), example, exporter) != export_cache._key(_Tied(False), example, exporter)
+    held = {export_cache._key(_Held(how), example, exporter) for how in ("parameter", "buffer", "non-persistent")}
+    assert len(held) == 3
+
+
+def test_a_network_its_key_cannot_read_is_not_keyed():
+    """A hook, an array, a function as attribute, a class defined in a function: exported every time."""
+    hooked, holding_an_array, holding_a_function = _network(), _network(), _network()
+    hooked[2].register_forward_hook(lambda m, i, o: o)
+    holding_an_array[4].table = np.zeros(2)
+    holding_a_function[2].activation = torch.relu
+
+    class Local(nn.Module):
+        def forward(self, x):
+            return x
+
+    for module in (hooked, holding_an_array, holding_a_function, Local()):
+        with pytest.raises(export_cache._Unkeyable):
+            export_cache._key(module, torch.randn(2, 2, 6, 6), "dynamo")
 
 
 def test_a_torchscript_key_reads_the_examples_values():
