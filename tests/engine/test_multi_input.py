@@ -86,20 +86,20 @@ def _export(
     open_spatial: bool = False,
 ) -> bytes:
     """ONNX bytes, batch symbolic (and, with ``open_spatial``, the image's height and width)."""
+    if exporter == "dynamo":
+        with dynamo_exporting():
+            batch = torch.export.Dim("batch")
+            program = torch.onnx.export(
+                module,
+                examples,
+                dynamo=True,
+                verbose=False,
+                input_names=names,
+                dynamic_shapes=tuple({0: batch} for _ in examples),
+            )
+        return program.model_proto.SerializeToString()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if exporter == "dynamo":
-            with dynamo_exporting():
-                batch = torch.export.Dim("batch")
-                program = torch.onnx.export(
-                    module,
-                    examples,
-                    dynamo=True,
-                    verbose=False,
-                    input_names=names,
-                    dynamic_shapes=tuple({0: batch} for _ in examples),
-                )
-            return program.model_proto.SerializeToString()
         axes = {name: {0: "batch"} for name in names}
         if open_spatial:
             axes[names[0]] = {0: "batch", 2: "height", 3: "width"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -228,9 +229,17 @@ def test_writer_output_is_what_a_whole_copy_gives(tmp_path, monkeypatch):
 _UNKNOWN_FIELD = bytes([0xC0, 0x3E, 0x07])
 
 
+@pytest.mark.parametrize("protobuf", ["unknown_fields", "before 4.22"])
 @pytest.mark.parametrize("level", ["model", "graph", "replaced initializer", "kept initializer"])
-def test_writer_keeps_fields_the_installed_onnx_does_not_know(tmp_path, level):
+def test_writer_keeps_fields_the_installed_onnx_does_not_know(tmp_path, monkeypatch, level, protobuf):
+    """With protobuf's unknown_fields, or as before 4.22 without it: the message's own method then
+    tells, or (upb) raises, and the model is copied whole."""
     unknown_fields = pytest.importorskip("google.protobuf.unknown_fields")
+    if protobuf == "before 4.22":
+        import google.protobuf
+
+        monkeypatch.delattr(google.protobuf, "unknown_fields")
+        monkeypatch.setitem(sys.modules, "google.protobuf.unknown_fields", None)  # the import fails
     proto, replaced = _decorated_cnn()
     model = load_onnx(proto.SerializeToString())
     changed = random_rescaling(model)

@@ -781,11 +781,14 @@ def _has_unknown_fields(message) -> bool:
     cannot say (then the model is copied whole)."""
     try:
         from google.protobuf import unknown_fields
-    except ImportError:  # protobuf before 4.21: the message's own method
+    except ImportError:  # protobuf before 4.22, which added the module: the message's own method
         try:
             return len(message.UnknownFields()) > 0
-        except (AttributeError, NotImplementedError):  # upb 4.21 raises NotImplementedError for UnknownFields()
-            return True  # cannot tell: the model is copied whole, which keeps every field
+        # upb (4.21's default backend) raises NotImplementedError for UnknownFields(); a backend
+        # without the method, AttributeError. Neither can tell, so the model is copied whole,
+        # which keeps every field.
+        except (AttributeError, NotImplementedError):
+            return True
     return len(unknown_fields.UnknownFieldSet(message)) > 0
 
 
