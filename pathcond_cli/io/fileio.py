@@ -56,9 +56,10 @@ def printable(text: str, *, keep: str = "") -> str:
     """``text`` as it can be shown on a terminal: undecodable bytes and every control or format
     character (ESC, BEL, CR, bidirectional overrides, ...) but those in ``keep`` as backslash
     escapes, so that a name read from a file cannot drive the terminal."""
-    return "".join(
-        c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii") for c in describe(text)
-    )
+    shown = describe(text)
+    if shown.translate(dict.fromkeys(map(ord, keep))).isprintable():  # the common case, without a loop per character
+        return shown
+    return "".join(c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii") for c in shown)
 
 
 # A stream is read this many bytes at a time: what is allocated is what arrived, not the most

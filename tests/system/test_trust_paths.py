@@ -39,6 +39,7 @@ import pathcond_cli.analysis
 import pathcond_cli.io.formats
 import pathcond_cli.model_files
 import pathcond_cli.rescaling
+from pathcond_cli.io.fileio import describe, printable
 from pathcond_cli.verify import compare
 
 FACTORY_SOURCE = """import torch
@@ -607,6 +608,19 @@ def test_names_from_files_reach_the_tables_escaped(tmp_path, command):
     assert layers == [HOSTILE + "fc1", HOSTILE + "fc2", HOSTILE + "fc3"]  # JSON carries the names as they are
 
 
+@pytest.mark.parametrize("keep", ["", "\n", "\t\n"])
+def test_printable_escapes_exactly_what_a_terminal_would_act_on(keep):
+    """Printable text is returned as it is without a pass per character; every other text gets
+    each character that is neither printable nor kept escaped, and nothing else changed."""
+    samples = ["plain name", "ünïcödé 名前", HOSTILE, "a\nb\tc", "\u202eevil", "x" * 10_000 + "\x07", "\udcff"]
+    for text in samples:
+        want = "".join(
+            c if c.isprintable() or c in keep else c.encode("unicode_escape").decode("ascii") for c in describe(text)
+        )
+        assert printable(text, keep=keep) == want, text[:40]
+    assert printable("a\nb", keep="\n") == "a\nb" and printable("a\nb") == "a\\nb"
+
+
 def test_warnings_with_names_from_files_are_escaped(tmp_path):
     tensors = {**mlp_tensors(), HOSTILE + "extra": torch.zeros(2)}
     checkpoint, spec = write_mlp(tmp_path, tensors=tensors)
@@ -640,7 +654,9 @@ def _long_name_cases(d: Path) -> dict[str, tuple[list, int]]:
     out = ["-o", d / "o.safetensors"]
     layers = mlp_spec()["layers"]
     bad_layer = d / "layer.yaml"
-    bad_layer.write_text(yaml.safe_dump({"layers": [*layers, {"name": long, "type": "nonsense"}]}))
+    # libyaml where pyyaml has it: the pure-Python emitter takes a second over a megabyte-long name
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    bad_layer.write_text(yaml.dump({"layers": [*layers, {"name": long, "type": "nonsense"}]}, Dumper=dumper))
     unused, _ = write_mlp(d, "unused", tensors={**mlp_tensors(), long: torch.zeros(1)})
     softmax = onnx_mlp_model()  # a Softmax between two layers (after the last one it would be post-processing)
     (relu,) = [node for node in softmax.graph.node if node.name == "relu1"]
