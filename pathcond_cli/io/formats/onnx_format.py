@@ -32,6 +32,7 @@ from ...engine.graph import Graph, check_batchnorm_statistics
 from ...engine.model import LoadedModel
 from ...errors import InputError, OutputError, UnsupportedModelError
 from .common import InputShape, check_weight_types, exception_line, shown
+from .onnx_ops import OPS
 from .onnx_read import (
     READ_OPSET,
     batchnorm_folded_tensors,
@@ -83,7 +84,7 @@ def load_onnx(
     model, external, shapes, inferred, read_nodes = read_onnx(source, input_shape, label)
     params = read_tensors(model, label)
     translation = Translator(
-        inferred, label, read_nodes=read_nodes, written=model.graph, written_opset=default_opset(model)
+        inferred, label, OPS, read_nodes=read_nodes, written=model.graph, written_opset=default_opset(model)
     )
     graph = translation.translate(shapes)
     for alias, key in translation.aliases.items():

@@ -11,7 +11,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 from math import prod
-from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -40,10 +39,15 @@ from ...engine.graph import (
     Upsample,
 )
 from .offenders import NotHomogeneous, Unsupported
-from .onnx_read import node_label
-
-if TYPE_CHECKING:
-    from .onnx_translate import Translator
+from .onnx_read import (
+    float_attribute,
+    has_attribute,
+    int_attribute,
+    ints_attribute,
+    node_label,
+    string_attribute,
+)
+from .onnx_translate import Handler, OpTable, Translator
 
 # Op types refused as not positively homogeneous (no ReLU DAG), not merely as unsupported, where no
 # handler reads them.
@@ -108,8 +112,6 @@ PARAMETER_LAYERS = {
     "QLinearMatMul",
 }
 
-
-Handler = Callable[["Translator", onnx.NodeProto], None]
 
 # The handler of each op type of the default domains, filled by :func:`handles`.
 HANDLERS: dict[str, Handler] = {}
@@ -816,35 +818,6 @@ def _concat_moves(translator: Translator, node: onnx.NodeProto, axis: int) -> No
     translator.moves[node.output[0]] = (pieces[0][0], torch.cat([index for _, index in pieces], dim=axis), node)
 
 
-def has_attribute(node: onnx.NodeProto, name: str) -> bool:
-    return any(a.name == name for a in node.attribute)
-
-
-def attribute(node: onnx.NodeProto, name: str, default):
-    for a in node.attribute:
-        if a.name == name:
-            return onnx.helper.get_attribute_value(a)
-    return default
-
-
-def string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
-    value = attribute(node, name, default)
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
-    return int(attribute(node, name, default))
-
-
-def float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
-    return float(attribute(node, name, default))
-
-
-def ints_attribute(node: onnx.NodeProto, name: str, default: list[int] | None) -> list[int] | None:
-    value = attribute(node, name, default)
-    return None if value is None else [int(v) for v in value]
-
-
 def _pads(node: onnx.NodeProto, spatial: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``pads`` as per-axis (begin, end)."""
     auto_pad = string_attribute(node, "auto_pad", "NOTSET")
@@ -862,3 +835,8 @@ def _symmetric_pads(node: onnx.NodeProto, spatial: int) -> tuple[int, ...]:
     if begin != end:
         raise Unsupported(f"asymmetric padding {list(begin + end)} is not supported")
     return begin
+
+
+# What the translator is given (``onnx_format`` hands it over): the registry itself, so that a
+# handler registered or replaced later is the one it calls.
+OPS = OpTable(HANDLERS, frozenset(NOT_HOMOGENEOUS), frozenset(PARAMETER_LAYERS))

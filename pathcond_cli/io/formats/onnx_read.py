@@ -1,7 +1,7 @@
 """Reading ONNX files: parsing (external data inside the model's folder only), nodes put in
 dependency order, checks, older opsets converted in memory, input shapes, shape inference with
 the shape arithmetic folded, the memory estimate, the stored tensors, the companions a model
-names and owns, and ONNX's reference evaluator."""
+names and owns, ONNX's reference evaluator, and a node's attributes."""
 
 from __future__ import annotations
 
@@ -423,7 +423,7 @@ def _hold_resizes(model: onnx.ModelProto, opset: int, label: str) -> None:
         node = graph.node[position]
         if not _is_held(node, opset):
             continue
-        mode = _string_attribute(node, "mode", "nearest")
+        mode = string_attribute(node, "mode", "nearest")
         scales = next((list(a.floats) for a in node.attribute if a.name == "scales"), None)
         if scales is not None:
             name = _unused_name(f"{node_label(node)}.scales", taken)
@@ -466,7 +466,7 @@ def _put_back_resizes(model: onnx.ModelProto) -> None:
     if not held:
         return
     for node in held:
-        mode = _string_attribute(node, "mode", "nearest")
+        mode = string_attribute(node, "mode", "nearest")
         rounding = {"nearest_mode": "floor"} if mode == "nearest" else {}
         resize = onnx.helper.make_node(
             "Resize",
@@ -481,10 +481,6 @@ def _put_back_resizes(model: onnx.ModelProto) -> None:
     kept = [entry for entry in model.opset_import if entry.domain != _HELD_DOMAIN]
     del model.opset_import[:]
     model.opset_import.extend(kept)
-
-
-def _string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
-    return next((a.s.decode() for a in node.attribute if a.name == name), default)
 
 
 def _unused_name(preferred: str, taken: set[str]) -> str:
@@ -966,3 +962,36 @@ def reference_evaluator(model: onnx.ModelProto) -> ReferenceEvaluator:
         held.CopyFrom(model)
         model = _converted(held, opset, REFERENCE_OPSET, "<reference>")
     return ReferenceEvaluator(model)
+
+
+# A node's attributes, read as the translator and the op handlers read them (``default`` where the
+# node has none of that name).
+
+
+def has_attribute(node: onnx.NodeProto, name: str) -> bool:
+    return any(a.name == name for a in node.attribute)
+
+
+def attribute(node: onnx.NodeProto, name: str, default):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def string_attribute(node: onnx.NodeProto, name: str, default: str) -> str:
+    value = attribute(node, name, default)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def int_attribute(node: onnx.NodeProto, name: str, default: int) -> int:
+    return int(attribute(node, name, default))
+
+
+def float_attribute(node: onnx.NodeProto, name: str, default: float) -> float:
+    return float(attribute(node, name, default))
+
+
+def ints_attribute(node: onnx.NodeProto, name: str, default: list[int] | None) -> list[int] | None:
+    value = attribute(node, name, default)
+    return None if value is None else [int(v) for v in value]

@@ -5,7 +5,7 @@ op type in :mod:`.onnx_ops`. Every unsupported node is collected."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from math import prod
 
 import onnx
@@ -18,17 +18,12 @@ from ...errors import UnsupportedModelError
 from .movement import UnsupportedMovement, movement_layer
 from .offenders import NotHomogeneous, Unsupported, grouped, offender_note
 from .onnx_fold import SHAPE_QUERIES
-from .onnx_ops import (
-    HANDLERS,
-    NOT_HOMOGENEOUS,
-    PARAMETER_LAYERS,
-    has_attribute,
-    int_attribute,
-    ints_attribute,
-)
 from .onnx_read import (
     DEFAULT_DOMAINS,
     constant_tensor,
+    has_attribute,
+    int_attribute,
+    ints_attribute,
     node_label,
     one_line,
     value_shapes,
@@ -44,16 +39,32 @@ class _Weight:
     transposed: bool
 
 
+Handler = Callable[["Translator", onnx.NodeProto], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpTable:
+    """What the translator knows of the op types of the default domains (:data:`.onnx_ops.OPS`):
+    the handler of each it reads, those it refuses as not positively homogeneous where no handler
+    reads them, and those whose stored inputs make a layer's parameters."""
+
+    handlers: Mapping[str, Handler]
+    not_homogeneous: frozenset[str]
+    parameter_layers: frozenset[str]
+
+
 class Translator:
     """Builds the :class:`Graph` of a shape-inferred model, collecting every unsupported node.
 
     Its methods without a leading underscore are what the op handlers of :mod:`.onnx_ops` build
-    the graph with."""
+    the graph with; ``ops`` is their table, handed in, so that this module does not import the
+    handlers that import it."""
 
     def __init__(
         self,
         model: onnx.ModelProto,
         label: str,
+        ops: OpTable,
         read_nodes=None,
         written: onnx.GraphProto | None = None,
         written_opset: int | None = None,
@@ -64,6 +75,7 @@ class Translator:
         parameters must avoid too, and whose own values and operations the DAG's outputs and the
         report name where ``model`` is its conversion to another opset."""
         self.label = label
+        self.ops = ops
         self.written_opset = written_opset
         file_graph = written if written is not None else model.graph
         self.written_nodes = list(file_graph.node)
@@ -262,7 +274,7 @@ class Translator:
     def _is_layer(self, node: onnx.NodeProto, computed: set[str]) -> bool:
         """A layer with parameters: an op that carries weights, reading a tensor not computed from
         the inputs, or a Mul/Add the DAG reads a parameter of (a per-channel scale, shift or bias)."""
-        if node.op_type in PARAMETER_LAYERS:
+        if node.op_type in self.ops.parameter_layers:
             return any(value and value not in computed for value in node.input)
         return self.per_channel_parameter(node, computed) is not None
 
@@ -298,13 +310,13 @@ class Translator:
 
     def _translate_node(self, node: onnx.NodeProto) -> None:
         self.current = node
-        handler = HANDLERS.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
+        handler = self.ops.handlers.get(node.op_type) if node.domain in DEFAULT_DOMAINS else None
         follows_refusal = any(value in self.after_refusal for value in node.input)
         if follows_refusal:
             self.after_refusal.update(node.output)
         try:
             if handler is None:
-                if node.domain in DEFAULT_DOMAINS and node.op_type in NOT_HOMOGENEOUS:
+                if node.domain in DEFAULT_DOMAINS and node.op_type in self.ops.not_homogeneous:
                     raise NotHomogeneous()
                 raise Unsupported(_unsupported_reason(node))
             handler(self, node)
