@@ -780,10 +780,10 @@ def _has_unknown_fields(message) -> bool:
     except ImportError:  # protobuf before 4.22, which added the module: the message's own method
         try:
             return len(message.UnknownFields()) > 0
-        # upb (4.21's default backend) raises NotImplementedError for UnknownFields(); a backend
-        # without the method, AttributeError. Neither can tell, so the model is copied whole,
-        # which keeps every field.
         except (AttributeError, NotImplementedError):
+            # upb (4.21's default backend) raises NotImplementedError for UnknownFields(), a backend
+            # without the method AttributeError: neither can tell, so the model is copied whole,
+            # which keeps every field.
             return True
     return len(unknown_fields.UnknownFieldSet(message)) > 0
 
